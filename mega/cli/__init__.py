@@ -1,0 +1,80 @@
+"""The ``mega`` command. Its subcommands arrive through the ``register_commands`` hook.
+
+Bad input ends with one ``error: ...`` line per problem on stderr and exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from mega.core.errors import MegaUsageError, unknown_name_message
+
+
+class MegaGroup(click.Group):
+    """A click group that builds the plugin manager on first use and asks it for commands."""
+
+    def __init__(self, *args, plugins=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._plugins = plugins
+
+    def plugins(self):
+        if self._plugins is None:
+            from mega.core.plugins import make_plugins
+
+            self._plugins = make_plugins()
+        return self._plugins
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return self.plugins().commands.names()
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        commands = self.plugins().commands
+        return commands.get(name) if name in commands else None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        name = args[0]
+        if self.get_command(ctx, name) is None and not name.startswith("-"):
+            raise MegaUsageError(unknown_name_message("command", name, self.list_commands(ctx)))
+        return super().resolve_command(ctx, args)
+
+
+def make_cli(plugins=None) -> MegaGroup:
+    """The root command; tests pass their own ``Plugins`` to avoid global state."""
+    from mega import __version__
+
+    @click.group(
+        cls=MegaGroup, plugins=plugins, context_settings={"help_option_names": ["-h", "--help"]}
+    )
+    @click.version_option(__version__, prog_name="mega")
+    def cli() -> None:
+        """mega: train transformer language models the Megatron-LM way, with plugins.
+
+        \b
+        Quickstart (CPU, about a minute):
+          mega train --model gpt --save runs/quickstart
+        """
+
+    return cli
+
+
+def current_plugins():
+    """The Plugins object of the running ``mega`` command (from inside a subcommand)."""
+    return click.get_current_context().find_root().command.plugins()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cli = make_cli()
+    try:
+        code = cli.main(args=argv, prog_name="mega", standalone_mode=False)
+    except MegaUsageError as exc:
+        for message in exc.messages:
+            click.echo(f"error: {message}", err=True)
+        sys.exit(2)
+    except click.UsageError as exc:
+        click.echo(f"error: {exc.format_message()}", err=True)
+        sys.exit(2)
+    except click.Abort:
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)

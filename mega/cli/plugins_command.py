@@ -1,0 +1,50 @@
+"""``mega plugins``: every plugin, its distribution, version and what it registers."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+def plugin_rows(plugins) -> list[dict]:
+    return [
+        {
+            "name": info.name,
+            "distribution": info.dist,
+            "version": info.version,
+            "builtin": info.builtin,
+            "module": info.module,
+            "registers": info.registers,
+            "error": info.error,
+        }
+        for info in plugins.infos
+    ]
+
+
+@click.command("plugins")
+@click.option("--json", "as_json", is_flag=True, help="Print the same information as JSON.")
+def plugins_command(as_json: bool) -> None:
+    """List installed plugins and what each one registers."""
+    from mega.cli import current_plugins
+
+    plugins = current_plugins()
+    rows = plugin_rows(plugins)
+    if as_json:
+        click.echo(json.dumps({"plugins": rows, "problems": plugins.problems}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="mega plugins")
+    for column in ("plugin", "distribution", "version", "registers"):
+        table.add_column(column)
+    for row in rows:
+        registers = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["registers"].items())
+        if row["error"]:
+            registers = f"[red]failed to load: {row['error']}[/red]"
+        table.add_row(row["name"], row["distribution"], row["version"], registers or "-")
+    console = Console()
+    console.print(table)
+    for problem in plugins.problems:
+        console.print(f"[red]problem:[/red] {problem}")

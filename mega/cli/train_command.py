@@ -1,0 +1,90 @@
+"""``mega train``: Megatron-LM's flags, generated from the config sections of the chosen plugins.
+
+The flags are parsed by ``mega.core.resolve`` (not click) because which flags exist depends on the
+model, tokenizer and dataset chosen on the same command line.
+"""
+
+from __future__ import annotations
+
+import click
+
+
+def _help_text(args: list[str]) -> str:
+    """Every flag of ``mega train`` for the model/tokenizer/dataset these args select."""
+    from mega.cli import current_plugins
+    from mega.core.config import CORE_SECTIONS
+    from mega.core.flags import FlagTable
+    from mega.core.resolve import DEFAULT_MODEL, _scan_selectors
+
+    plugins = current_plugins()
+    selected = _scan_selectors(args)
+    model = selected.get("--model", DEFAULT_MODEL)
+    dataset = selected.get("--dataset") or (
+        "mock"
+        if selected.get("--mock-data")
+        else "gpt"
+        if selected.get("--data-path")
+        else "embedded"
+    )
+    sections: dict[str, type] = {}
+    if model in plugins.models:
+        sections["model"] = plugins.models.get(model).config_cls
+    if dataset in plugins.datasets:
+        spec = plugins.datasets.get(dataset)
+        sections["dataset"] = spec.config_cls
+        tokenizer = selected.get("--tokenizer-type") or spec.default_tokenizer
+        if tokenizer in plugins.tokenizers:
+            sections["tokenizer"] = plugins.tokenizers.get(tokenizer).config_cls
+    sections.update(CORE_SECTIONS)
+    table = FlagTable(sections)
+    lines = [
+        "Usage: mega train [--model NAME] [--config FILE] [FLAGS...]",
+        "",
+        "Train a model. Flags are Megatron-LM's; a --config TOML/YAML file sets the same keys",
+        "(flags override it). Plugin options appear once the plugin is selected, e.g.",
+        "`mega train --model gpt --help`.",
+        "",
+        f"  --model NAME   model plugin (default {DEFAULT_MODEL}; available: {', '.join(plugins.models)})",
+        "  --config FILE  TOML or YAML config file",
+    ]
+    current = None
+    for flag in table.by_key.values():
+        if flag.section != current:
+            current = flag.section
+            lines += ["", f"{current}:"]
+        names = ", ".join(flag.flags)
+        if flag.base_type is not bool:
+            names += " " + (
+                flag.choices and "{" + ",".join(map(str, flag.choices)) + "}" or "VALUE"
+            )
+        default = flag.default
+        shown = "" if default in (None, [], False) else f" [default: {default}]"
+        lines.append(f"  {names:44s} {flag.help}{shown}")
+    return "\n".join(lines)
+
+
+@click.command(
+    "train",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def train_command(args: tuple[str, ...]) -> None:
+    """Train a model (Megatron-LM flags; `mega train --help` lists them)."""
+    args_list = list(args)
+    if "--help" in args_list or "-h" in args_list:
+        click.echo(_help_text(args_list))
+        return
+    from mega.cli import current_plugins
+    from mega.core.resolve import resolve_config
+
+    plugins = current_plugins()
+    for info in plugins.failures():
+        click.echo(
+            f"warning: plugin '{info.name}' ({info.dist}) failed to load: {info.error}", err=True
+        )
+    config = resolve_config(args_list, plugins)  # every config error, before torch is touched
+
+    from mega.core.engine import Engine
+
+    Engine(config, plugins).train()

@@ -1,0 +1,203 @@
+"""The engine's own config sections, and the resolved ``RunConfig`` that holds every section.
+
+Field names are Megatron-LM's argument names, so each field is also its flag (``--lr-decay-style``).
+Plugin sections (model, tokenizer, dataset) are the plugins' own dataclasses, chosen by name.
+Defaults train the small quickstart GPT on a CPU in about a minute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mega.core.fields import option
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    micro_batch_size: int = option(16, "Batch size per model instance (per micro-batch).")
+    global_batch_size: int | None = option(
+        None, "Samples per optimizer step; default micro-batch size x data-parallel size."
+    )
+    seq_length: int = option(128, "Tokens per sample.")
+    train_iters: int = option(500, "Optimizer steps to train for.")
+    seed: int = option(1234, "Seed for initialisation, data order and dropout.")
+    eval_interval: int = option(100, "Evaluate on the validation split every N iterations.")
+    eval_iters: int = option(10, "Batches per evaluation.")
+    log_interval: int = option(50, "Print an iteration line every N iterations.")
+    device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
+
+    def validate(self) -> list[str]:
+        errors = []
+        for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                errors.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            errors.append("--global-batch-size must be at least 1")
+        if self.eval_interval < 1 or self.eval_iters < 0:
+            errors.append("--eval-interval must be at least 1 and --eval-iters at least 0")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            errors.append(f"--device must be cpu, cuda or auto, not '{self.device}'")
+        return errors
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    optimizer: str = option(
+        "adam", "Optimizer (adam means AdamW, as in Megatron).", choices=("adam",)
+    )
+    lr: float = option(3e-3, "Peak learning rate.")
+    min_lr: float = option(0.0, "Learning rate at the end of decay.")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms).")
+    clip_grad: float = option(1.0, "Clip the global gradient norm to this value (0: off).")
+    adam_beta1: float = option(0.9, "Adam beta1.")
+    adam_beta2: float = option(0.999, "Adam beta2.")
+    adam_eps: float = option(1e-8, "Adam epsilon.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.lr <= 0:
+            errors.append("--lr must be positive")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            errors.append("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            errors.append("--clip-grad and --weight-decay must not be negative")
+        return errors
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    lr_decay_style: str = option(
+        "cosine",
+        "Learning-rate decay after warmup.",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
+    lr_decay_iters: int | None = option(None, "Iterations to decay over (default --train-iters).")
+    lr_warmup_iters: int = option(0, "Linear warmup iterations.")
+    lr_warmup_fraction: float | None = option(None, "Warmup as a fraction of --lr-decay-iters.")
+    lr_warmup_init: float = option(0.0, "Learning rate at the start of warmup.")
+    lr_wsd_decay_style: str = option(
+        "exponential",
+        "Annealing shape of the WSD schedule.",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    lr_wsd_decay_iters: int | None = option(None, "Annealing iterations of the WSD schedule.")
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    fp16: bool = option(False, "fp16 parameters, fp32 master weights, dynamic loss scaling.")
+    bf16: bool = option(False, "bf16 parameters with fp32 master weights and gradients.")
+    loss_scale: float | None = option(None, "Static loss scale for --fp16 (default: dynamic).")
+    initial_loss_scale: float = option(2.0**32, "Starting dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "Smallest dynamic loss scale.")
+    loss_scale_window: int = option(1000, "Clean steps before the loss scale doubles.")
+    hysteresis: int = option(2, "Overflowing steps tolerated before the loss scale halves.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.fp16 and self.bf16:
+            errors.append("--fp16 and --bf16 cannot both be set")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            errors.append("--loss-scale must be positive")
+        if self.hysteresis < 1 or self.loss_scale_window < 1:
+            errors.append("--hysteresis and --loss-scale-window must be at least 1")
+        return errors
+
+    @property
+    def params_dtype(self) -> str:
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: str | None = option(None, "Directory to save checkpoints to.")
+    load: str | None = option(None, "Directory to resume from (its latest complete checkpoint).")
+    save_interval: int | None = option(None, "Save every N iterations (and at the end).")
+    ckpt_format: str = option("torch", "Checkpoint backend plugin.")
+
+    def validate(self) -> list[str]:
+        if self.save_interval is not None and self.save_interval < 1:
+            return ["--save-interval must be at least 1"]
+        return []
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard_dir: str | None = option(None, "Write TensorBoard event files here.")
+    run_dir: str | None = option(
+        None, "Where metrics.jsonl goes (default: the --save directory, else runs/<time>)."
+    )
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: list[str] = option(
+        [], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2.", nargs="+"
+    )
+    split: str = option("969,30,1", "Train/valid/test proportions, e.g. 949,50,1.")
+    mock_data: bool = option(False, "Synthetic tokens (for throughput runs).")
+    dataset: str | None = option(
+        None, "Dataset plugin (default: mock, data-path or embedded text)."
+    )
+    tokenizer_type: str | None = option(None, "Tokenizer plugin (default: the dataset's choice).")
+    make_vocab_size_divisible_by: int = option(128, "Pad the vocabulary to a multiple of this.")
+    data_cache_path: str | None = option(None, "Where dataset index caches go.")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    parallel: str = option("no-pipelining", "Schedule plugin that runs forward and backward.")
+
+
+# The engine's sections: section name -> dataclass. Plugin sections are "model", "tokenizer",
+# "dataset"; their classes come from the selected plugins' specs.
+CORE_SECTIONS: dict[str, type] = {
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+}
+PLUGIN_SECTIONS = ("model", "tokenizer", "dataset")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs, typed. Built once by ``mega.core.resolve.resolve_config``."""
+
+    model_name: str
+    tokenizer_name: str
+    dataset_name: str
+    model: Any
+    tokenizer: Any
+    dataset: Any
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    precision: PrecisionConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    data: DataConfig
+    parallel: ParallelConfig
+
+    def sections(self) -> dict[str, Any]:
+        """Section name -> dataclass instance, in a stable order (for writing and display)."""
+        names = ["model", "tokenizer", "dataset", *CORE_SECTIONS]
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def data_parallel_size(self) -> int:
+        return 1  # single process until the topology issue lands
+
+    @property
+    def global_batch_size(self) -> int:
+        mbs = self.training.micro_batch_size
+        return self.training.global_batch_size or mbs * self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)

@@ -1,0 +1,364 @@
+"""The training loop: build the pieces from plugins, then step, log, evaluate and save.
+
+plugins = make_plugins()
+config = resolve_config(["--model", "gpt", "--train-iters", "100"], plugins)
+Engine(config, plugins).train()
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mega import BuildContext, DataRequest, hookimpl
+from mega.core.batches import global_batch, requested_samples
+from mega.core.checkpointing import atomic_write_text, load_checkpoint, save_checkpoint
+from mega.core.config import RunConfig
+from mega.core.console import Display
+from mega.core.errors import MegaUsageError
+from mega.core.lr_schedule import LRSchedule, resolve_warmup_iters
+from mega.core.metrics import (
+    IntervalStats,
+    JsonlSink,
+    TensorBoardSink,
+    format_eval_line,
+    format_iteration_line,
+)
+from mega.core.optimizer import MixedPrecisionAdamW
+from mega.core.plugins import Plugins
+from mega.core.resolve import resolved_as_dict
+from mega.core.rng import capture_rng_state, restore_rng_state, seed_everything
+from mega.core.run_files import plugins_txt, to_toml
+from mega.core.topology import Topology
+from mega.core.vocab import padded_vocab_size
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean lm loss over the global batch (device tensor, not synced)
+    skipped: bool  # fp16 overflow: the update was not applied
+    grad_norm: torch.Tensor | None
+    learning_rate: float
+    loss_scale: float  # after this step's update of the scaler (what Megatron logs)
+
+
+def masked_lm_loss(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean per-token loss over the tokens the loss mask keeps (fp32 scalar)."""
+    per_token = model(microbatch["tokens"], labels=microbatch["labels"])
+    mask = microbatch["loss_mask"].to(per_token.dtype)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+class CoreHooks:
+    """The engine's own hook implementations; plugins wrap them."""
+
+    @hookimpl(trylast=True)
+    def train_step(self, engine: Engine, microbatches: list, iteration: int) -> StepResult:
+        return engine.run_step(microbatches, iteration)
+
+
+class Engine:
+    """One training run. ``train()`` builds everything (``setup``) and runs the loop."""
+
+    def __init__(self, config: RunConfig, plugins: Plugins, display: Display | None = None):
+        self.config = config
+        self.plugins = plugins
+        self.display = display or Display()
+        self.topology = Topology()
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.skipped_total = 0
+        self.nan_total = 0
+        self._sinks: list[Any] = []
+        if not plugins.pm.has_plugin("mega-core"):
+            plugins.pm.register(CoreHooks(), name="mega-core")
+
+    # ------------------------------------------------------------------ setup
+
+    def setup(self) -> None:
+        cfg, t = self.config, self.config.training
+        self.device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" else t.device
+        )
+        seed_everything(t.seed)
+        self.plugins.pm.hook.topology_ready(topology=self.topology)
+
+        self.tokenizer = self.plugins.tokenizers.get(cfg.tokenizer_name).build(cfg.tokenizer)
+        vocab = self.tokenizer.vocab_size
+        divisor = cfg.data.make_vocab_size_divisible_by * self.topology.tensor_model_parallel_size
+        self.padded_vocab = padded_vocab_size(vocab, divisor)
+        self.display.print(
+            f" > padded vocab (size: {vocab}) with {self.padded_vocab - vocab} dummy tokens"
+            f" (new size: {self.padded_vocab})"
+        )
+        ctx = BuildContext(
+            seed=t.seed,
+            device=self.device.type,
+            params_dtype=cfg.precision.params_dtype,
+            seq_length=t.seq_length,
+            padded_vocab_size=self.padded_vocab,
+            tokenizer=self.tokenizer,
+            topology=self.topology,
+        )
+        gbs = cfg.global_batch_size
+        request = DataRequest(
+            split=cfg.data.split,
+            data_path=tuple(cfg.data.data_path),
+            num_samples=requested_samples(t.train_iters, t.eval_interval, t.eval_iters, gbs),
+            cache_path=cfg.data.data_cache_path,
+        )
+        dataset_spec = self.plugins.datasets.get(cfg.dataset_name)
+        try:
+            self.splits = dataset_spec.build(cfg.dataset, request, ctx)
+        except (ValueError, FileNotFoundError) as exc:
+            raise MegaUsageError(f"dataset '{cfg.dataset_name}': {exc}") from None
+
+        model_spec = self.plugins.models.get(cfg.model_name)
+        model = model_spec.build(cfg.model, ctx)  # fp32 on the CPU: the exact seeded init
+        self.model = model.to(device=self.device, dtype=DTYPES[cfg.precision.params_dtype])
+        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, cfg.precision)
+        self.schedule = self.plugins.parallel.get(cfg.parallel.parallel).build(cfg)
+        s = cfg.scheduler
+        decay_iters = s.lr_decay_iters or t.train_iters
+        self.lr_schedule = LRSchedule(
+            max_lr=cfg.optimizer.lr,
+            min_lr=cfg.optimizer.min_lr,
+            decay_style=s.lr_decay_style,
+            decay_iters=decay_iters,
+            warmup_iters=resolve_warmup_iters(s.lr_warmup_iters, s.lr_warmup_fraction, decay_iters),
+            warmup_init=s.lr_warmup_init,
+            wsd_decay_style=s.lr_wsd_decay_style,
+            wsd_decay_iters=s.lr_wsd_decay_iters,
+        )
+        self.flops_per_token = model_spec.flops_per_token(
+            cfg.model, t.seq_length, self.padded_vocab
+        )
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        if cfg.checkpoint.load:
+            self._load(cfg.checkpoint.load)
+        self._open_run_files()
+        self.display.panel(
+            "mega",
+            [
+                f"model {cfg.model_name}: {self.num_parameters:,} parameters, {cfg.precision.params_dtype}",
+                f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
+                f"global batch {gbs} = {cfg.num_microbatches} micro-batches x {t.micro_batch_size}",
+                f"{self.topology.describe()} on {self.device}, schedule {cfg.parallel.parallel}",
+                f"run directory {self.run_dir}",
+            ],
+        )
+
+    def _open_run_files(self) -> None:
+        """Write the resolved config and plugin versions; open the metrics sinks."""
+        cfg = self.config
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(
+            cfg.logging.run_dir or cfg.checkpoint.save or f"runs/{cfg.model_name}-{stamp}"
+        )
+        for directory in {self.run_dir, Path(cfg.checkpoint.save or self.run_dir)}:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(directory / "config.resolved.toml", to_toml(resolved_as_dict(cfg)))
+            atomic_write_text(directory / "plugins.txt", plugins_txt(self.plugins))
+        self._sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+        if cfg.logging.tensorboard_dir:
+            self._sinks.append(TensorBoardSink(cfg.logging.tensorboard_dir))
+
+    # ------------------------------------------------------------------ one step
+
+    def run_step(self, microbatches: list[dict[str, torch.Tensor]], iteration: int) -> StepResult:
+        """Forward/backward over the global batch through the schedule, then the optimizer."""
+        # Megatron's scheduler advances only on successful steps, and a step uses the LR it held
+        # before stepping; the line logs the LR after this step, as Megatron's does.
+        successful = iteration - 1 - self.skipped_total
+        lr = self.lr_schedule.lr_at(successful)
+        losses = self.schedule(
+            self.model, microbatches, masked_lm_loss, grad_scale=self.optimizer.loss_scale
+        )
+        outcome = self.optimizer.step(lr)
+        return StepResult(
+            loss=torch.stack(losses).mean(),
+            skipped=outcome.skipped,
+            grad_norm=outcome.grad_norm,
+            learning_rate=self.lr_schedule.lr_at(successful + (0 if outcome.skipped else 1)),
+            loss_scale=self.optimizer.loss_scale,
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, float]:
+        """Train to ``--train-iters``; returns the metrics of the last iteration line."""
+        self.setup()
+        cfg, t = self.config, self.config.training
+        gbs, hook = cfg.global_batch_size, self.plugins.pm.hook
+        last: dict[str, float] = {}
+        interval = IntervalStats()
+        self.display.start_progress(t.train_iters, self.iteration, "training")
+        error: BaseException | None = None
+        try:
+            while self.iteration < t.train_iters:
+                iteration = self.iteration + 1
+                self.model.train()
+                batch = global_batch(
+                    self.splits.train, self.consumed_samples, gbs, t.micro_batch_size, self.device
+                )
+                result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
+                self.iteration, self.consumed_samples = iteration, self.consumed_samples + gbs
+                interval.iterations += 1
+                if result.skipped:
+                    interval.skipped += 1
+                    self.skipped_total += 1
+                else:
+                    interval.losses.append(result.loss)
+                    interval.grad_norm = result.grad_norm
+                metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
+                if iteration % t.log_interval == 0 or iteration == t.train_iters:
+                    metrics.update(self._log(interval, result))
+                    last, interval = metrics, IntervalStats()
+                hook.step_end(engine=self, iteration=iteration, metrics=metrics)
+                self.display.advance(iteration, f"loss {last.get('lm_loss', float('nan')):.3f}")
+                if (
+                    self.splits.valid is not None
+                    and t.eval_iters
+                    and iteration % t.eval_interval == 0
+                ):
+                    first = (iteration // t.eval_interval - 1) * t.eval_iters * gbs
+                    self._evaluate(
+                        self.splits.valid, first, f"validation loss at iteration {iteration}"
+                    )
+                save_every = cfg.checkpoint.save_interval
+                if cfg.checkpoint.save and save_every and iteration % save_every == 0:
+                    self.save()
+            if cfg.checkpoint.save and not self._saved_at(self.iteration):
+                self.save()
+            self.display.stop_progress()
+            self._final_evaluation()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.display.stop_progress()
+            hook.shutdown(engine=self, exc=error)
+            for sink in self._sinks:
+                sink.close()
+        return last
+
+    def _log(self, interval: IntervalStats, result: StepResult) -> dict[str, float]:
+        """Sync the interval's losses once, print the iteration line, feed the sinks."""
+        cfg, t = self.config, self.config.training
+        elapsed_ms = interval.elapsed_ms_per_iteration()
+        losses = torch.stack(interval.losses).float().tolist() if interval.losses else []
+        finite = [x for x in losses if math.isfinite(x)]
+        nan_count = len(losses) - len(finite)
+        self.nan_total += nan_count
+        tokens_per_s = cfg.global_batch_size * t.seq_length / (elapsed_ms / 1000.0)
+        metrics: dict[str, float] = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "elapsed_ms": elapsed_ms,
+            "learning_rate": result.learning_rate,
+            "global_batch_size": cfg.global_batch_size,
+            "loss_scale": result.loss_scale,
+            "skipped_iterations": interval.skipped,
+            "nan_iterations": nan_count,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_gpu": tokens_per_s * self.flops_per_token / 1e12 / self.topology.world_size,
+        }
+        if finite:
+            metrics["lm_loss"] = sum(finite) / len(finite)
+        if interval.grad_norm is not None:
+            metrics["grad_norm"] = float(interval.grad_norm)
+        self.display.print(format_iteration_line(metrics, t.train_iters))
+        record = {**metrics, "skipped_total": self.skipped_total, "nan_total": self.nan_total}
+        for sink in self._sinks:
+            sink.write(record)
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, source: Any, first_sample: int) -> float:
+        """Mean lm loss over ``--eval-iters`` global batches starting at ``first_sample``."""
+        t, gbs = self.config.training, self.config.global_batch_size
+        self.model.eval()
+        losses = []
+        for k in range(t.eval_iters):
+            for mb in global_batch(
+                source, first_sample + k * gbs, gbs, t.micro_batch_size, self.device
+            ):
+                losses.append(masked_lm_loss(self.model, mb))
+        self.model.train()
+        return float(torch.stack(losses).mean())
+
+    def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
+        loss = self.evaluate(source, first_sample)
+        self.display.print(format_eval_line(label, loss))
+        for sink in self._sinks:
+            sink.write({"iteration": self.iteration, "valid_lm_loss": loss})
+        return loss
+
+    def _final_evaluation(self) -> None:
+        t, gbs = self.config.training, self.config.global_batch_size
+        if not t.eval_iters:
+            return
+        if self.splits.valid is not None:
+            first = (t.train_iters // t.eval_interval) * t.eval_iters * gbs
+            self._evaluate(self.splits.valid, first, "validation loss at the end of training")
+        if self.splits.test is not None:
+            self._evaluate(self.splits.test, 0, "test loss at the end of training")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def _saved_at(self, iteration: int) -> bool:
+        return getattr(self, "_last_saved", None) == iteration
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "format": "mega-torch/1",
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "skipped_total": self.skipped_total,
+            "nan_total": self.nan_total,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": capture_rng_state(),
+            "config": resolved_as_dict(self.config),
+        }
+
+    def save(self) -> Path:
+        cfg = self.config.checkpoint
+        backend = self.plugins.checkpoint_backends.get(cfg.ckpt_format)
+        path = save_checkpoint(cfg.save, self.iteration, self.state_dict(), backend)
+        self._last_saved = self.iteration
+        self.display.print(f" saved checkpoint at iteration {self.iteration:8d} to {path}")
+        self.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=self.iteration)
+        return path
+
+    def _load(self, path: str) -> None:
+        from mega.core.checkpointing import find_checkpoint
+
+        if find_checkpoint(path) is None:  # --load == --save on a first run: start fresh
+            self.display.print(f" no checkpoint in {path} yet: starting from scratch")
+            return
+        directory, state = load_checkpoint(path, self.plugins.checkpoint_backends)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, KeyError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise MegaUsageError(
+                f"--load {directory}: does not match this model ({first})"
+            ) from None
+        restore_rng_state(state["rng"])
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])
+        self.skipped_total = int(state["skipped_total"])
+        self.nan_total = int(state["nan_total"])
+        self._last_saved = self.iteration
+        self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")

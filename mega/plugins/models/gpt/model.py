@@ -1,0 +1,233 @@
+"""A single-device GPT with Megatron-core's parameter names and initialisation.
+
+Shapes: ``b`` batch, ``s`` sequence, ``h`` hidden, ``np`` query heads, ``ng`` query groups (key/value
+heads), ``d`` head dim (kv channels), ``f`` ffn hidden, ``V`` padded vocab. Activations are kept
+batch-first ``[b, s, h]``. No process groups here: parallel plugins rewrite this module from outside,
+keyed on the parameter names below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mega.core.init import normal_
+from mega.core.specs import BuildContext
+from mega.plugins.models.gpt.config import GPTConfig
+
+
+def _norm(cfg: GPTConfig, size: int) -> nn.Module:
+    # Megatron's LayerNorm always has a bias, whatever --disable-bias-linear says; RMSNorm has none.
+    if cfg.normalization == "RMSNorm":
+        return nn.RMSNorm(size, eps=cfg.norm_epsilon)
+    return nn.LayerNorm(size, eps=cfg.norm_epsilon)
+
+
+def rotary_cos_sin(
+    seq_length: int, dim: int, base: float, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[s, d]`` in float32 for Megatron's non-interleaved (rotate-half) RoPE."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    positions = torch.arange(seq_length, dtype=torch.float32, device=device)
+    freqs = torch.outer(positions, inv_freq)  # [s, d/2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]: both halves share a frequency
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, s, heads, d]`` by position; cos/sin ``[s, d]`` are cast to x's dtype (Megatron)."""
+    cos = cos[:, None, :].to(x.dtype)  # [s, 1, d] broadcasts over batch and heads
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: GPTConfig, vocab_size: int, max_positions: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab_size, cfg.hidden_size)  # [V, h]
+        self.position_embeddings = None
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(max_positions, cfg.hidden_size)
+        self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            seq_length = tokens.shape[1]
+            if seq_length > self.position_embeddings.num_embeddings:
+                raise ValueError(
+                    f"sequence length {seq_length} exceeds --max-position-embeddings "
+                    f"({self.position_embeddings.num_embeddings})"
+                )
+            positions = torch.arange(seq_length, device=tokens.device)
+            hidden = hidden + self.position_embeddings(positions)[None]
+        return self.embedding_dropout(hidden)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        heads, groups = cfg.num_attention_heads, cfg.resolved_num_query_groups()
+        self.head_dim = cfg.resolved_kv_channels()
+        self.heads_per_group = heads // groups
+        self.attention_dropout = cfg.attention_dropout
+        bias = cfg.add_bias_linear
+        # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
+        qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
+        self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        b, s, _ = hidden.shape
+        per_group, d = self.heads_per_group, self.head_dim
+        # The group count is read from the weight (-1), so a layer holding only some of the
+        # groups (tensor parallel) runs unchanged.
+        qkv = self.linear_qkv(hidden).view(b, s, -1, per_group + 2, d)  # [b, s, ng, np/ng+2, d]
+        query = qkv[:, :, :, :per_group].reshape(b, s, -1, d)  # [b, s, np, d], group-major heads
+        key, value = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [b, s, ng, d]
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        # SDPA wants [b, heads, s, d]. Query head i belongs to group i // (np/ng), which is exactly
+        # the repeat_interleave that enable_gqa applies to key/value heads.
+        context = F.scaled_dot_product_attention(
+            query.transpose(1, 2),
+            key.transpose(1, 2),
+            value.transpose(1, 2),
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=True,
+            enable_gqa=per_group > 1,  # only when needed: not every fused kernel supports it
+        )
+        context = context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
+        return self.linear_proj(context)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        ffn = cfg.resolved_ffn_hidden_size()
+        self.swiglu = cfg.swiglu
+        fc1_rows = 2 * ffn if cfg.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_rows, bias=cfg.add_bias_linear)
+        self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        intermediate = self.linear_fc1(hidden)  # [b, s, f] or [b, s, 2f]
+        if self.swiglu:
+            gate, up = intermediate.chunk(2, dim=-1)
+            intermediate = F.silu(gate) * up
+        else:
+            intermediate = F.gelu(intermediate)  # exact erf GeLU, as Megatron's default
+        return self.linear_fc2(intermediate)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.self_attention = SelfAttention(cfg)
+        self.pre_mlp_layernorm = _norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), rotary)
+        hidden = hidden + self.hidden_dropout(attention)
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
+class TransformerBlock(nn.Module):
+    """The decoder stack. It computes the RoPE tables itself so that any slice of it can run alone."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_layernorm = _norm(cfg, cfg.hidden_size)
+        self.rope = cfg.position_embedding_type == "rope"
+        self.head_dim = cfg.resolved_kv_channels()
+        self.rotary_base = cfg.rotary_base
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        rotary = None
+        if self.rope:
+            rotary = rotary_cos_sin(hidden.shape[1], self.head_dim, self.rotary_base, hidden.device)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary)
+        return self.final_layernorm(hidden)
+
+
+class GPTModel(nn.Module):
+    """Decoder-only GPT. ``forward(tokens, labels=None)``: logits ``[b, s, V]`` or float32 loss ``[b, s]``."""
+
+    def __init__(self, cfg: GPTConfig, ctx: BuildContext) -> None:
+        super().__init__()
+        problems = cfg.validate()
+        if problems:
+            raise ValueError("invalid GPT config: " + "; ".join(problems))
+        if ctx.padded_vocab_size <= 0:
+            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
+        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
+        if cfg.position_embedding_type == "learned_absolute" and ctx.seq_length > max_positions:
+            raise ValueError(
+                f"--seq-length ({ctx.seq_length}) exceeds --max-position-embeddings ({max_positions})"
+            )
+        self.config = cfg
+        self.seed = ctx.seed
+        self.share_embeddings_and_output_weights = not cfg.untie_embeddings_and_output_weights
+        # Build on the meta device and materialise once: the default init would be thrown away.
+        with torch.device("meta"):
+            self.embedding = Embedding(cfg, ctx.padded_vocab_size, max_positions)
+            self.decoder = TransformerBlock(cfg)
+            self.output_layer = None
+            if not self.share_embeddings_and_output_weights:
+                self.output_layer = nn.Linear(cfg.hidden_size, ctx.padded_vocab_size, bias=False)
+        self.to_empty(device="cpu")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init, drawn per parameter from (seed, name): layout-invariant."""
+        cfg = self.config
+        std = cfg.init_method_std
+        scaled_std = std / math.sqrt(2.0 * cfg.num_layers)  # residual-branch outputs
+        norms = {
+            f"{module_name}.{param_name}" if module_name else param_name
+            for module_name, module in self.named_modules()
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
+            for param_name, _ in module.named_parameters(recurse=False)
+        }
+        for name, param in self.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif name in norms:
+                param.fill_(1.0)
+            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                normal_(param, std=scaled_std, seed=self.seed, name=name)
+            else:
+                normal_(param, std=std, seed=self.seed, name=name)
+
+    def output_weight(self) -> torch.Tensor:
+        """The ``[V, h]`` matrix that produces logits: the word embeddings when tied."""
+        if self.output_layer is None:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.decoder(self.embedding(tokens))  # [b, s, h]
+        logits = F.linear(hidden, self.output_weight())  # [b, s, V]
+        if labels is None:
+            return logits
+        # Cross-entropy in float32 whatever the model dtype: bf16 log-softmax over V loses digits.
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        )  # [b*s]
+        return loss.view_as(labels)

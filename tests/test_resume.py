@@ -1,0 +1,72 @@
+"""A run SIGKILLed after its checkpoint at iteration k resumes to print the same losses, every digit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY, lm_losses, run_mega
+
+# Dropout is on, so the resumed run matches only if the RNG state was restored too.
+ARGS = [*TINY, "--train-iters", "12", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+        "--lr-warmup-iters", "3", "--eval-interval", "4", "--eval-iters", "1"]  # fmt: skip
+K = 6
+
+# A plugin that stops the run right after the checkpoint at iteration K is complete, so the test
+# can kill it at a known point (a real crash would land anywhere after the marker).
+HANG_PLUGIN = f"""
+import sys, time
+from mega import hookimpl
+
+@hookimpl
+def checkpoint_saved(path, iteration):
+    if iteration == {K}:
+        print("CHECKPOINT-DONE", flush=True)
+        time.sleep(120)
+"""
+
+
+def test_sigkill_then_resume_prints_identical_losses(tmp_path: Path):
+    full = run_mega(["train", *ARGS], tmp_path)
+    assert full.returncode == 0, full.stderr
+    expected = lm_losses(full.stdout)
+    assert sorted(expected) == list(range(1, 13))
+
+    plugin_dir = tmp_path / "hang"
+    plugin_dir.mkdir()
+    (plugin_dir / "hang_after_checkpoint.py").write_text(HANG_PLUGIN)
+    ckpt = tmp_path / "ckpt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGA_PLUGINS_DIR": str(plugin_dir)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mega", "train", *ARGS, "--save", str(ckpt), "--save-interval", str(K)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if "CHECKPOINT-DONE" in line:
+                proc.send_signal(signal.SIGKILL)
+                break
+        assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
+    finally:
+        proc.kill()
+    assert (ckpt / "iter_0000006" / "complete.json").is_file()
+    assert not (ckpt / "iter_0000012").exists()
+
+    resumed = run_mega(["train", *ARGS, "--load", str(ckpt), "--save", str(ckpt)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    got = lm_losses(resumed.stdout)
+    assert sorted(got) == list(range(K + 1, 13))
+    assert got == {it: expected[it] for it in range(K + 1, 13)}
+    assert "loaded checkpoint" in resumed.stdout
+
+
+def test_auto_resume_pattern_starts_fresh_when_save_dir_is_empty(tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    args = [*TINY, "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt)]
+    result = run_mega(["train", *args], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "starting from scratch" in result.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
