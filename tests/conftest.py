@@ -25,6 +25,18 @@ def lm_losses(stdout: str) -> dict[int, str]:
     return {int(it): loss for it, loss in LOSS.findall(stdout)}
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where CUDA is available (CI has none)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_plugins(monkeypatch):
     """Tests see built-in plugins only, unless they opt back in."""

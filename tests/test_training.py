@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
 
 from mega import ModelSpec, hookimpl
 from mega.core.console import Display
 from mega.core.engine import Engine
 from mega.core.plugins import make_plugins
 from mega.core.resolve import load_config_file, resolve_config
+
+from conftest import TINY
 
 
 def train(args: list[str], plugins=None, tmp_path: Path | None = None) -> Engine:
@@ -184,7 +185,7 @@ def test_hooks_fire_once_per_step_and_lifecycle(tmp_path: Path):
     assert calls == [
         ("validate",),
         ("topology", 1),
-        ("step_end", 1, False),
+        ("step_end", 1, True),  # iteration 1 is always logged
         ("step_end", 2, True),
         ("saved", 2, "iter_0000002"),
         ("step_end", 3, False),
@@ -231,3 +232,21 @@ def test_tensorboard_events_are_written(tmp_path: Path):
     losses = [e.value for e in events.Scalars("lm loss")]
     assert [e.step for e in events.Scalars("lm loss")] == [1, 2, 3]
     assert all(3 < v < 7 for v in losses)
+
+
+def test_shutdown_fires_when_setup_fails(tmp_path: Path):
+    seen = []
+
+    class Watch:
+        @hookimpl
+        def shutdown(self, engine, exc):
+            seen.append(type(exc).__name__)
+
+    plugins = make_plugins(extra=[("watch", Watch())])
+    from mega.core.errors import MegaUsageError
+
+    # the validation text (2 documents, ~4k bytes) cannot fill one 8k-token window
+    args = [*TINY, "--seq-length", "8192", "--max-position-embeddings", "8192", "--eval-iters", "1"]
+    with pytest.raises(MegaUsageError, match="dataset 'embedded'"):
+        train(args, plugins, tmp_path)
+    assert seen == ["MegaUsageError"]

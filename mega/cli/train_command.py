@@ -47,18 +47,21 @@ def _help_text(args: list[str]) -> str:
         f"  --model NAME   model plugin (default {DEFAULT_MODEL}; available: {', '.join(plugins.models)})",
         "  --config FILE  TOML or YAML config file",
     ]
+    aliases: dict[str, list[str]] = {}
+    for name, flag in table.by_flag.items():
+        aliases.setdefault(flag.name, []).append(name)
     current = None
     for flag in table.by_key.values():
         if flag.section != current:
             current = flag.section
             lines += ["", f"{current}:"]
-        names = ", ".join(flag.flags)
-        if flag.base_type is not bool:
-            names += " " + (
-                flag.choices and "{" + ",".join(map(str, flag.choices)) + "}" or "VALUE"
-            )
-        default = flag.default
-        shown = "" if default in (None, [], False) else f" [default: {default}]"
+        names = ", ".join(aliases[flag.name])
+        shown = ""
+        if flag.base_type is not bool:  # switches take no value and show no default
+            choices = flag.choices and "{" + ",".join(map(str, flag.choices)) + "}"
+            names += " " + (choices or ("VALUE..." if flag.base_type is list else "VALUE"))
+            if flag.default not in (None, []):
+                shown = f" [default: {flag.default}]"
         lines.append(f"  {names:44s} {flag.help}{shown}")
     return "\n".join(lines)
 

@@ -28,7 +28,7 @@ class Display:
         if not self.enabled:
             return
         if self._console is not None:
-            self._console.print(text, markup=False)
+            self._console.print(text, markup=False, soft_wrap=True)
         else:
             print(text, flush=True)
 

@@ -17,7 +17,12 @@ import torch
 
 from mega import BuildContext, DataRequest, hookimpl
 from mega.core.batches import global_batch, requested_samples
-from mega.core.checkpointing import atomic_write_text, load_checkpoint, save_checkpoint
+from mega.core.checkpointing import (
+    atomic_write_text,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from mega.core.config import RunConfig
 from mega.core.console import Display
 from mega.core.errors import MegaUsageError
@@ -194,14 +199,14 @@ class Engine:
 
     def train(self) -> dict[str, float]:
         """Train to ``--train-iters``; returns the metrics of the last iteration line."""
-        self.setup()
         cfg, t = self.config, self.config.training
         gbs, hook = cfg.global_batch_size, self.plugins.pm.hook
         last: dict[str, float] = {}
-        interval = IntervalStats()
-        self.display.start_progress(t.train_iters, self.iteration, "training")
         error: BaseException | None = None
         try:
+            self.setup()
+            interval = IntervalStats()
+            self.display.start_progress(t.train_iters, self.iteration, "training")
             while self.iteration < t.train_iters:
                 iteration = self.iteration + 1
                 self.model.train()
@@ -218,7 +223,8 @@ class Engine:
                     interval.losses.append(result.loss)
                     interval.grad_norm = result.grad_norm
                 metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
-                if iteration % t.log_interval == 0 or iteration == t.train_iters:
+                # iteration 1 too, so a run shows where its loss started
+                if iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
                     metrics.update(self._log(interval, result))
                     last, interval = metrics, IntervalStats()
                 hook.step_end(engine=self, iteration=iteration, metrics=metrics)
@@ -341,8 +347,6 @@ class Engine:
         return path
 
     def _load(self, path: str) -> None:
-        from mega.core.checkpointing import find_checkpoint
-
         if find_checkpoint(path) is None:  # --load == --save on a first run: start fresh
             self.display.print(f" no checkpoint in {path} yet: starting from scratch")
             return

@@ -127,9 +127,8 @@ class FlagTable:
                     i += 1
                 continue
             if flag.base_type is bool and not eq:
-                value: Any = flag.switch_value if not name.startswith("--no-") else False
-                if name.startswith("--no-") and name not in flag.flags:
-                    value = False
+                # the generated --no-<name> form turns a default-on switch off
+                value: Any = False if name not in flag.flags else flag.switch_value
             elif eq:
                 value = inline.split() if flag.base_type is list else inline
             else:

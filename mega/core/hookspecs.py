@@ -174,7 +174,8 @@ def checkpoint_saved(path: str, iteration: int) -> None:
 def shutdown(engine: Any, exc: BaseException | None) -> None:
     """The run is ending.
 
-    :param engine: the engine (its model and optimizer still exist).
+    :param engine: the engine. When setup failed (``exc`` set), its model, optimizer or data may
+        not exist yet: use ``getattr(engine, "model", None)``.
     :param exc: ``None`` on success, else the exception that is ending the run.
 
     Called on: every rank. When: once, at the end of ``Engine.train``, also on failure.

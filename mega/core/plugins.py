@@ -22,7 +22,7 @@ from typing import Any
 import pluggy
 
 from mega.core import hookspecs
-from mega.core.errors import MegaUsageError
+from mega.core.errors import MegaUsageError, unknown_name_message
 from mega.core.registry import REGISTRY_HOOKS, DuplicateNameError, Registry
 
 GROUP = "mega"
@@ -101,10 +101,12 @@ def _wanted(ep: importlib.metadata.EntryPoint, builtin: bool) -> bool:
     return allow is None or ep.dist.name in allow or ep.name in allow
 
 
-def _load_dir(directory: Path) -> list[tuple[str, Any, str | None]]:
-    """Loose ``*.py`` plugin files: (name, module or None, error)."""
+def _load_dir(directory: Path, blocked: set[str]) -> list[tuple[str, Any, str | None]]:
+    """Loose ``*.py`` plugin files, blocked ones skipped: (name, module or None, error)."""
     loaded = []
     for path in sorted(directory.glob("*.py")):
+        if path.stem in blocked:
+            continue
         name = f"mega_plugins_dir.{path.stem}"
         try:
             spec = importlib.util.spec_from_file_location(name, path)
@@ -151,10 +153,10 @@ def make_plugins(*, load_entrypoints: bool = True, extra: list[tuple[str, Any]] 
 
     plugins_dir = os.environ.get("MEGA_PLUGINS_DIR")
     if plugins_dir:
-        for name, module, error in _load_dir(Path(plugins_dir)):
+        for name, module, error in _load_dir(Path(plugins_dir), blocked):
             info = PluginInfo(name, f"file:{plugins_dir}", "-", False, f"{name}.py", error)
             infos.append(info)
-            if module is not None and name not in blocked:
+            if module is not None:
                 _register(pm, module, info)
 
     for name, plugin in extra:
@@ -168,10 +170,22 @@ def make_plugins(*, load_entrypoints: bool = True, extra: list[tuple[str, Any]] 
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, info: PluginInfo) -> None:
+    """Register ``plugin``; one that pluggy rejects, or that implements a hook mega does not
+    have (a typo such as ``register_model``), is unregistered and reported instead."""
     try:
         pm.register(plugin, name=info.name)
-    except Exception as exc:  # e.g. a hookimpl whose name matches no hookspec
+    except Exception as exc:  # a hookimpl whose arguments do not match its hookspec
         info.error = f"{type(exc).__name__}: {exc}"
+        return
+    unknown = [
+        name
+        for name, caller in vars(pm.hook).items()
+        if not caller.has_spec() and any(i.plugin is plugin for i in caller.get_hookimpls())
+    ]
+    if unknown:
+        pm.unregister(plugin)
+        known = [name for name, caller in vars(pm.hook).items() if caller.has_spec()]
+        info.error = "; ".join(unknown_name_message("hook", name, known) for name in unknown)
 
 
 def _fill_registries(

@@ -66,11 +66,10 @@ def _scan_selectors(argv: list[str]) -> dict[str, Any]:
     return found
 
 
-def _file_sections(raw: dict[str, Any], path: str) -> tuple[str | None, dict[str, dict], list[str]]:
-    """Split a loaded file into (model name, {section: {key: value}} with flat keys unresolved)."""
+def _file_sections(raw: dict[str, Any]) -> tuple[str | None, dict[str, dict]]:
+    """Split a loaded file into (model name, {section: {key: value}}); flat keys go under ""."""
     model = None
     sections: dict[str, dict] = {}
-    errors: list[str] = []
     for key, value in raw.items():
         if key == "model" and isinstance(value, str):
             model = value
@@ -81,7 +80,7 @@ def _file_sections(raw: dict[str, Any], path: str) -> tuple[str | None, dict[str
             sections.setdefault(key, {}).update(section)
         else:
             sections.setdefault("", {})[key.replace("-", "_")] = value  # flat key, placed later
-    return model, sections, errors
+    return model, sections
 
 
 def _place_file_values(
@@ -126,13 +125,11 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     """
     plugins.check()
     selectors = _scan_selectors(argv)
-    file_model, file_sections, errors = None, {}, []
+    file_model, file_sections = None, {}
     config_path = selectors.get("--config")
-    argv = _drop_config_flag(argv)
+    argv = _drop(argv, "--config")
     if config_path:
-        file_model, file_sections, errors = _file_sections(
-            load_config_file(config_path), config_path
-        )
+        file_model, file_sections = _file_sections(load_config_file(config_path))
 
     file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
     model_name = selectors.get("--model") or file_model or DEFAULT_MODEL
@@ -144,6 +141,11 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
         or ("mock" if mock else "gpt" if data_path else "embedded")
     )
     model_spec = plugins.models.get(model_name)
+    if data_path and dataset_name not in plugins.datasets:
+        raise MegaUsageError(
+            f"--data-path needs the '{dataset_name}' dataset plugin (Megatron .bin/.idx), which is"
+            f" not installed (available datasets: {', '.join(plugins.datasets)})"
+        )
     dataset_spec = plugins.datasets.get(dataset_name)
     tokenizer_name = (
         selectors.get("--tokenizer-type")
@@ -166,10 +168,10 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
         "dataset": f"dataset '{dataset_name}'",
     }
     table = FlagTable(section_classes, owners)
-    errors += table.conflicts
+    errors = list(table.conflicts)
     file_values, file_errors = _place_file_values(file_sections, table, config_path or "")
     errors += file_errors
-    flag_values, flag_errors = table.parse(_drop_model_flag(argv))
+    flag_values, flag_errors = table.parse(_drop(argv, "--model"))
     errors += flag_errors
 
     built: dict[str, Any] = {}
@@ -197,15 +199,8 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     return config
 
 
-def _drop_config_flag(argv: list[str]) -> list[str]:
-    return _drop(argv, "--config")
-
-
-def _drop_model_flag(argv: list[str]) -> list[str]:
-    return _drop(argv, "--model")
-
-
 def _drop(argv: list[str], name: str) -> list[str]:
+    """``argv`` without flag ``name`` and its value (selectors are read before the full parse)."""
     out, skip = [], False
     for i, token in enumerate(argv):
         if skip:
@@ -249,28 +244,23 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
         wsd_decay_style=s.lr_wsd_decay_style,
         wsd_decay_iters=s.lr_wsd_decay_iters,
     )
-    if config.checkpoint.ckpt_format not in plugins.checkpoint_backends:
-        errors.append(_unknown("checkpoint backend", config.checkpoint.ckpt_format, plugins))
-    if config.parallel.parallel not in plugins.parallel:
-        errors.append(_unknown("parallel schedule", config.parallel.parallel, plugins))
-    else:
-        spec = plugins.parallel.get(config.parallel.parallel)
-        errors += spec.validate(config)
+    for registry, name in (
+        (plugins.checkpoint_backends, config.checkpoint.ckpt_format),
+        (plugins.parallel, config.parallel.parallel),
+    ):
+        try:
+            spec = registry.get(name)
+        except MegaUsageError as exc:
+            errors += exc.messages
+            continue
+        if registry is plugins.parallel:
+            errors += spec.validate(config)
     from mega.core.checkpointing import validate_checkpoint_dirs
 
     errors += validate_checkpoint_dirs(config.checkpoint)
     for result in plugins.pm.hook.validate_config(config=config):
         errors += list(result or [])
     return errors
-
-
-def _unknown(kind: str, name: str, plugins: Plugins) -> str:
-    registry = plugins.checkpoint_backends if kind == "checkpoint backend" else plugins.parallel
-    try:
-        registry.get(name)
-    except MegaUsageError as exc:
-        return exc.messages[0]
-    return ""
 
 
 def resolved_as_dict(config: RunConfig) -> dict[str, dict[str, Any]]:

@@ -112,8 +112,10 @@ class ParallelSpec:
     """A parallel schedule or strategy, selected by ``--parallel NAME`` for kind "schedule".
 
     For ``kind == "schedule"``, ``build(run_config)`` returns a callable
-    ``forward_backward(model, microbatches, loss_fn) -> list[float tensors]`` that runs forward and
-    backward over every micro-batch of one global batch.
+    ``forward_backward(model, microbatches, loss_fn, grad_scale=1.0) -> list[Tensor]`` that runs
+    forward and backward over every micro-batch of one global batch: each micro-batch's loss is
+    multiplied by ``grad_scale / len(microbatches)`` before backward (``grad_scale`` is the fp16
+    loss scale), and the detached unscaled losses are returned.
     """
 
     name: str

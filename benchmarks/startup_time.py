@@ -1,0 +1,75 @@
+"""How long `mega --help` and `mega plugins` take to answer (target: under 0.5 s, no torch).
+
+    python benchmarks/startup_time.py            # 10 runs each, writes benchmarks/results/
+
+Both paths only discover plugins; neither may import torch, which alone takes 1.5-2.5 s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+COMMANDS = [["--help"], ["plugins"], ["plugins", "--json"]]
+TARGET_S = 0.5
+
+
+def time_command(argv: list[str], runs: int) -> list[float]:
+    exe = shutil.which("mega") or sys.exit("the `mega` console script is not installed")
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        subprocess.run([exe, *argv], check=True, capture_output=True)
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def main() -> None:
+    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    rows = []
+    for argv in COMMANDS:
+        samples = time_command(argv, runs)
+        rows.append(
+            {
+                "command": "mega " + " ".join(argv),
+                "median_s": round(statistics.median(samples), 4),
+                "max_s": round(max(samples), 4),
+                "runs": runs,
+                "under_target": max(samples) < TARGET_S,
+            }
+        )
+    import click
+    import pluggy
+    import rich  # noqa: F401
+
+    from importlib.metadata import version
+
+    today = datetime.date.today().isoformat()
+    result = {
+        "date": today,
+        "command": " ".join([sys.executable, *sys.argv]),
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "versions": {p: version(p) for p in ("mega", "click", "pluggy", "rich")},
+        "target_s": TARGET_S,
+        "results": rows,
+    }
+    out = Path(__file__).parent / "results" / f"startup_time_{today}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for row in rows:
+        print(f"{row['command']:24s} median {row['median_s']:.3f} s  max {row['max_s']:.3f} s")
+    print(f"wrote {out}")
+    if not all(row["under_target"] for row in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
