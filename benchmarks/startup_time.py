@@ -45,11 +45,9 @@ def main() -> None:
                 "under_target": max(samples) < TARGET_S,
             }
         )
-    import click
-    import pluggy
-    import rich  # noqa: F401
-
     from importlib.metadata import version
+
+    import rich  # noqa: F401
 
     today = datetime.date.today().isoformat()
     result = {
