@@ -38,8 +38,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _isolated_plugins(monkeypatch):
-    """Tests see built-in plugins only, unless they opt back in."""
+def _isolated(monkeypatch, tmp_path):
+    """Tests see built-in plugins only, unless they opt back in, and run in their own directory
+    (a run without --save or --run-dir writes runs/<model>-<time> under the working directory)."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MEGA_DISABLE_PLUGIN_AUTOLOAD", "1")
     monkeypatch.delenv("MEGA_PLUGINS", raising=False)
     monkeypatch.delenv("MEGA_BLOCK_PLUGINS", raising=False)

@@ -113,3 +113,25 @@ def test_default_on_switch_has_a_no_form():
 
     values, errors = FlagTable({"c": C}).parse(["--no-fused"])
     assert values == {"c": {"fused": False}} and not errors
+
+
+# The Megatron-LM flags `mega train` promises to accept (issue: engine and plugin system).
+MEGATRON_FLAGS = """
+--num-layers --hidden-size --ffn-hidden-size --num-attention-heads --group-query-attention
+--num-query-groups --seq-length --max-position-embeddings --position-embedding-type
+--normalization --swiglu --untie-embeddings-and-output-weights --hidden-dropout
+--attention-dropout --micro-batch-size --global-batch-size --lr --min-lr --lr-decay-style
+--lr-decay-iters --lr-warmup-iters --lr-warmup-fraction --weight-decay --clip-grad --adam-beta1
+--adam-beta2 --adam-eps --train-iters --eval-interval --eval-iters --log-interval --save --load
+--save-interval --seed --fp16 --bf16 --loss-scale --initial-loss-scale --min-loss-scale
+--loss-scale-window --hysteresis --tensorboard-dir --data-path --split --mock-data
+""".split()
+
+
+def test_megatron_flags_are_all_accepted(plugins):
+    from mega.core.config import CORE_SECTIONS
+
+    sections = {"model": plugins.models.get("gpt").config_cls, **CORE_SECTIONS}
+    known = set(FlagTable(sections).by_flag)
+    missing = [flag for flag in MEGATRON_FLAGS if flag not in known]
+    assert not missing, f"Megatron flags mega train no longer accepts: {missing}"
