@@ -388,3 +388,31 @@ def test_plugin_registers_spec_without_importing_torch():
     assert isinstance(spec.build(tiny(), ctx), GPTModel)
     code = "import sys, mega.plugins.models.gpt; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_explicit_positions_and_causal_mask_equal_the_defaults(position_embedding_type):
+    model = build(tiny(position_embedding_type=position_embedding_type, hidden_dropout=0.0,
+                       attention_dropout=0.0)).eval()  # fmt: skip
+    ids = tokens(batch=2)
+    positions = torch.arange(SEQ).expand(2, SEQ)
+    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(2, 1, SEQ, SEQ)  # True = masked
+    expected = model(ids)
+    torch.testing.assert_close(model(ids, position_ids=positions), expected)
+    torch.testing.assert_close(model(ids, attention_mask=causal), expected)
+
+
+@pytest.mark.parametrize("position_embedding_type", ["learned_absolute", "rope"])
+def test_reset_positions_and_document_mask_isolate_packed_documents(position_embedding_type):
+    """A document packed after another, with positions restarted and a document-causal mask
+    (Megatron's --reset-position-ids --reset-attention-mask), gives the logits it has alone."""
+    model = build(tiny(position_embedding_type=position_embedding_type, hidden_dropout=0.0,
+                       attention_dropout=0.0)).eval()  # fmt: skip
+    first, second = 5, SEQ - 5
+    ids = tokens(batch=1)
+    positions = torch.cat([torch.arange(first), torch.arange(second)])[None]
+    document = torch.cat([torch.zeros(first), torch.ones(second)]).long()
+    allowed = (document[:, None] == document[None, :]) & torch.ones(SEQ, SEQ).tril().bool()
+    packed = model(ids, position_ids=positions, attention_mask=~allowed[None, None])
+    alone = model(ids[:, first:])
+    torch.testing.assert_close(packed[:, first:], alone, rtol=1e-5, atol=1e-5)

@@ -15,7 +15,8 @@ import torch
 def global_batch(
     source: Any, start: int, global_batch_size: int, micro_batch_size: int, device: torch.device
 ) -> list[dict[str, torch.Tensor]]:
-    """Samples ``start .. start+global_batch_size`` of ``source`` as micro-batch dicts of tensors."""
+    """Samples ``start .. start+global_batch_size`` of ``source`` as micro-batch dicts of tensors
+    (every key the samples have: tokens, labels, loss_mask, and e.g. position_ids)."""
     length = len(source)
     microbatches = []
     for first in range(start, start + global_batch_size, micro_batch_size):
@@ -25,7 +26,7 @@ def global_batch(
                 key: torch.from_numpy(np.stack([s[key] for s in samples])).to(
                     device, non_blocking=True
                 )
-                for key in ("tokens", "labels", "loss_mask")
+                for key in samples[0]
             }
         )
     return microbatches

@@ -7,6 +7,7 @@ Engine(config, plugins).train()
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -54,9 +55,20 @@ class StepResult:
     loss_scale: float  # after this step's update of the scaler (what Megatron logs)
 
 
+# Batch keys a model may take besides tokens and labels; passed when its forward accepts them.
+OPTIONAL_INPUTS = ("position_ids", "attention_mask")
+
+
+def model_inputs(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The micro-batch's optional inputs that ``model.forward`` has parameters for."""
+    accepted = inspect.signature(model.forward).parameters
+    return {k: microbatch[k] for k in OPTIONAL_INPUTS if k in microbatch and k in accepted}
+
+
 def masked_lm_loss(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean per-token loss over the tokens the loss mask keeps (fp32 scalar)."""
-    per_token = model(microbatch["tokens"], labels=microbatch["labels"])
+    extra = model_inputs(model, microbatch)
+    per_token = model(microbatch["tokens"], labels=microbatch["labels"], **extra)
     mask = microbatch["loss_mask"].to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -272,3 +272,39 @@ def resolved_as_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
             values = {"name": config.model_name, **values}
         out[name] = values
     return out
+
+
+def parse_sections(
+    argv: list[str], sections: dict[str, type], owners: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Flags -> one instance per section class, for commands other than ``train``.
+
+    ``mega preprocess`` uses it to take ``--tokenizer-type``'s own flags exactly as training does.
+    Every problem (unknown flag, bad value, a section's ``validate()``) is raised together.
+    """
+    table = FlagTable(sections, owners)
+    values, errors = table.parse(argv)
+    errors = [*table.conflicts, *errors]
+    built: dict[str, Any] = {}
+    for section, cls in sections.items():
+        try:
+            built[section] = cls(**values.get(section, {}))
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{section}: {exc}")
+            continue
+        check = getattr(built[section], "validate", None)
+        if callable(check):
+            errors += check()
+    if errors:
+        raise MegaUsageError(errors)
+    return built
+
+
+def tokenizer_choice(
+    argv: list[str], plugins: Plugins, default: str | None = None
+) -> tuple[str, Any]:
+    """The ``--tokenizer-type`` named in ``argv`` (or ``default``) and its spec."""
+    name = _scan_selectors(argv).get("--tokenizer-type") or default
+    if name is None:
+        raise MegaUsageError("--tokenizer-type is required")
+    return name, plugins.tokenizers.get(name)

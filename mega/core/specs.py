@@ -74,7 +74,9 @@ class ModelSpec:
     """A model family. ``build`` returns a single-device ``nn.Module``; parallelism is applied outside.
 
     The module's ``forward(tokens, labels=None)`` takes int64 ``[b, s]`` token ids and returns the
-    logits ``[b, s, v]`` or, given labels, the per-token loss ``[b, s]`` in float32.
+    logits ``[b, s, v]`` or, given labels, the per-token loss ``[b, s]`` in float32. If forward
+    also has parameters named ``position_ids`` (``[b, s]``) or ``attention_mask`` (bool
+    ``[b, 1, s, s]``, True = masked), the engine passes them when the dataset provides them.
     """
 
     name: str

@@ -27,20 +27,29 @@ def _norm(cfg: GPTConfig, size: int) -> nn.Module:
 
 
 def rotary_cos_sin(
-    seq_length: int, dim: int, base: float, device: torch.device | None = None
+    seq_length: int,
+    dim: int,
+    base: float,
+    device: torch.device | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin ``[s, d]`` in float32 for Megatron's non-interleaved (rotate-half) RoPE."""
+    """cos and sin in float32 for Megatron's non-interleaved (rotate-half) RoPE: ``[s, d]`` for
+    positions 0..s-1, or ``[b, s, d]`` for explicit ``position_ids [b, s]``."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
-    positions = torch.arange(seq_length, dtype=torch.float32, device=device)
-    freqs = torch.outer(positions, inv_freq)  # [s, d/2]
+    if position_ids is None:
+        positions = torch.arange(seq_length, dtype=torch.float32, device=device)
+    else:
+        positions = position_ids.to(torch.float32)
+    freqs = positions[..., None] * inv_freq  # [s, d/2] or [b, s, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]: both halves share a frequency
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [b, s, heads, d]`` by position; cos/sin ``[s, d]`` are cast to x's dtype (Megatron)."""
-    cos = cos[:, None, :].to(x.dtype)  # [s, 1, d] broadcasts over batch and heads
-    sin = sin[:, None, :].to(x.dtype)
+    """Rotate ``x [b, s, heads, d]`` by position; cos/sin ``[s, d]`` or ``[b, s, d]`` are cast to
+    x's dtype (Megatron)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)  # [s, 1, d] or [b, s, 1, d]: broadcast over heads
+    sin = sin.unsqueeze(-2).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -54,7 +63,9 @@ class Embedding(nn.Module):
             self.position_embeddings = nn.Embedding(max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.word_embeddings(tokens)  # [b, s, h]
         if self.position_embeddings is not None:
             seq_length = tokens.shape[1]
@@ -63,8 +74,10 @@ class Embedding(nn.Module):
                     f"sequence length {seq_length} exceeds --max-position-embeddings "
                     f"({self.position_embeddings.num_embeddings})"
                 )
-            positions = torch.arange(seq_length, device=tokens.device)
-            hidden = hidden + self.position_embeddings(positions)[None]
+            if position_ids is None:
+                hidden = hidden + self.position_embeddings.weight[:seq_length][None]
+            else:  # [b, s]: positions restart after each document with --reset-position-ids
+                hidden = hidden + self.position_embeddings(position_ids)
         return self.embedding_dropout(hidden)
 
 
@@ -82,7 +95,10 @@ class SelfAttention(nn.Module):
         self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden.shape
         per_group, d = self.heads_per_group, self.head_dim
@@ -99,8 +115,10 @@ class SelfAttention(nn.Module):
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
+            # Megatron's mask is True where attention is *not* allowed; SDPA's is the opposite.
+            attn_mask=None if attention_mask is None else ~attention_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=True,
+            is_causal=attention_mask is None,
             enable_gqa=per_group > 1,  # only when needed: not every fused kernel supports it
         )
         context = context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
@@ -138,9 +156,12 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), rotary)
+        attention = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
         hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
@@ -156,12 +177,19 @@ class TransformerBlock(nn.Module):
         self.head_dim = cfg.resolved_kv_channels()
         self.rotary_base = cfg.rotary_base
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         rotary = None
         if self.rope:
-            rotary = rotary_cos_sin(hidden.shape[1], self.head_dim, self.rotary_base, hidden.device)
+            rotary = rotary_cos_sin(
+                hidden.shape[1], self.head_dim, self.rotary_base, hidden.device, position_ids
+            )
         for layer in self.layers:
-            hidden = layer(hidden, rotary)
+            hidden = layer(hidden, rotary, attention_mask)
         return self.final_layernorm(hidden)
 
 
@@ -221,8 +249,17 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.decoder(self.embedding(tokens))  # [b, s, h]
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``tokens [b, s]``; optional ``position_ids [b, s]`` (--reset-position-ids) and
+        ``attention_mask [b, 1, s, s]`` bool, True = masked (--reset-attention-mask)."""
+        hidden = self.embedding(tokens, position_ids)  # [b, s, h]
+        hidden = self.decoder(hidden, position_ids, attention_mask)
         logits = F.linear(hidden, self.output_weight())  # [b, s, V]
         if labels is None:
             return logits
