@@ -135,3 +135,34 @@ def test_megatron_flags_are_all_accepted(plugins):
     known = set(FlagTable(sections).by_flag)
     missing = [flag for flag in MEGATRON_FLAGS if flag not in known]
     assert not missing, f"Megatron flags mega train no longer accepts: {missing}"
+
+
+def test_inverted_switches_take_explicit_values(plugins):
+    on = resolve_config(["--disable-bias-linear=true"], plugins)
+    off = resolve_config(["--disable-bias-linear=false"], plugins)
+    assert on.model.add_bias_linear is False and off.model.add_bias_linear is True
+    assert resolve_config(["--mock-data=false"], plugins).dataset_name == "embedded"
+
+
+@pytest.mark.parametrize("argv", [["--model"], ["--model", "--lr", "1"], ["--config"]])
+def test_selector_without_value_is_an_error(plugins, argv):
+    with pytest.raises(MegaUsageError, match=f"flag {argv[0]} needs a value"):
+        resolve_config(argv, plugins)
+
+
+def test_group_query_attention_defaults_to_one_group_as_megatron(plugins):
+    config = resolve_config(["--group-query-attention"], plugins)
+    assert config.model.resolved_num_query_groups() == 1
+
+
+def test_values_that_would_crash_later_are_validated(tmp_path: Path, plugins):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    argv = ["--seed", "-1", "--make-vocab-size-divisible-by", "0", "--lr", "nan",
+            "--run-dir", str(blocker / "run"), "--fp16", "--initial-loss-scale", "0"]  # fmt: skip
+    with pytest.raises(MegaUsageError) as info:
+        resolve_config(argv, plugins)
+    joined = "\n".join(info.value.messages)
+    for fragment in ("--seed must not be negative", "--make-vocab-size-divisible-by",
+                     "--lr must be a positive number", "--run-dir", "--initial-loss-scale"):  # fmt: skip
+        assert fragment in joined, joined

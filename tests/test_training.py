@@ -250,3 +250,48 @@ def test_shutdown_fires_when_setup_fails(tmp_path: Path):
     with pytest.raises(MegaUsageError, match="dataset 'embedded'"):
         train(args, plugins, tmp_path)
     assert seen == ["MegaUsageError"]
+
+
+class NanAt(OverflowAt):
+    """GPT whose loss becomes NaN on one forward call."""
+
+    @hookimpl
+    def register_models(self, register):
+        from mega.plugins.models.gpt import GPTConfig, _build, flops_per_token
+
+        target = self.call
+
+        def build(cfg, ctx):
+            model = _build(cfg, ctx)
+            forward, calls = model.forward, [0]
+
+            def poisoned(tokens, labels=None, **kwargs):
+                out = forward(tokens, labels, **kwargs)
+                calls[0] += 1
+                return out * float("nan") if calls[0] == target and labels is not None else out
+
+            model.forward = poisoned
+            return model
+
+        register(ModelSpec(name="gpt-nan", config_cls=GPTConfig, build=build,
+                           flops_per_token=flops_per_token))  # fmt: skip
+
+
+def test_nan_in_fp32_stops_before_the_update(tmp_path: Path):
+    from mega.core.errors import MegaRunError
+
+    plugins = make_plugins(extra=[("nan", NanAt(call=2))])
+    args = [*TINY, "--model", "gpt-nan", "--train-iters", "4", "--micro-batch-size", "8"]
+    with pytest.raises(MegaRunError, match="iteration 2: NaN or inf in the gradients"):
+        train(args, plugins, tmp_path)
+
+
+def test_nan_in_fp16_is_skipped_and_counted_as_a_nan_iteration(tmp_path: Path):
+    plugins = make_plugins(extra=[("nan", NanAt(call=2))])
+    args = [*TINY, "--model", "gpt-nan", "--train-iters", "4", "--micro-batch-size", "8",
+            "--fp16", "--initial-loss-scale", "1024"]  # fmt: skip
+    engine = train(args, plugins, tmp_path)
+    rows = [json.loads(x) for x in (engine.run_dir / "metrics.jsonl").read_text().splitlines()]
+    second = next(r for r in rows if r["iteration"] == 2)
+    assert second["skipped_iterations"] == 1 and second["nan_iterations"] == 1
+    assert all(math.isfinite(p.detach().float().sum()) for p in engine.model.parameters())

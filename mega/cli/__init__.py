@@ -9,7 +9,7 @@ import sys
 
 import click
 
-from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.core.errors import MegaRunError, MegaUsageError, unknown_name_message
 
 
 class MegaGroup(click.Group):
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         for message in exc.messages:
             click.echo(f"error: {message}", err=True)
         sys.exit(2)
+    except MegaRunError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(1)
     except click.UsageError as exc:
         click.echo(f"error: {exc.format_message()}", err=True)
         sys.exit(2)

@@ -106,7 +106,7 @@ def find_checkpoint(path: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _unwritable(path: Path) -> str | None:
+def unwritable_reason(path: Path) -> str | None:
     """Why ``path`` could not become a writable directory, without creating anything."""
     existing = path
     while not existing.exists():
@@ -130,7 +130,7 @@ def validate_checkpoint_dirs(cfg: Any) -> list[str]:
     """Problems with ``--save`` and ``--load``, found before anything starts."""
     errors = []
     if cfg.save:
-        problem = _unwritable(Path(cfg.save))
+        problem = unwritable_reason(Path(cfg.save))
         if problem:
             errors.append(f"--save {cfg.save}: not a writable directory ({problem})")
     if cfg.load:

@@ -7,7 +7,9 @@ Defaults train the small quickstart GPT on a CPU in about a minute.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from mega.core.fields import option
@@ -36,6 +38,8 @@ class TrainingConfig:
             errors.append("--global-batch-size must be at least 1")
         if self.eval_interval < 1 or self.eval_iters < 0:
             errors.append("--eval-interval must be at least 1 and --eval-iters at least 0")
+        if self.seed < 0:
+            errors.append("--seed must not be negative")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             errors.append(f"--device must be cpu, cuda or auto, not '{self.device}'")
         return errors
@@ -56,8 +60,8 @@ class OptimizerConfig:
 
     def validate(self) -> list[str]:
         errors = []
-        if self.lr <= 0:
-            errors.append("--lr must be positive")
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            errors.append("--lr must be a positive number")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             errors.append("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
@@ -82,6 +86,24 @@ class SchedulerConfig:
         choices=("exponential", "linear", "cosine", "minus_sqrt"),
     )
     lr_wsd_decay_iters: int | None = option(None, "Annealing iterations of the WSD schedule.")
+    override_opt_param_scheduler: bool = option(
+        False,
+        "On --load, use the command line's schedule even if the checkpoint's differs.",
+        flag="--override-opt_param-scheduler",
+    )
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False,
+        "On --load, use the checkpoint's schedule instead of the command line's.",
+        flag="--use-checkpoint-opt_param-scheduler",
+    )
+
+    def validate(self) -> list[str]:
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            return [
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler"
+                " cannot both be set"
+            ]
+        return []
 
 
 @dataclass(kw_only=True)
@@ -102,6 +124,8 @@ class PrecisionConfig:
             errors.append("--loss-scale must be positive")
         if self.hysteresis < 1 or self.loss_scale_window < 1:
             errors.append("--hysteresis and --loss-scale-window must be at least 1")
+        if not (self.initial_loss_scale > 0 and self.min_loss_scale > 0):
+            errors.append("--initial-loss-scale and --min-loss-scale must be positive")
         return errors
 
     @property
@@ -129,6 +153,25 @@ class LoggingConfig:
         None, "Where metrics.jsonl goes (default: the --save directory, else runs/<time>)."
     )
 
+    def validate(self) -> list[str]:
+        import importlib.util
+
+        from mega.core.checkpointing import unwritable_reason
+
+        errors = []
+        for flag, path in (
+            ("--run-dir", self.run_dir),
+            ("--tensorboard-dir", self.tensorboard_dir),
+        ):
+            problem = path and unwritable_reason(Path(path))
+            if problem:
+                errors.append(f"{flag} {path}: not a writable directory ({problem})")
+        if self.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            errors.append(
+                "--tensorboard-dir needs the tensorboard package: pip install 'mega[tensorboard]'"
+            )
+        return errors
+
 
 @dataclass(kw_only=True)
 class DataConfig:
@@ -143,6 +186,11 @@ class DataConfig:
     tokenizer_type: str | None = option(None, "Tokenizer plugin (default: the dataset's choice).")
     make_vocab_size_divisible_by: int = option(128, "Pad the vocabulary to a multiple of this.")
     data_cache_path: str | None = option(None, "Where dataset index caches go.")
+
+    def validate(self) -> list[str]:
+        if self.make_vocab_size_divisible_by < 1:
+            return ["--make-vocab-size-divisible-by must be at least 1"]
+        return []
 
 
 @dataclass(kw_only=True)

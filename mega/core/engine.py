@@ -26,7 +26,7 @@ from mega.core.checkpointing import (
 )
 from mega.core.config import RunConfig
 from mega.core.console import Display
-from mega.core.errors import MegaUsageError
+from mega.core.errors import MegaRunError, MegaUsageError
 from mega.core.lr_schedule import LRSchedule, resolve_warmup_iters
 from mega.core.metrics import (
     IntervalStats,
@@ -35,7 +35,7 @@ from mega.core.metrics import (
     format_eval_line,
     format_iteration_line,
 )
-from mega.core.optimizer import MixedPrecisionAdamW
+from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
 from mega.core.plugins import Plugins
 from mega.core.resolve import resolved_as_dict
 from mega.core.rng import capture_rng_state, restore_rng_state, seed_everything
@@ -94,6 +94,7 @@ class Engine:
         self.skipped_total = 0
         self.nan_total = 0
         self._sinks: list[Any] = []
+        self.interval = IntervalStats()  # what the next iteration line will summarise
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
 
@@ -217,7 +218,6 @@ class Engine:
         error: BaseException | None = None
         try:
             self.setup()
-            interval = IntervalStats()
             self.display.start_progress(t.train_iters, self.iteration, "training")
             while self.iteration < t.train_iters:
                 iteration = self.iteration + 1
@@ -225,11 +225,19 @@ class Engine:
                 batch = global_batch(
                     self.splits.train, self.consumed_samples, gbs, t.micro_batch_size, self.device
                 )
-                result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
+                try:
+                    result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
+                except NonFiniteGradients as exc:
+                    raise MegaRunError(
+                        f"iteration {iteration}: NaN or inf in the gradients ({exc});"
+                        " stopped before applying them. Lower --lr, or use --fp16 loss scaling"
+                        " to skip such steps"
+                    ) from None
                 self.iteration, self.consumed_samples = iteration, self.consumed_samples + gbs
+                interval = self.interval
                 interval.iterations += 1
                 if result.skipped:
-                    interval.skipped += 1
+                    interval.skipped_losses.append(result.loss)
                     self.skipped_total += 1
                 else:
                     interval.losses.append(result.loss)
@@ -238,7 +246,7 @@ class Engine:
                 # iteration 1 too, so a run shows where its loss started
                 if iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
                     metrics.update(self._log(interval, result))
-                    last, interval = metrics, IntervalStats()
+                    last, self.interval = metrics, IntervalStats()
                 hook.step_end(engine=self, iteration=iteration, metrics=metrics)
                 self.display.advance(iteration, f"loss {last.get('lm_loss', float('nan')):.3f}")
                 if (
@@ -273,7 +281,9 @@ class Engine:
         elapsed_ms = interval.elapsed_ms_per_iteration()
         losses = torch.stack(interval.losses).float().tolist() if interval.losses else []
         finite = [x for x in losses if math.isfinite(x)]
-        nan_count = len(losses) - len(finite)
+        # Megatron counts a NaN iteration when a *skipped* step's loss was inf or NaN
+        skipped = [float(x) for x in interval.skipped_losses]
+        nan_count = sum(not math.isfinite(x) for x in skipped)
         self.nan_total += nan_count
         tokens_per_s = cfg.global_batch_size * t.seq_length / (elapsed_ms / 1000.0)
         metrics: dict[str, float] = {
@@ -315,7 +325,9 @@ class Engine:
         return float(torch.stack(losses).mean())
 
     def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
+        started = time.perf_counter()
         loss = self.evaluate(source, first_sample)
+        self.interval.excluded += time.perf_counter() - started  # not training time
         self.display.print(format_eval_line(label, loss))
         for sink in self._sinks:
             sink.write({"iteration": self.iteration, "valid_lm_loss": loss})
@@ -346,13 +358,17 @@ class Engine:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "rng": capture_rng_state(),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "interval": self.interval.state_dict(),  # so a mid-interval resume logs the same
             "config": resolved_as_dict(self.config),
         }
 
     def save(self) -> Path:
         cfg = self.config.checkpoint
         backend = self.plugins.checkpoint_backends.get(cfg.ckpt_format)
+        started = time.perf_counter()
         path = save_checkpoint(cfg.save, self.iteration, self.state_dict(), backend)
+        self.interval.excluded += time.perf_counter() - started  # not training time
         self._last_saved = self.iteration
         self.display.print(f" saved checkpoint at iteration {self.iteration:8d} to {path}")
         self.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=self.iteration)
@@ -371,10 +387,46 @@ class Engine:
             raise MegaUsageError(
                 f"--load {directory}: does not match this model ({first})"
             ) from None
+        self._check_schedule(directory, state["lr_schedule"])
+        self._warn_on_data_changes(state["config"])
         restore_rng_state(state["rng"])
+        self.interval = IntervalStats.from_state_dict(state["interval"])
         self.iteration = int(state["iteration"])
         self.consumed_samples = int(state["consumed_samples"])
         self.skipped_total = int(state["skipped_total"])
         self.nan_total = int(state["nan_total"])
         self._last_saved = self.iteration
         self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")
+
+    def _check_schedule(self, directory: Path, saved: dict[str, Any]) -> None:
+        """Megatron's rule: the LR schedule must match the checkpoint's unless told which wins."""
+        s = self.config.scheduler
+        if s.use_checkpoint_opt_param_scheduler:
+            self.lr_schedule = LRSchedule.from_state_dict(saved)
+            return
+        problems = self.lr_schedule.mismatches(saved)
+        if problems and not s.override_opt_param_scheduler:
+            raise MegaUsageError(
+                f"--load {directory}: the learning-rate schedule differs from the checkpoint's"
+                f" ({'; '.join(problems)}). Pass --override-opt_param-scheduler to use the"
+                " command line's, or --use-checkpoint-opt_param-scheduler to use the checkpoint's"
+            )
+
+    def _warn_on_data_changes(self, saved: dict[str, Any]) -> None:
+        """A different seed, batch or sequence length silently changes the data order: say so."""
+        now = resolved_as_dict(self.config)
+        for section, key in (
+            ("training", "seed"),
+            ("training", "seq_length"),
+            ("training", "global_batch_size"),
+            ("training", "micro_batch_size"),
+            ("data", "split"),
+            ("data", "data_path"),
+        ):
+            before, after = saved.get(section, {}).get(key), now.get(section, {}).get(key)
+            if before != after:
+                flag = "--" + key.replace("_", "-")
+                self.display.print(
+                    f" warning: {flag} is {after!r} but the checkpoint was trained with"
+                    f" {before!r}: the data seen after resuming differs from the original run"
+                )

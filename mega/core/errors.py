@@ -14,6 +14,10 @@ class MegaUsageError(Exception):
         super().__init__("; ".join(self.messages))
 
 
+class MegaRunError(Exception):
+    """A run that cannot go on (e.g. NaN gradients): one ``error:`` line, exit code 1."""
+
+
 def closest(name: str, choices: Iterable[str]) -> str | None:
     """The most similar choice to ``name``, or None when nothing is close."""
     choices = list(choices)

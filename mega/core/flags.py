@@ -126,9 +126,17 @@ class FlagTable:
                 while i < len(argv) and not argv[i].startswith("--"):
                     i += 1
                 continue
+            inverted = flag.base_type is bool and (name not in flag.flags or not flag.switch_value)
             if flag.base_type is bool and not eq:
                 # the generated --no-<name> form turns a default-on switch off
-                value: Any = False if name not in flag.flags else flag.switch_value
+                value: Any = not inverted
+            elif flag.base_type is bool:
+                # --disable-bias-linear=true means "disable": negate for inverted switches
+                try:
+                    value = flag.convert(inline) != inverted
+                except ValueError as exc:
+                    errors.append(f"flag {name}: {exc}")
+                    continue
             elif eq:
                 value = inline.split() if flag.base_type is list else inline
             else:

@@ -18,13 +18,40 @@ class IntervalStats:
     """What happened since the last iteration line (Megatron reports per-interval counts)."""
 
     started: float = field(default_factory=time.perf_counter)
+    excluded: float = 0.0  # seconds spent in evaluation and saving: not training time
     iterations: int = 0
-    losses: list[Any] = field(default_factory=list)  # device tensors of non-skipped steps
-    skipped: int = 0
+    losses: list[Any] = field(default_factory=list)  # device tensors of applied steps
+    skipped_losses: list[Any] = field(default_factory=list)  # of steps the loss scaler skipped
     grad_norm: Any = None
 
+    @property
+    def skipped(self) -> int:
+        return len(self.skipped_losses)
+
     def elapsed_ms_per_iteration(self) -> float:
-        return (time.perf_counter() - self.started) * 1000.0 / max(self.iterations, 1)
+        elapsed = time.perf_counter() - self.started - self.excluded
+        return elapsed * 1000.0 / max(self.iterations, 1)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Losses as floats: a checkpoint mid-interval resumes to print the same averages."""
+        as_floats = lambda xs: [float(x) for x in xs]  # noqa: E731
+        return {
+            "iterations": self.iterations,
+            "losses": as_floats(self.losses),
+            "skipped_losses": as_floats(self.skipped_losses),
+            "grad_norm": None if self.grad_norm is None else float(self.grad_norm),
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> IntervalStats:
+        import torch
+
+        return cls(
+            iterations=int(state["iterations"]),
+            losses=[torch.tensor(x) for x in state["losses"]],
+            skipped_losses=[torch.tensor(x) for x in state["skipped_losses"]],
+            grad_norm=state["grad_norm"],
+        )
 
 
 def format_iteration_line(m: dict[str, float], train_iters: int) -> str:

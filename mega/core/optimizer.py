@@ -19,6 +19,10 @@ import torch
 from mega.core.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 
 
+class NonFiniteGradients(ArithmeticError):
+    """NaN or inf in the gradients of a run without a loss scaler (fp32, bf16)."""
+
+
 @dataclass
 class StepOutcome:
     skipped: bool  # the loss scaler found inf/NaN gradients and the update was not applied
@@ -117,6 +121,11 @@ class MixedPrecisionAdamW:
             for master in self.masters:
                 master.grad = master.main_grad
         grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
+        if self.scaler is None and grad_norm is not None and not torch.isfinite(grad_norm):
+            # Megatron's default (--check-for-nan-in-loss-and-grad): stop, do not apply NaNs.
+            # One host sync per step; fp16 already syncs for its overflow check above.
+            self.zero_grad()
+            raise NonFiniteGradients(f"the gradient norm is {float(grad_norm)}")
         if self.clip_grad > 0 and grad_norm is not None:
             # clip on the device with the norm just computed: no host sync
             torch.nn.utils.clip_grads_with_norm_(

@@ -51,18 +51,23 @@ def load_config_file(path: str) -> dict[str, Any]:
 
 
 def _scan_selectors(argv: list[str]) -> dict[str, Any]:
-    """The few flags that decide which plugins' flags exist; read before the full parse."""
+    """The few flags that decide which plugins' flags exist; read before the full parse.
+
+    A selector without its value is an error here: the full parse never sees --model/--config.
+    """
     found: dict[str, Any] = {}
     for i, token in enumerate(argv):
         name, eq, inline = token.partition("=")
         if name not in SELECTOR_FLAGS:
             continue
         if name == "--mock-data":
-            found[name] = True
-        elif eq:
+            found[name] = inline.lower() in ("true", "1") if eq else True
+        elif eq and inline:
             found[name] = inline
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+        elif not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
             found[name] = argv[i + 1]
+        else:
+            raise MegaUsageError(f"flag {name} needs a value")
     return found
 
 

@@ -27,7 +27,7 @@ class GPTConfig:
     num_attention_heads: int = option(4, "Number of attention (query) heads.")
     group_query_attention: bool = option(False, "Use grouped-query attention (GQA).")
     num_query_groups: int | None = option(
-        None, "Number of key/value groups with --group-query-attention. Default: one per head."
+        None, "Key/value groups with --group-query-attention (default 1, as in Megatron)."
     )
     kv_channels: int | None = option(
         None, "Per-head projection size. Default: hidden size / number of attention heads."
@@ -58,9 +58,10 @@ class GPTConfig:
     # ---- derived sizes -------------------------------------------------------------------------
 
     def resolved_num_query_groups(self) -> int:
-        """Key/value heads: --num-query-groups under --group-query-attention, else one per head."""
-        if self.group_query_attention and self.num_query_groups is not None:
-            return self.num_query_groups
+        """Key/value heads: --num-query-groups under --group-query-attention (Megatron's default
+        there is 1, i.e. multi-query attention), else one per head."""
+        if self.group_query_attention:
+            return self.num_query_groups if self.num_query_groups is not None else 1
         return self.num_attention_heads
 
     def resolved_kv_channels(self) -> int:

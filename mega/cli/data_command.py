@@ -1,0 +1,237 @@
+"""``mega data``: look inside Megatron ``.bin/.idx`` datasets.
+
+``mega data inspect --data-path P [--split 949,50,1] --seq-length S --seed N [--train-samples T]
+[--sample i[:j]] [--json] [--tokenizer-type NAME ...]`` builds (or loads from the cache) the
+train split's indices exactly as ``mega train`` would for ``T`` samples (default: one epoch) and
+prints samples ``i..j-1``: decoded through the tokenizer, or with ``--json`` one line per sample
+``{"index": i, "tokens": [...], "labels": [...]}``. A summary of documents (sequences), tokens and
+samples per split comes first (on stderr with ``--json``, so stdout stays JSON lines).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from mega import hookimpl
+from mega.core.config import TrainingConfig
+from mega.core.errors import MegaUsageError
+from mega.core.fields import default_of, option
+
+DEFAULT_SAMPLES = "0:3"
+
+
+@dataclass(kw_only=True)
+class InspectConfig:
+    data_path: list[str] = option(
+        [], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2.", nargs="+"
+    )
+    split: str = option("969,30,1", "Train/valid/test proportions, e.g. 949,50,1.")
+    seq_length: int = option(
+        default_of(TrainingConfig.__dataclass_fields__["seq_length"]), "Tokens per sample."
+    )
+    seed: int = option(default_of(TrainingConfig.__dataclass_fields__["seed"]), "Data-order seed.")
+    train_samples: int | None = option(
+        None, "Samples the train index is built for (as in training; default one epoch)."
+    )
+    sample: str = option(DEFAULT_SAMPLES, "Which train samples to print: i or i:j (j exclusive).")
+    json: bool = option(False, "Write one JSON line per sample (index, tokens, labels).")
+    data_cache_path: str | None = option(None, "Where dataset index caches go.")
+    tokenizer_type: str | None = option(
+        None, "Tokenizer plugin that decodes the samples (default: print token ids)."
+    )
+
+    def validate(self) -> list[str]:
+        errors = []
+        if not self.data_path:
+            errors.append("--data-path is required")
+        if self.seq_length < 1:
+            errors.append("--seq-length must be at least 1")
+        if self.train_samples is not None and self.train_samples < 1:
+            errors.append("--train-samples must be at least 1")
+        return errors
+
+
+def parse_sample_range(text: str, length: int) -> range:
+    """``"5"`` -> 5..5, ``"2:7"`` -> 2..6, ``"3:"`` -> 3..end, checked against ``length``."""
+    start_text, colon, stop_text = text.partition(":")
+    try:
+        start = int(start_text) if start_text.strip() else 0
+        stop = (int(stop_text) if stop_text.strip() else length) if colon else start + 1
+    except ValueError:
+        raise MegaUsageError(f"--sample {text!r}: expected i or i:j (integers)") from None
+    if not 0 <= start < stop <= length:
+        raise MegaUsageError(
+            f"--sample {text}: out of range; the train split has {length:,} samples (0..{length - 1})"
+        )
+    return range(start, stop)
+
+
+def _help_text(sections: dict[str, type]) -> str:
+    from mega.core.flags import FlagTable
+
+    lines = [
+        "Usage: mega data inspect --data-path PREFIX [FLAGS...]",
+        "",
+        "Print train samples of a .bin/.idx dataset as `mega train` would read them, and a",
+        "summary of documents, tokens and samples per split. Tokenizer flags appear once",
+        "--tokenizer-type is given.",
+    ]
+    current = None
+    for flag in FlagTable(sections).by_key.values():
+        if flag.section != current:
+            current = flag.section
+            lines += ["", f"{current}:"]
+        names = ", ".join(flag.flags)
+        if flag.base_type is not bool:
+            names += " VALUE..." if flag.base_type is list else " VALUE"
+        shown = f" [default: {flag.default}]" if flag.default not in (None, [], False) else ""
+        lines.append(f"  {names:36s} {flag.help}{shown}")
+    return "\n".join(lines)
+
+
+def _summary_rows(built: Any, prefixes: list[str], weights: list[float] | None, config) -> list:
+    """(split, prefix, weight, documents, tokens, epochs, samples) rows; train from the build."""
+    from mega.plugins.datasets.gpt.builder import prefix_summary
+
+    trained = {part.prefix: part for part in built.parts if part.split == "train"}
+    rows = []
+    for d, prefix in enumerate(prefixes):
+        weight = "" if weights is None else f"{weights[d]:.4g}"
+        for part in prefix_summary(prefix, config.split):
+            documents = part.sequences[1] - part.sequences[0]
+            if part.split == "train" and prefix in trained:
+                train = trained[prefix]
+                epochs, samples = str(train.epochs), f"{train.samples:,}"
+            else:
+                per_epoch = max(0, (part.tokens - 1) // config.seq_length) if documents else 0
+                epochs, samples = ("1" if documents else "-"), f"{per_epoch:,}"
+            rows.append(
+                (part.split, prefix, weight, f"{documents:,}", f"{part.tokens:,}", epochs, samples)
+            )
+    return rows
+
+
+def _print_summary(rows: list, footer: list[str], to_stderr: bool) -> None:
+    columns = ("split", "prefix", "weight", "documents", "tokens", "epochs", "samples")
+    stream = sys.stderr if to_stderr else sys.stdout
+    if stream.isatty():
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="mega data inspect")
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("split", "prefix") else "right")
+        for row in rows:
+            table.add_row(*row)
+        console = Console(file=stream)
+        console.print(table)
+        for line in footer:
+            console.print(line, highlight=False, markup=False)
+        return
+    for row in rows:
+        fields = dict(zip(columns, row, strict=True))
+        weight = f" weight {fields['weight']}" if fields["weight"] else ""
+        click.echo(
+            f"{fields['split']:5s} {fields['prefix']}{weight}: documents {fields['documents']},"
+            f" tokens {fields['tokens']}, epochs {fields['epochs']}, samples {fields['samples']}",
+            err=to_stderr,
+        )
+    for line in footer:
+        click.echo(line, err=to_stderr)
+
+
+def run_inspect(args: list[str]) -> None:
+    from mega.cli import current_plugins
+    from mega.core.resolve import parse_sections, tokenizer_choice
+    from mega.plugins.datasets.gpt import GPTDatasetConfig, sample_options
+
+    plugins = current_plugins()
+    sections: dict[str, type] = {"inspect": InspectConfig, "dataset": GPTDatasetConfig}
+    owners = {"inspect": "mega data inspect", "dataset": "dataset 'gpt'"}
+    tokenizer_spec = None
+    if any(a == "--tokenizer-type" or a.startswith("--tokenizer-type=") for a in args):
+        name, tokenizer_spec = tokenizer_choice(args, plugins)
+        sections["tokenizer"] = tokenizer_spec.config_cls
+        owners["tokenizer"] = f"tokenizer '{name}'"
+    if "--help" in args or "-h" in args:
+        click.echo(_help_text(sections))
+        return
+    parsed = parse_sections(args, sections, owners)
+    config: InspectConfig = parsed["inspect"]
+    tokenizer = None
+    if tokenizer_spec is not None:
+        try:
+            tokenizer = tokenizer_spec.build(parsed["tokenizer"])
+        except (ValueError, OSError) as exc:
+            raise MegaUsageError(f"--tokenizer-type {config.tokenizer_type}: {exc}") from None
+
+    from mega.plugins.datasets.gpt.blending import normalize, parse_blend
+    from mega.plugins.datasets.gpt.builder import build_gpt_splits
+
+    dataset_config: Any = parsed["dataset"]
+    try:
+        prefixes, weights = parse_blend(config.data_path)
+        built = build_gpt_splits(
+            config.data_path,
+            config.split,
+            (config.train_samples, 0, 0),
+            seed=config.seed,
+            options=sample_options(dataset_config, config.seq_length, tokenizer),
+            cache_path=config.data_cache_path,
+            surplus=dataset_config.mid_level_dataset_surplus,
+            wanted=(True, False, False),
+        )
+        rows = _summary_rows(built, prefixes, normalize(weights) if weights else None, config)
+    except (ValueError, FileNotFoundError) as exc:
+        raise MegaUsageError(str(exc)) from None
+    train = built.splits[0]
+    statuses = sorted({part.cache for part in built.parts} | set(built.blend_cache.values()))
+    footer = [
+        f"train samples: {len(train):,} of --seq-length {config.seq_length}, --seed {config.seed}",
+        f"index cache: {', '.join(statuses)} ({built.cache_dir})",
+    ]
+    _print_summary(rows, footer, to_stderr=config.json)
+    for index in parse_sample_range(config.sample, len(train)):
+        sample = train[index]
+        tokens, labels = sample["tokens"].tolist(), sample["labels"].tolist()
+        if config.json:
+            click.echo(json.dumps({"index": index, "tokens": tokens, "labels": labels}))
+            continue
+        if tokenizer is None:
+            text = " ".join(map(str, tokens))
+        else:
+            try:
+                text = tokenizer.detokenize(tokens)
+            except Exception as exc:  # a tokenizer that does not match the data
+                raise MegaUsageError(
+                    f"sample {index}: --tokenizer-type {config.tokenizer_type} cannot decode"
+                    f" it ({exc})"
+                ) from None
+        click.echo(f"--- sample {index} ---")
+        click.echo(text)
+
+
+@click.group("data")
+def data_group() -> None:
+    """Inspect Megatron .bin/.idx datasets."""
+
+
+@data_group.command(
+    "inspect",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def inspect_command(args: tuple[str, ...]) -> None:
+    """Print train samples and per-split counts (`mega data inspect --help` lists the flags)."""
+    run_inspect(list(args))
+
+
+@hookimpl
+def register_commands(register: Any) -> None:
+    register(data_group)
