@@ -133,3 +133,30 @@ def by_id(vocab: dict[str, int]) -> dict[str, int]:
 def as_ids(ids: Any) -> list[int]:
     """Token ids from a list, tuple or numpy array, as plain ints."""
     return [int(i) for i in ids]
+
+
+class BatchEncodingMixin:
+    """``tokenize``/``tokenize_batch`` for tokenizers built on Hugging Face's ``tokenizers``.
+
+    The class sets ``_encode_batch`` (the library's batch encoder: Rust, all cores) and may set
+    ``_add_special_tokens``. Text the library rejects (lone surrogates) is cleaned and retried.
+    """
+
+    _add_special_tokens = False
+    _encode_batch: Callable[..., Any]
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenize_batch([text])[0]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many texts at once, encoded in parallel by the Rust library."""
+        special = self._add_special_tokens
+        try:
+            encodings = self._encode_batch(texts, add_special_tokens=special)
+        except TypeError:
+            check_texts(texts)
+            fixed = encodable(texts)
+            if fixed is texts:
+                raise
+            encodings = self._encode_batch(fixed, add_special_tokens=special)
+        return [encoding.ids for encoding in encodings]

@@ -34,12 +34,11 @@ from mega import TokenizerSpec, hookimpl
 from mega.core.errors import MegaUsageError
 from mega.core.fields import option
 from mega.plugins.tokenizers._common import (
+    BatchEncodingMixin,
     as_ids,
     by_id,
     cannot_load,
-    check_texts,
     decode_text,
-    encodable,
     extra_ids_messages,
     path_messages,
     read_file,
@@ -80,7 +79,7 @@ class BertWordPieceCaseConfig(BertWordPieceConfig):
     TOKENIZER_TYPE = CASE
 
 
-class BertWordPieceTokenizer:
+class BertWordPieceTokenizer(BatchEncodingMixin):
     """Megatron's ``_BertWordPieceTokenizer`` semantics over ``tokenizers``' BERT WordPiece."""
 
     def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0) -> None:
@@ -150,21 +149,6 @@ class BertWordPieceTokenizer:
             self.vocab[token] = self._next_id
             self._next_id += 1
         return self.vocab[token]
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenize_batch([text])[0]
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many texts at once, encoded in parallel by the Rust library."""
-        try:
-            encodings = self._encode_batch(texts, add_special_tokens=False)
-        except TypeError:
-            check_texts(texts)
-            fixed = encodable(texts)
-            if fixed is texts:
-                raise
-            encodings = self._encode_batch(fixed, add_special_tokens=False)
-        return [encoding.ids for encoding in encodings]
 
     def detokenize(self, ids: list[int]) -> str:
         # Ids past the vocabulary (the padded embedding's dummy rows) have no token: skipped.

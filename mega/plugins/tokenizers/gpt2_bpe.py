@@ -27,12 +27,11 @@ from mega import TokenizerSpec, hookimpl
 from mega.core.errors import MegaUsageError
 from mega.core.fields import option
 from mega.plugins.tokenizers._common import (
+    BatchEncodingMixin,
     as_ids,
     by_id,
     cannot_load,
-    check_texts,
     decode_text,
-    encodable,
     path_messages,
     read_file,
     required_message,
@@ -54,7 +53,7 @@ class GPT2BPEConfig:
         return errors
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(BatchEncodingMixin):
     """Megatron's ``_GPT2BPETokenizer`` semantics over a ``tokenizers`` ByteLevel BPE."""
 
     bos = None
@@ -119,21 +118,6 @@ class GPT2BPETokenizer:
         if self._inv_vocab is None:
             self._inv_vocab = {i: t for t, i in self.vocab.items()}
         return self._inv_vocab
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenize_batch([text])[0]
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many texts at once, encoded in parallel by the Rust library."""
-        try:
-            encodings = self._encode_batch(texts, add_special_tokens=False)
-        except TypeError:
-            check_texts(texts)
-            fixed = encodable(texts)
-            if fixed is texts:
-                raise
-            encodings = self._encode_batch(fixed, add_special_tokens=False)
-        return [encoding.ids for encoding in encodings]
 
     def detokenize(self, ids: list[int]) -> str:
         # Bytes that do not form valid UTF-8 (a window cut mid-character) decode to U+FFFD.

@@ -33,12 +33,11 @@ from mega.core.errors import MegaUsageError
 from mega.core.fields import option
 from mega.plugins.tokenizers._common import (
     SENTINEL_FORMAT,
+    BatchEncodingMixin,
     as_ids,
     by_id,
     cannot_load,
-    check_texts,
     decode_text,
-    encodable,
     first_present,
     path_messages,
     read_file,
@@ -89,7 +88,7 @@ def _not_found_message(path: str) -> str:
     )
 
 
-class HuggingFaceTokenizer:
+class HuggingFaceTokenizer(BatchEncodingMixin):
     """A ``tokenizers.Tokenizer`` with Megatron's tokenizer attribute names."""
 
     def __init__(self, tokenizer_model: str, add_special_tokens: bool = False) -> None:
@@ -110,7 +109,7 @@ class HuggingFaceTokenizer:
             raise cannot_load(FLAG, file, f"not a tokenizers tokenizer.json: {exc}") from None
         tokenizer = self._tokenizer
         self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
-        self.add_special_tokens = add_special_tokens
+        self._add_special_tokens = add_special_tokens
 
         names, side_ids = _declared_names(file.parent)
         self.vocab: dict[str, int] = by_id(tokenizer.get_vocab(with_added_tokens=True))
@@ -151,22 +150,6 @@ class HuggingFaceTokenizer:
         if self._inv_vocab is None:
             self._inv_vocab = {i: t for t, i in self.vocab.items()}
         return self._inv_vocab
-
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenize_batch([text])[0]
-
-    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
-        """Many texts at once, encoded in parallel by the Rust library."""
-        special = self.add_special_tokens
-        try:
-            encodings = self._encode_batch(texts, add_special_tokens=special)
-        except TypeError:
-            check_texts(texts)
-            fixed = encodable(texts)
-            if fixed is texts:
-                raise
-            encodings = self._encode_batch(fixed, add_special_tokens=special)
-        return [encoding.ids for encoding in encodings]
 
     def detokenize(self, ids: list[int]) -> str:
         # Special tokens are kept, as transformers' decode() does by default (Megatron calls it).

@@ -1,0 +1,43 @@
+"""``mega merge-datasets``: concatenate ``.bin/.idx`` datasets (Megatron's tools/merge_datasets.py)."""
+
+from __future__ import annotations
+
+import click
+
+from mega import hookimpl
+
+USAGE = """\
+Usage: mega merge-datasets --input PREFIX|DIR [PREFIX|DIR ...] --output-prefix OUT
+
+Concatenate Megatron .bin/.idx datasets, in the order given, into OUT.bin/OUT.idx. A directory
+stands for every dataset in it, in sorted order (as in Megatron's tools/merge_datasets.py). All
+inputs must share one token dtype. OUT appears only when complete."""
+
+
+@click.command(
+    "merge-datasets",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def merge_datasets_command(args: tuple[str, ...]) -> None:
+    """Concatenate .bin/.idx datasets into one."""
+    args_list = list(args)
+    if "--help" in args_list or "-h" in args_list:
+        click.echo(USAGE)
+        return
+    from mega.core.resolve import parse_sections
+    from mega.plugins.datasets.preprocess import MergeConfig, merge_datasets
+
+    config = parse_sections(args_list, {"merge": MergeConfig})["merge"]
+    result = merge_datasets(config.input, config.output_prefix)
+    click.echo(
+        f"merged {len(result.prefixes)} datasets: {result.documents:,} documents,"
+        f" {result.sequences:,} sequences, {result.tokens:,} tokens in {result.seconds:.1f} s"
+    )
+    click.echo(f"wrote {result.output}.bin/.idx ({result.dtype})")
+
+
+@hookimpl
+def register_commands(register) -> None:
+    register(merge_datasets_command)
