@@ -98,3 +98,13 @@ def test_resume_with_a_different_schedule_is_refused_unless_told(tmp_path: Path)
     override = run_mega(["train", *again, "--override-opt_param-scheduler"], tmp_path)
     assert override.returncode == 0, override.stderr
     assert sorted(lm_losses(override.stdout)) == [5, 6, 7, 8]
+
+
+def test_changed_data_order_settings_are_reported():
+    from mega.core.resume_checks import data_changes
+
+    saved = {"training": {"seed": 1234, "seq_length": 128}, "data": {"split": "969,30,1"}}
+    now = {"training": {"seed": 7, "seq_length": 128}, "data": {"split": "969,30,1"}}
+    (warning,) = data_changes(saved, now)
+    assert warning.startswith("--seed is 7 but the checkpoint was trained with 1234")
+    assert data_changes(saved, saved) == []

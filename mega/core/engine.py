@@ -38,6 +38,7 @@ from mega.core.metrics import (
 from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
 from mega.core.plugins import Plugins
 from mega.core.resolve import resolved_as_dict
+from mega.core.resume_checks import check_schedule, data_changes
 from mega.core.rng import capture_rng_state, restore_rng_state, seed_everything
 from mega.core.run_files import plugins_txt, to_toml
 from mega.core.topology import Topology
@@ -387,8 +388,13 @@ class Engine:
             raise MegaUsageError(
                 f"--load {directory}: does not match this model ({first})"
             ) from None
-        self._check_schedule(directory, state["lr_schedule"])
-        self._warn_on_data_changes(state["config"])
+        s = self.config.scheduler
+        if s.use_checkpoint_opt_param_scheduler:
+            self.lr_schedule = LRSchedule.from_state_dict(state["lr_schedule"])
+        else:
+            check_schedule(self.lr_schedule, state["lr_schedule"], directory, s)
+        for warning in data_changes(state["config"], resolved_as_dict(self.config)):
+            self.display.print(f" warning: {warning}")
         restore_rng_state(state["rng"])
         self.interval = IntervalStats.from_state_dict(state["interval"])
         self.iteration = int(state["iteration"])
@@ -397,36 +403,3 @@ class Engine:
         self.nan_total = int(state["nan_total"])
         self._last_saved = self.iteration
         self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")
-
-    def _check_schedule(self, directory: Path, saved: dict[str, Any]) -> None:
-        """Megatron's rule: the LR schedule must match the checkpoint's unless told which wins."""
-        s = self.config.scheduler
-        if s.use_checkpoint_opt_param_scheduler:
-            self.lr_schedule = LRSchedule.from_state_dict(saved)
-            return
-        problems = self.lr_schedule.mismatches(saved)
-        if problems and not s.override_opt_param_scheduler:
-            raise MegaUsageError(
-                f"--load {directory}: the learning-rate schedule differs from the checkpoint's"
-                f" ({'; '.join(problems)}). Pass --override-opt_param-scheduler to use the"
-                " command line's, or --use-checkpoint-opt_param-scheduler to use the checkpoint's"
-            )
-
-    def _warn_on_data_changes(self, saved: dict[str, Any]) -> None:
-        """A different seed, batch or sequence length silently changes the data order: say so."""
-        now = resolved_as_dict(self.config)
-        for section, key in (
-            ("training", "seed"),
-            ("training", "seq_length"),
-            ("training", "global_batch_size"),
-            ("training", "micro_batch_size"),
-            ("data", "split"),
-            ("data", "data_path"),
-        ):
-            before, after = saved.get(section, {}).get(key), now.get(section, {}).get(key)
-            if before != after:
-                flag = "--" + key.replace("_", "-")
-                self.display.print(
-                    f" warning: {flag} is {after!r} but the checkpoint was trained with"
-                    f" {before!r}: the data seen after resuming differs from the original run"
-                )
