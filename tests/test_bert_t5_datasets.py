@@ -22,11 +22,13 @@ from mega import BuildContext, DataRequest
 from mega.plugins.datasets.bert import BERT_MAX_NGRAM, BertDatasetConfig, build_bert
 from mega.plugins.datasets.indexed import IndexedDataset, IndexedDatasetBuilder
 from mega.plugins.datasets.masking import (
-    MT19937_64,
     WordPieceVocabulary,
-    build_sample_index,
     mask_ngrams,
     word_candidates,
+)
+from mega.plugins.datasets.sentence_index import (
+    MT19937_64,
+    build_sample_index,
 )
 from mega.plugins.datasets.t5 import T5DatasetConfig, build_t5
 

@@ -32,6 +32,8 @@ from mega.core.fields import option
 from mega.plugins.datasets.masking import (
     WordPieceVocabulary,
     mask_ngrams,
+)
+from mega.plugins.datasets.sentence_index import (
     open_split_indices,
     require_tokens,
 )
