@@ -585,3 +585,16 @@ def test_help_lists_preprocess_and_tokenizer_flags(tmp_path):
     for flag in ("--input", "--json-keys", "--split-sentences", "--partitions", "--vocab-size"):
         assert flag in result.stdout
     assert "rule-based splitter" in result.stdout
+
+
+def test_lines_longer_than_a_chunk_are_read_whole_and_numbered(tmp_path: Path):
+    from mega.plugins.datasets.preprocess.inputs import read_chunks
+
+    lines = [b'{"text": "a"}\n', b'{"text": "' + b"x" * 5000 + b'"}\n', b'{"text": "b"}\n', b"{}"]
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(b"".join(lines))
+    chunks = list(read_chunks([str(path)], 64))  # the long line spans ~80 blocks
+    assert b"".join(c.data for c in chunks) == path.read_bytes()
+    for chunk in chunks:  # every chunk holds whole lines and knows where it starts
+        first = chunk.first_line - 1
+        assert chunk.data.startswith(lines[first][:10])

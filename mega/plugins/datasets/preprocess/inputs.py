@@ -79,25 +79,27 @@ def _file_chunks(path: str, index: int, chunk_bytes: int) -> Iterator[Chunk]:
     stream = gzip.GzipFile(fileobj=raw, mode="rb") if is_gzip(path) else raw
     with raw, stream:
         line = 1
-        carry = b""
+        # Blocks of a line not yet ended. A line longer than a chunk spans several blocks; they
+        # are joined once when it ends (re-joining on every block would be quadratic).
+        pending: list[bytes] = []
         disk_seen = 0
         while True:
             block = stream.read(chunk_bytes)
             if not block:
                 break
-            data = carry + block if carry else block
-            cut = data.rfind(b"\n") + 1
-            if cut == 0:  # one line longer than a chunk: keep reading until it ends
-                carry = data
+            cut = block.rfind(b"\n") + 1  # only the new block can hold the line's end
+            if cut == 0:
+                pending.append(block)
                 continue
-            chunk, carry = (data, b"") if cut == len(data) else (data[:cut], data[cut:])
+            chunk = b"".join([*pending, block[:cut]]) if pending else block[:cut]
+            pending = [block[cut:]] if cut < len(block) else []
             disk = raw.tell()
             yield Chunk(index, line, chunk, disk - disk_seen)
             disk_seen = disk
             line += chunk.count(b"\n")
         disk = os.fstat(raw.fileno()).st_size
-        if carry:  # a last line without a newline
-            yield Chunk(index, line, carry, disk - disk_seen)
+        if pending:  # a last line without a newline
+            yield Chunk(index, line, b"".join(pending), disk - disk_seen)
         elif disk > disk_seen:
             yield Chunk(index, line, b"", disk - disk_seen)
 
