@@ -93,36 +93,37 @@ def test_no_weight_decay_on_biases_and_norms(plugins):
     assert all(p.ndim == 1 for p in no_decay["params"])
 
 
-class OverflowAt:
-    """A model plugin: GPT whose loss is blown up on one forward call, overflowing fp16 grads."""
+class PoisonedGPT:
+    """A model plugin ``name``: GPT whose loss is multiplied by ``factor`` on forward call
+    ``call`` (1e8 overflows fp16 gradients; NaN poisons them)."""
 
-    def __init__(self, call: int):
-        self.call = call
+    def __init__(self, name: str, call: int, factor: float):
+        self.name, self.call, self.factor = name, call, factor
 
     @hookimpl
     def register_models(self, register):
         from mega.plugins.models.gpt import GPTConfig, _build, flops_per_token
 
-        target = self.call
+        target, factor = self.call, self.factor
 
         def build(cfg, ctx):
             model = _build(cfg, ctx)
             forward, calls = model.forward, [0]
 
-            def blown_up(tokens, labels=None):
-                out = forward(tokens, labels)
+            def poisoned(tokens, labels=None, **kwargs):
+                out = forward(tokens, labels, **kwargs)
                 calls[0] += 1
-                return out * 1e8 if calls[0] == target and labels is not None else out
+                return out * factor if calls[0] == target and labels is not None else out
 
-            model.forward = blown_up
+            model.forward = poisoned
             return model
 
-        register(ModelSpec(name="gpt-overflow", config_cls=GPTConfig, build=build,
+        register(ModelSpec(name=self.name, config_cls=GPTConfig, build=build,
                            flops_per_token=flops_per_token))  # fmt: skip
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path: Path):
-    plugins = make_plugins(extra=[("overflow", OverflowAt(call=3))])
+    plugins = make_plugins(extra=[("overflow", PoisonedGPT("gpt-overflow", call=3, factor=1e8))])
     args = [*TINY, "--model", "gpt-overflow", "--fp16", "--train-iters", "5",
             "--initial-loss-scale", "65536", "--hysteresis", "1",
             "--micro-batch-size", "8", "--global-batch-size", "8"]  # fmt: skip
@@ -252,42 +253,17 @@ def test_shutdown_fires_when_setup_fails(tmp_path: Path):
     assert seen == ["MegaUsageError"]
 
 
-class NanAt(OverflowAt):
-    """GPT whose loss becomes NaN on one forward call."""
-
-    @hookimpl
-    def register_models(self, register):
-        from mega.plugins.models.gpt import GPTConfig, _build, flops_per_token
-
-        target = self.call
-
-        def build(cfg, ctx):
-            model = _build(cfg, ctx)
-            forward, calls = model.forward, [0]
-
-            def poisoned(tokens, labels=None, **kwargs):
-                out = forward(tokens, labels, **kwargs)
-                calls[0] += 1
-                return out * float("nan") if calls[0] == target and labels is not None else out
-
-            model.forward = poisoned
-            return model
-
-        register(ModelSpec(name="gpt-nan", config_cls=GPTConfig, build=build,
-                           flops_per_token=flops_per_token))  # fmt: skip
-
-
 def test_nan_in_fp32_stops_before_the_update(tmp_path: Path):
     from mega.core.errors import MegaRunError
 
-    plugins = make_plugins(extra=[("nan", NanAt(call=2))])
+    plugins = make_plugins(extra=[("nan", PoisonedGPT("gpt-nan", call=2, factor=float("nan")))])
     args = [*TINY, "--model", "gpt-nan", "--train-iters", "4", "--micro-batch-size", "8"]
     with pytest.raises(MegaRunError, match="iteration 2: NaN or inf in the gradients"):
         train(args, plugins, tmp_path)
 
 
 def test_nan_in_fp16_is_skipped_and_counted_as_a_nan_iteration(tmp_path: Path):
-    plugins = make_plugins(extra=[("nan", NanAt(call=2))])
+    plugins = make_plugins(extra=[("nan", PoisonedGPT("gpt-nan", call=2, factor=float("nan")))])
     args = [*TINY, "--model", "gpt-nan", "--train-iters", "4", "--micro-batch-size", "8",
             "--fp16", "--initial-loss-scale", "1024"]  # fmt: skip
     engine = train(args, plugins, tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +61,16 @@ class StepResult:
 OPTIONAL_INPUTS = ("position_ids", "attention_mask")
 
 
+_ACCEPTED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def model_inputs(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The micro-batch's optional inputs that ``model.forward`` has parameters for."""
-    accepted = inspect.signature(model.forward).parameters
-    return {k: microbatch[k] for k in OPTIONAL_INPUTS if k in microbatch and k in accepted}
+    accepted = _ACCEPTED.get(model)
+    if accepted is None:  # read the signature once per model, not once per micro-batch
+        parameters = inspect.signature(model.forward).parameters
+        accepted = _ACCEPTED[model] = tuple(k for k in OPTIONAL_INPUTS if k in parameters)
+    return {k: microbatch[k] for k in accepted if k in microbatch}
 
 
 def masked_lm_loss(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
