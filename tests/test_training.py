@@ -75,9 +75,10 @@ def test_bf16_keeps_fp32_masters_and_tracks_fp32_run(tmp_path: Path):
     fp32 = train(common, tmp_path=tmp_path / "b")
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
     assert all(m.dtype == torch.float32 for m in bf16.optimizer.masters)
-    # the model's bf16 weights are the rounded fp32 masters
-    for p, m in zip(bf16.model.parameters(), bf16.optimizer.masters, strict=True):
-        assert torch.equal(p, m.to(torch.bfloat16))
+    # the model's bf16 weights are the rounded fp32 masters (one flat master per parameter)
+    for (p, lo, hi), m in zip(bf16.optimizer.pieces, bf16.optimizer.masters, strict=True):
+        assert (lo, hi) == (0, p.numel())
+        assert torch.equal(p.reshape(-1), m.to(torch.bfloat16))
     assert records(bf16)[-1]["lm_loss"] == pytest.approx(records(fp32)[-1]["lm_loss"], rel=0.02)
 
 
@@ -86,11 +87,18 @@ def test_no_weight_decay_on_biases_and_norms(plugins):
     engine = Engine(config, plugins, Display(enabled=False))
     engine.setup()
     decay, no_decay = engine.optimizer.adam.param_groups
-    names = {id(p): n for n, p in engine.model.named_parameters()}
     assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decay["params"])
-    assert {names[id(p)].rsplit(".", 1)[-1] for p in no_decay["params"]} == {"weight", "bias"}
-    assert all(p.ndim == 1 for p in no_decay["params"])
+    # Adam sees flat masters; map each back to the parameter it updates
+    names = {id(p): n for n, p in engine.model.named_parameters()}
+    owner = {
+        id(m): p
+        for (p, _, _), m in zip(engine.optimizer.pieces, engine.optimizer.masters, strict=True)
+    }
+    decayed = [owner[id(m)] for m in decay["params"]]
+    not_decayed = [owner[id(m)] for m in no_decay["params"]]
+    assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decayed)
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in not_decayed} == {"weight", "bias"}
+    assert all(p.ndim == 1 for p in not_decayed)
 
 
 class PoisonedGPT:

@@ -13,13 +13,25 @@ import torch
 
 
 def global_batch(
-    source: Any, start: int, global_batch_size: int, micro_batch_size: int, device: torch.device
+    source: Any,
+    start: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    device: torch.device,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> list[dict[str, torch.Tensor]]:
-    """Samples ``start .. start+global_batch_size`` of ``source`` as micro-batch dicts of tensors
-    (every key the samples have: tokens, labels, loss_mask, and e.g. position_ids)."""
+    """This data-parallel rank's micro-batches of samples ``start .. start+global_batch_size``, as
+    dicts of tensors (every key the samples have: tokens, labels, loss_mask, e.g. position_ids).
+
+    As in Megatron's sampler, micro-batch ``j`` of the global batch holds samples
+    ``start + j*mbs ..`` and goes to rank ``j % dp_size``: every layout groups the same samples
+    into the same micro-batches, so the batch mean is layout-invariant.
+    """
     length = len(source)
     microbatches = []
-    for first in range(start, start + global_batch_size, micro_batch_size):
+    stride = micro_batch_size * dp_size
+    for first in range(start + dp_rank * micro_batch_size, start + global_batch_size, stride):
         samples = [source[i % length] for i in range(first, first + micro_batch_size)]
         microbatches.append(
             {

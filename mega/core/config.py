@@ -196,6 +196,94 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ParallelConfig:
     parallel: str = option("no-pipelining", "Schedule plugin that runs forward and backward.")
+    tensor_model_parallel_size: int = option(
+        1, "Tensor-parallel size (ranks splitting each layer)."
+    )
+    pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (stages).")
+    context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
+    expert_model_parallel_size: int = option(1, "Expert-parallel size.")
+    sequence_parallel: bool = option(
+        False, "Shard norm/dropout activations along the sequence over the tensor-parallel group."
+    )
+    use_distributed_optimizer: bool = option(
+        False, "Shard fp32 master weights and Adam state over the data-parallel ranks."
+    )
+    overlap_grad_reduce: bool = option(
+        False, "Reduce gradient buckets during the backward pass of the last micro-batch."
+    )
+    ddp_bucket_size: int | None = option(
+        None, "Elements per gradient bucket (default max(40M, 1M x data-parallel size))."
+    )
+    recompute_granularity: str | None = option(
+        None,
+        "Recompute activations in backward: full (whole layers) or selective (core attention).",
+        choices=("full", "selective"),
+    )
+    recompute_method: str | None = option(
+        None,
+        "With full: uniform (checkpoint groups of --recompute-num-layers layers) or block "
+        "(recompute only the first --recompute-num-layers layers).",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int | None = option(
+        None, "Layers per group (uniform) or recomputed (block)."
+    )
+    distributed_backend: str | None = option(
+        None, "Process-group backend (default nccl on GPU, gloo on CPU).", choices=("nccl", "gloo")
+    )
+    distributed_timeout_minutes: float = option(
+        10.0, "A collective that waits longer than this fails the run instead of hanging it."
+    )
+
+    def sizes(self) -> dict[str, int]:
+        """The model-parallel sizes by dimension, in the topology's names."""
+        return {
+            "tp": self.tensor_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": self.expert_model_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+        }
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            errors.append("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            errors.append("--recompute-method applies only with --recompute-granularity full")
+        if self.recompute_method is not None and (self.recompute_num_layers or 0) < 1:
+            errors.append(
+                f"--recompute-method {self.recompute_method} needs --recompute-num-layers >= 1"
+            )
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            errors.append("--ddp-bucket-size must be at least 1")
+        if self.distributed_timeout_minutes <= 0:
+            errors.append("--distributed-timeout-minutes must be positive")
+        return errors
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How many processes to start; read by ``mega train`` before any worker exists."""
+
+    nproc_per_node: int = option(1, "Worker processes to start on this node (torch elastic).")
+    nnodes: int = option(1, "Number of nodes taking part.")
+    node_rank: int = option(0, "This node's index among --nnodes.")
+    master_addr: str = option("127.0.0.1", "Address of node 0 (rendezvous).")
+    master_port: int = option(29500, "Port on node 0 for the rendezvous.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            errors.append("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= self.node_rank < max(self.nnodes, 1):
+            errors.append(f"--node-rank must lie in [0, --nnodes) (got {self.node_rank})")
+        if not 0 < self.master_port < 65536:
+            errors.append(f"--master-port must be a port number (got {self.master_port})")
+        return errors
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
 
 # The engine's sections: section name -> dataclass. Plugin sections are "model", "tokenizer",
@@ -209,6 +297,7 @@ CORE_SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "data": DataConfig,
     "parallel": ParallelConfig,
+    "launch": LaunchConfig,
 }
 PLUGIN_SECTIONS = ("model", "tokenizer", "dataset")
 
@@ -231,6 +320,9 @@ class RunConfig:
     logging: LoggingConfig
     data: DataConfig
     parallel: ParallelConfig
+    launch: LaunchConfig
+    # Processes in the job: WORLD_SIZE under torchrun/SLURM, else --nproc-per-node x --nnodes.
+    world_size: int = 1
 
     def sections(self) -> dict[str, Any]:
         """Section name -> dataclass instance, in a stable order (for writing and display)."""
@@ -239,7 +331,7 @@ class RunConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return 1  # single process until the topology issue lands
+        return max(self.world_size // math.prod(self.parallel.sizes().values()), 1)
 
     @property
     def global_batch_size(self) -> int:

@@ -27,7 +27,9 @@ from mega.core.checkpointing import (
 )
 from mega.core.config import RunConfig
 from mega.core.console import Display
+from mega.core.distributed import init_process_group, process_place
 from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.grad_buffer import ParamAndGradBuffer
 from mega.core.lr_schedule import LRSchedule, resolve_warmup_iters
 from mega.core.metrics import (
     IntervalStats,
@@ -37,12 +39,13 @@ from mega.core.metrics import (
     format_iteration_line,
 )
 from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
+from mega.core.parallelize import parallelize
 from mega.core.plugins import Plugins
 from mega.core.resolve import resolved_as_dict
 from mega.core.resume_checks import check_schedule, data_changes
 from mega.core.rng import capture_rng_state, restore_rng_state, seed_everything
 from mega.core.run_files import plugins_txt, to_toml
-from mega.core.topology import Topology
+from mega.core.topology import Topology, build_topology
 from mega.core.vocab import padded_vocab_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -108,12 +111,38 @@ class Engine:
 
     # ------------------------------------------------------------------ setup
 
+    def _join_job(self) -> None:
+        """Pick the device, join the process group (several processes) and build the topology."""
+        cfg, t = self.config, self.config.training
+        place = process_place()
+        if place.world_size != cfg.world_size:
+            raise MegaUsageError(
+                f"this job has {place.world_size} processes but the config was validated for "
+                f"{cfg.world_size}"
+            )
+        kind = ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" else t.device
+        self.device = torch.device(kind)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", place.local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if place.world_size > 1:
+            p = cfg.parallel
+            backend = p.distributed_backend or ("nccl" if self.device.type == "cuda" else "gloo")
+            init_process_group(place, backend, p.distributed_timeout_minutes)
+        sizes = cfg.parallel.sizes()
+        self.topology = build_topology(
+            place.world_size, place.rank, local_rank=place.local_rank, **sizes
+        )
+        if not self.topology.is_rank0:
+            self.display = Display(enabled=False)  # rank 0 owns the console
+
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
-        self.device = torch.device(
-            ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" else t.device
-        )
-        seed_everything(t.seed)
+        self._join_job()
+        # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
+        # per parameter name), dropout and other runtime randomness do.
+        seed_everything(t.seed + 100 * self.topology.pp_rank)
         self.plugins.pm.hook.topology_ready(topology=self.topology)
 
         self.tokenizer = self.plugins.tokenizers.get(cfg.tokenizer_name).build(cfg.tokenizer)
@@ -148,8 +177,19 @@ class Engine:
 
         model_spec = self.plugins.models.get(cfg.model_name)
         model = model_spec.build(cfg.model, ctx)  # fp32 on the CPU: the exact seeded init
+        self.num_parameters = sum(p.numel() for p in model.parameters())  # global, before sharding
+        plan = model_spec.parallel_plan(cfg.model) if model_spec.parallel_plan else None
+        parallelize(model, plan, cfg.parallel, self.topology)
         self.model = model.to(device=self.device, dtype=DTYPES[cfg.precision.params_dtype])
-        self.optimizer = MixedPrecisionAdamW(self.model, cfg.optimizer, cfg.precision)
+        p = cfg.parallel
+        self.buffer = ParamAndGradBuffer.build(
+            self.model,
+            self.topology,
+            bucket_size=p.ddp_bucket_size,
+            overlap=p.overlap_grad_reduce,
+            distributed=p.use_distributed_optimizer,
+        )
+        self.optimizer = MixedPrecisionAdamW(self.buffer, cfg.optimizer, cfg.precision)
         self.schedule = self.plugins.parallel.get(cfg.parallel.parallel).build(cfg)
         s = cfg.scheduler
         decay_iters = s.lr_decay_iters or t.train_iters
@@ -166,7 +206,6 @@ class Engine:
         self.flops_per_token = model_spec.flops_per_token(
             cfg.model, t.seq_length, self.padded_vocab
         )
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())
         if cfg.checkpoint.load:
             self._load(cfg.checkpoint.load)
         self._open_run_files()
@@ -188,6 +227,8 @@ class Engine:
         self.run_dir = Path(
             cfg.logging.run_dir or cfg.checkpoint.save or f"runs/{cfg.model_name}-{stamp}"
         )
+        if not self.topology.is_rank0:  # one writer of the run's files: rank 0
+            return
         for directory in {self.run_dir, Path(cfg.checkpoint.save or self.run_dir)}:
             directory.mkdir(parents=True, exist_ok=True)
             atomic_write_text(directory / "config.resolved.toml", to_toml(resolved_as_dict(cfg)))
@@ -204,9 +245,11 @@ class Engine:
         # before stepping; the line logs the LR after this step, as Megatron's does.
         successful = iteration - 1 - self.skipped_total
         lr = self.lr_schedule.lr_at(successful)
+        self.buffer.start_step(len(microbatches))
         losses = self.schedule(
             self.model, microbatches, masked_lm_loss, grad_scale=self.optimizer.loss_scale
         )
+        self.buffer.finish_grad_sync()
         outcome = self.optimizer.step(lr)
         return StepResult(
             loss=torch.stack(losses).mean(),
@@ -230,9 +273,7 @@ class Engine:
             while self.iteration < t.train_iters:
                 iteration = self.iteration + 1
                 self.model.train()
-                batch = global_batch(
-                    self.splits.train, self.consumed_samples, gbs, t.micro_batch_size, self.device
-                )
+                batch = self._microbatches(self.splits.train, self.consumed_samples)
                 try:
                     result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
                 except NonFiniteGradients as exc:
@@ -283,14 +324,40 @@ class Engine:
                 sink.close()
         return last
 
+    def _microbatches(self, source: Any, first_sample: int) -> list[dict[str, torch.Tensor]]:
+        """This data-parallel rank's share of the global batch starting at ``first_sample``."""
+        t, topo = self.config.training, self.topology
+        return global_batch(
+            source,
+            first_sample,
+            self.config.global_batch_size,
+            t.micro_batch_size,
+            self.device,
+            topo.dp_rank,
+            topo.data_parallel_size,
+        )
+
+    def _dp_mean(self, values: list[torch.Tensor]) -> list[float]:
+        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host."""
+        if not values:
+            return []
+        stacked = torch.stack(values).float()
+        group = self.topology.group("dp")
+        if group is not None:
+            from mega.core import comm
+
+            comm.all_reduce(stacked, group)
+            stacked /= self.topology.data_parallel_size
+        return stacked.tolist()
+
     def _log(self, interval: IntervalStats, result: StepResult) -> dict[str, float]:
         """Sync the interval's losses once, print the iteration line, feed the sinks."""
         cfg, t = self.config, self.config.training
         elapsed_ms = interval.elapsed_ms_per_iteration()
-        losses = torch.stack(interval.losses).float().tolist() if interval.losses else []
+        losses = self._dp_mean(interval.losses)
         finite = [x for x in losses if math.isfinite(x)]
         # Megatron counts a NaN iteration when a *skipped* step's loss was inf or NaN
-        skipped = [float(x) for x in interval.skipped_losses]
+        skipped = self._dp_mean(interval.skipped_losses)
         nan_count = sum(not math.isfinite(x) for x in skipped)
         self.nan_total += nan_count
         tokens_per_s = cfg.global_batch_size * t.seq_length / (elapsed_ms / 1000.0)
@@ -325,12 +392,10 @@ class Engine:
         self.model.eval()
         losses = []
         for k in range(t.eval_iters):
-            for mb in global_batch(
-                source, first_sample + k * gbs, gbs, t.micro_batch_size, self.device
-            ):
+            for mb in self._microbatches(source, first_sample + k * gbs):
                 losses.append(masked_lm_loss(self.model, mb))
         self.model.train()
-        return float(torch.stack(losses).mean())
+        return self._dp_mean([torch.stack(losses).mean()])[0]
 
     def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
         started = time.perf_counter()

@@ -1,12 +1,15 @@
-"""AdamW over fp32 master weights, with fp32 gradient accumulation and loss scaling.
+"""AdamW over fp32 master weights and fp32 gradients, optionally sharded over data-parallel ranks.
 
-fp32 runs: the model's parameters are the master weights and ``.grad`` accumulates in fp32.
+Gradients arrive in the ``main_grad`` views of a :class:`ParamAndGradBuffer`, already reduced over
+the data-parallel ranks. The optimizer updates the slices of the parameters this rank owns: all of
+them, or with the distributed optimizer (``--use-distributed-optimizer``) its 1/DP shard of every
+bucket, whose fp32 masters and Adam state are the only ones it keeps.
 
-bf16/fp16 runs (Megatron's mixed precision): each low-precision parameter has an fp32 master copy
-and an fp32 ``main_grad``. A post-accumulate-grad hook adds every micro-batch's low-precision
-``.grad`` into ``main_grad`` and frees it, so accumulation across micro-batches happens in fp32.
-The step unscales (fp16), skips on inf/NaN, clips the global norm, runs AdamW on the masters and
-copies them back into the model's parameters.
+fp32 runs: the masters are views of the parameters themselves. bf16/fp16 runs (Megatron's mixed
+precision): the masters are fp32 copies, written back into the low-precision parameters after
+each step. A step unscales (fp16), skips on inf/NaN, clips the global norm (summed over every
+model-parallel and, sharded, data-parallel rank, each parameter counted once), runs AdamW and,
+sharded, all-gathers the updated parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mega.core import comm
+from mega.core.grad_buffer import ParamAndGradBuffer
 from mega.core.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 
 
@@ -27,11 +32,6 @@ class NonFiniteGradients(ArithmeticError):
 class StepOutcome:
     skipped: bool  # the loss scaler found inf/NaN gradients and the update was not applied
     grad_norm: torch.Tensor | None  # global norm before clipping (device tensor, no host sync)
-
-
-def _uses_weight_decay(name: str, param: torch.Tensor) -> bool:
-    """Megatron's rule: no weight decay on biases and norm weights (the 1-D parameters)."""
-    return param.ndim >= 2
 
 
 def build_loss_scaler(precision: Any) -> ConstantLossScaler | DynamicLossScaler | None:
@@ -51,26 +51,27 @@ def build_loss_scaler(precision: Any) -> ConstantLossScaler | DynamicLossScaler 
 class MixedPrecisionAdamW:
     """AdamW whose state and update live in fp32, whatever the model's parameter dtype."""
 
-    def __init__(self, model: torch.nn.Module, optim: Any, precision: Any):
+    def __init__(self, buffer: ParamAndGradBuffer, optim: Any, precision: Any):
+        self.buffer = buffer
+        self.topology = buffer.topology
         self.clip_grad = optim.clip_grad
         self.scaler = build_loss_scaler(precision)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
-        self.mixed = any(p.dtype != torch.float32 for p in self.params)
+        self.mixed = buffer.param_data.dtype != torch.float32
+        # (parameter, lo, hi): the flat slice of each parameter that this rank updates
+        self.pieces = pieces = buffer.owned_ranges()
+        self.param_pieces = [p.data.view(-1)[lo:hi] for p, lo, hi in pieces]
+        self.grads = [p.main_grad.view(-1)[lo:hi] for p, lo, hi in pieces]
         if self.mixed:
-            self.masters = [p.detach().float().clone() for p in self.params]
-            for param, master in zip(self.params, self.masters, strict=True):
-                master.main_grad = torch.zeros_like(master)
-                param.register_post_accumulate_grad_hook(self._accumulate_into(master))
+            self.masters = [piece.detach().float().clone() for piece in self.param_pieces]
         else:
-            self.masters = self.params
-        decay = [
-            m for (n, p), m in zip(named, self.masters, strict=True) if _uses_weight_decay(n, p)
-        ]
-        no_decay = [
-            m for (n, p), m in zip(named, self.masters, strict=True) if not _uses_weight_decay(n, p)
-        ]
-        on_cuda = self.params[0].is_cuda if self.params else False
+            self.masters = self.param_pieces  # fp32: update the parameters in place
+        # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm.
+        tp_rank = self.topology.tp_rank
+        self._in_norm = [tp_rank == 0 or hasattr(p, "shard") for p, _, _ in pieces]
+        decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim >= 2]
+        no_decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim < 2]
+        on_cuda = buffer.param_data.is_cuda
+        # Megatron's rule: no weight decay on biases and norm weights (the 1-D parameters)
         self.adam = torch.optim.AdamW(
             [
                 {"params": decay, "weight_decay": optim.weight_decay},
@@ -83,50 +84,52 @@ class MixedPrecisionAdamW:
             foreach=None if on_cuda else True,
         )
 
-    @staticmethod
-    def _accumulate_into(master: torch.Tensor):
-        def hook(param: torch.Tensor) -> None:
-            master.main_grad.add_(param.grad)  # fp32 += low precision, upcast on the fly
-            param.grad = None
-
-        return hook
-
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler is not None else 1.0
 
-    def _grads(self) -> list[torch.Tensor]:
-        if self.mixed:
-            return [m.main_grad for m in self.masters]
-        return [p.grad for p in self.params if p.grad is not None]
+    def _reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        """Combine a per-rank partial result over every rank that holds other gradients."""
+        if self.buffer.distributed:
+            comm.all_reduce(tensor, self.topology.group("dp"), op)
+        comm.all_reduce(tensor, self.topology.group("mp"), op)
+
+    def _grad_norm(self) -> torch.Tensor:
+        counted = [g for g, keep in zip(self.grads, self._in_norm, strict=True) if keep]
+        if self.topology.world_size == 1:
+            return torch.nn.utils.get_total_norm(counted, foreach=True)
+        if counted:
+            local = torch.nn.utils.get_total_norm(counted, foreach=True)
+        else:
+            local = torch.zeros((), device=self.buffer.main_grad.device)
+        squared = local.double().square().reshape(1)
+        self._reduce(squared)
+        return squared.sqrt().float().reshape(())
 
     def zero_grad(self) -> None:
-        if self.mixed:
-            for master in self.masters:
-                master.main_grad.zero_()
-                master.grad = None
-        for param in self.params:
-            param.grad = None
+        self.buffer.zero_grad()
+        for master in self.masters:
+            master.grad = None
 
     def step(self, lr: float) -> StepOutcome:
-        grads = self._grads()
+        """Apply the reduced gradients (call ``buffer.finish_grad_sync()`` first)."""
         if self.scaler is not None:
-            found_inf = unscale_(grads, 1.0 / self.scaler.scale)
+            found_inf = unscale_(self.grads, 1.0 / self.scaler.scale).float().reshape(1)
+            self._reduce(found_inf, comm.MAX)
             overflow = bool(found_inf.item())  # one host sync per step, as in Megatron's fp16
             self.scaler.update(overflow)
             if overflow:
                 self.zero_grad()
                 return StepOutcome(skipped=True, grad_norm=None)
-        if self.mixed:
-            for master in self.masters:
-                master.grad = master.main_grad
-        grad_norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else None
-        if self.scaler is None and grad_norm is not None and not torch.isfinite(grad_norm):
+        for master, grad in zip(self.masters, self.grads, strict=True):
+            master.grad = grad
+        grad_norm = self._grad_norm()
+        if self.scaler is None and not torch.isfinite(grad_norm):
             # Megatron's default (--check-for-nan-in-loss-and-grad): stop, do not apply NaNs.
             # One host sync per step; fp16 already syncs for its overflow check above.
             self.zero_grad()
             raise NonFiniteGradients(f"the gradient norm is {float(grad_norm)}")
-        if self.clip_grad > 0 and grad_norm is not None:
+        if self.clip_grad > 0 and self.masters:
             # clip on the device with the norm just computed: no host sync
             torch.nn.utils.clip_grads_with_norm_(
                 self.masters, self.clip_grad, grad_norm, foreach=True
@@ -136,9 +139,22 @@ class MixedPrecisionAdamW:
         self.adam.step()
         if self.mixed:
             with torch.no_grad():
-                torch._foreach_copy_(self.params, self.masters)
+                torch._foreach_copy_(self.param_pieces, self.masters)
+        self.buffer.gather_params()
         self.zero_grad()
         return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
+        total = sum(
+            t.numel() * t.element_size()
+            for state in self.adam.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+        if self.mixed:
+            total += sum(m.numel() * m.element_size() for m in self.masters)
+        return total
 
     def state_dict(self) -> dict[str, Any]:
         state = {"adam": self.adam.state_dict()}
@@ -153,7 +169,7 @@ class MixedPrecisionAdamW:
         if self.mixed:
             with torch.no_grad():
                 for master, saved in zip(self.masters, state["masters"], strict=True):
-                    master.copy_(saved)
-                torch._foreach_copy_(self.params, self.masters)
+                    master.copy_(saved.reshape(master.shape))
+                torch._foreach_copy_(self.param_pieces, self.masters)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])

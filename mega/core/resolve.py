@@ -197,6 +197,7 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
         dataset_name=dataset_name,
         **built,
     )
+    config.world_size = job_world_size(config.launch)
     # a flag that failed to parse kept its default, so the other checks still mean something
     errors += validate_run(config, plugins)
     if errors:
@@ -230,6 +231,7 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
         if callable(check):
             errors += check()
     t = config.training
+    errors += layout_problems(config, plugins)
     dp = config.data_parallel_size
     if config.global_batch_size % (t.micro_batch_size * dp):
         errors.append(
@@ -265,6 +267,51 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
     errors += validate_checkpoint_dirs(config.checkpoint)
     for result in plugins.pm.hook.validate_config(config=config):
         errors += list(result or [])
+    return errors
+
+
+def job_world_size(launch: Any) -> int:
+    """The processes of this job: the launcher's (torchrun, SLURM) if set, else what
+    ``--nproc-per-node`` x ``--nnodes`` will start."""
+    from mega.core.distributed import process_place
+
+    place = process_place()
+    return place.world_size if place.source != "single" else launch.world_size
+
+
+def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
+    """Whether the parallel layout fits the world size, the model and the features built so far."""
+    from mega.core.topology import layout_problems as world_problems
+
+    p = config.parallel
+    errors = world_problems(config.world_size, p.sizes())
+    for flag, size in (
+        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+    ):
+        if size > 1:
+            errors.append(f"{flag} {size}: only 1 is supported so far")
+    tp = p.tensor_model_parallel_size
+    if (tp > 1 or p.recompute_granularity) and config.model_name in plugins.models:
+        spec = plugins.models.get(config.model_name)
+        if spec.parallel_plan is None:
+            errors.append(
+                f"model '{config.model_name}' provides no parallel plan: it supports neither "
+                "--tensor-model-parallel-size > 1 nor --recompute-granularity"
+            )
+        else:
+            errors += spec.parallel_plan(config.model).problems(tp)
+    if p.sequence_parallel and tp > 1 and config.training.seq_length % tp:
+        errors.append(
+            f"--seq-length ({config.training.seq_length}) must be divisible by "
+            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel"
+        )
+    if config.world_size > 1 and (config.checkpoint.save or config.checkpoint.load):
+        errors.append(
+            "--save/--load with more than one process are not supported yet (sharded "
+            "checkpoints are a later feature); train without them or on one process"
+        )
     return errors
 
 

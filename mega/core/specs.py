@@ -85,6 +85,9 @@ class ModelSpec:
     # Training FLOPs per token (forward + backward) for (model config, seq_length, padded vocab).
     flops_per_token: Callable[[Any, int, int], float]
     description: str = ""
+    # model config -> ParallelPlan (mega.core.parallel_plan); None: the model runs on one rank
+    # per replica only (data parallel works, tensor/sequence parallel and recompute do not)
+    parallel_plan: Callable[[Any], Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

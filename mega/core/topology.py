@@ -1,22 +1,91 @@
-"""The process topology: which rank this is, and its groups. One object, passed explicitly.
+"""The process topology: which rank this is, its coordinates, and its groups. One object, passed
+explicitly; no module-global state.
 
-Until multi-process training lands, a run is one process: world size 1, rank 0, every
-parallel size 1.
+Ranks are laid out in Megatron's order ``tp-cp-ep-dp-pp``: tensor parallel innermost (neighbouring
+ranks, the fastest links), pipeline outermost. The data-parallel size is what remains of the world
+once the model-parallel sizes are fixed. A one-process run has every size 1 and no groups.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Innermost first: rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp))).
+ORDER = ("tp", "cp", "ep", "dp", "pp")
+
+
+def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
+    """Why ``world_size`` cannot be split into these model-parallel sizes (empty when it can).
+
+    ``sizes`` maps "tp", "cp", "ep" and "pp" to the requested sizes; "dp" is derived.
+    """
+    problems = [f"--{_FLAGS[k]} must be >= 1 (got {v})" for k, v in sizes.items() if v < 1]
+    if problems:
+        return problems
+    model_parallel = math.prod(sizes.values())
+    if world_size % model_parallel:
+        product = " x ".join(f"{_FLAGS[k]} {v}" for k, v in sizes.items() if v > 1)
+        problems.append(
+            f"the world size ({world_size} processes) is not divisible by {product} "
+            f"= {model_parallel}"
+        )
+    return problems
+
+
+_FLAGS = {
+    "tp": "tensor-model-parallel-size",
+    "cp": "context-parallel-size",
+    "ep": "expert-model-parallel-size",
+    "pp": "pipeline-model-parallel-size",
+}
+
+
+def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+    """Every group of every dimension: ``{"tp": [[0, 1], [2, 3]], "dp": ..., "mp": ...}``.
+
+    "mp" (model parallel) is tp x pp: the ranks that hold one copy of the model between them,
+    over which a gradient norm is summed.
+    """
+    problems = layout_problems(world_size, sizes)
+    if problems:
+        raise ValueError("; ".join(problems))
+    dims = {k: sizes.get(k, 1) for k in ORDER if k != "dp"}
+    dims["dp"] = world_size // math.prod(dims.values())
+    shape = [dims[k] for k in ORDER]
+
+    def coords(rank: int) -> dict[str, int]:
+        out = {}
+        for name, size in zip(ORDER, shape, strict=True):
+            out[name], rank = rank % size, rank // size
+        return out
+
+    groups: dict[str, list[list[int]]] = {}
+    for varying in [*ORDER, "mp"]:
+        axes = {"tp", "pp"} if varying == "mp" else {varying}
+        by_key: dict[tuple, list[int]] = {}
+        for rank in range(world_size):
+            c = coords(rank)
+            key = tuple(v for k, v in c.items() if k not in axes)
+            by_key.setdefault(key, []).append(rank)
+        groups[varying] = list(by_key.values())
+    return groups
 
 
 @dataclass(frozen=True, kw_only=True)
 class Topology:
     world_size: int = 1
     rank: int = 0
+    local_rank: int = 0
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # dimension -> the ranks of this rank's group, in group-rank order
+    members: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
+    # dimension -> torch.distributed ProcessGroup (absent in a one-process run)
+    groups: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def data_parallel_size(self) -> int:
@@ -28,6 +97,27 @@ class Topology:
         )
         return self.world_size // model_parallel
 
+    def group_rank(self, dim: str) -> int:
+        """This rank's index inside its ``dim`` group (0 in a one-process run)."""
+        members = self.members.get(dim)
+        return members.index(self.rank) if members else 0
+
+    def group(self, dim: str) -> Any:
+        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "pp", "mp"), None if size 1."""
+        return self.groups.get(dim)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.group_rank("tp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.group_rank("dp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.group_rank("pp")
+
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
@@ -38,3 +128,44 @@ class Topology:
             f"{self.pipeline_model_parallel_size} x cp {self.context_parallel_size} x ep "
             f"{self.expert_model_parallel_size} x tp {self.tensor_model_parallel_size}"
         )
+
+
+def build_topology(
+    world_size: int,
+    rank: int,
+    *,
+    local_rank: int = 0,
+    tp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+) -> Topology:
+    """The topology of an initialised process group; creates every group (collective call)."""
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "pp": pp}
+    all_groups = group_ranks(world_size, sizes)
+    members: dict[str, tuple[int, ...]] = {}
+    groups: dict[str, Any] = {}
+    if world_size > 1:
+        import torch.distributed as dist
+
+        for dim, ranks_lists in all_groups.items():
+            for ranks in ranks_lists:
+                # every rank creates every group, in the same order (new_group is collective)
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                if rank in ranks:
+                    members[dim] = tuple(ranks)
+                    if group is not None:
+                        groups[dim] = group
+    else:
+        members = {dim: (0,) for dim in all_groups}
+    return Topology(
+        world_size=world_size,
+        rank=rank,
+        local_rank=local_rank,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        members=members,
+        groups=groups,
+    )

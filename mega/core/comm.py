@@ -1,0 +1,49 @@
+"""Collectives mega uses, behind one set of names that work on torch 2.11 and 2.13, gloo and NCCL.
+
+torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single`` and warns
+on the old names; 2.11 has only the old ones. Gloo has no PREMUL_SUM, so averages are taken by
+scaling before a SUM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+MAX = dist.ReduceOp.MAX
+
+
+def group_size(group: Any) -> int:
+    """The size of ``group``; 1 for None (a dimension of size 1 has no group)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None, async_op: bool = False) -> Any:
+    """In-place SUM (or ``op``) over ``group``; a no-op when ``group`` is None."""
+    if group is None:
+        return None
+    return dist.all_reduce(tensor, op=op or dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_into(
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """Concatenate every rank's ``input`` along dim 0 into ``output`` (group size x input)."""
+    if group is None:
+        output.copy_(input)
+        return None
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(
+    output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool = False
+) -> Any:
+    """SUM ``input`` over ``group`` and keep this rank's dim-0 slice of the result in ``output``."""
+    if group is None:
+        output.copy_(input)
+        return None
+    return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -1,0 +1,220 @@
+"""Contiguous parameter and fp32 gradient buffers, reduced over data-parallel ranks in buckets.
+
+Megatron's ``param_and_grad_buffer``, simplified. Every trainable parameter becomes a view into one
+flat buffer of the model's dtype (``param_data``) and gets a ``main_grad`` view into one flat fp32
+buffer. Parameters are laid out in reverse order, the order backward produces their gradients, and
+cut into buckets of about ``bucket_size`` elements. A post-accumulate hook adds each micro-batch's
+low-precision ``.grad`` into ``main_grad`` (fp32 accumulation) and frees it.
+
+The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
+PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
+the reduced slice it owns (``shard``). With ``overlap`` the reduction of a bucket starts, async, as
+soon as backward has produced all its gradients for the last micro-batch; buckets always start in
+index order, so every rank issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mega.core import comm
+from mega.core.topology import Topology
+
+# Megatron's default: max(40M, 1M x DP) elements per bucket.
+DEFAULT_BUCKET_ELEMENTS = 40_000_000
+# Bucket ends are padded so each rank's shard starts on a 128-byte boundary (and splits evenly).
+_ALIGN = 64
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list[torch.nn.Parameter]
+    start: int  # [start, end) in the flat buffers; end - start divisible by DP
+    end: int
+    waiting: int = 0  # gradients of this step's last micro-batch still to arrive
+    handle: Any = None  # the async collective in flight
+    started: bool = False
+
+    def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
+        """The flat range this DP rank owns (distributed optimizer)."""
+        size = (self.end - self.start) // dp
+        return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
+
+
+@dataclass
+class ParamAndGradBuffer:
+    """See the module docstring. Build with ``ParamAndGradBuffer.build(...)``."""
+
+    topology: Topology
+    params: list[torch.nn.Parameter]
+    names: dict[torch.nn.Parameter, str]
+    ranges: dict[torch.nn.Parameter, tuple[int, int]]
+    buckets: list[Bucket]
+    param_data: torch.Tensor
+    main_grad: torch.Tensor
+    distributed: bool  # reduce-scatter (distributed optimizer) instead of all-reduce
+    overlap: bool
+    bucket_of: dict[torch.nn.Parameter, Bucket] = field(default_factory=dict)
+    _expected: int = 1
+    _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
+    _next: int = 0  # the next bucket to start
+
+    @classmethod
+    def build(
+        cls,
+        model: torch.nn.Module,
+        topology: Topology,
+        *,
+        bucket_size: int | None = None,
+        overlap: bool = False,
+        distributed: bool = False,
+    ) -> ParamAndGradBuffer:
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of mixed dtypes {sorted(map(str, dtypes))}")
+        dp = topology.data_parallel_size
+        limit = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp)
+        pad = _ALIGN * dp
+        ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        buckets: list[Bucket] = []
+        offset, members = 0, []
+        bucket_start = 0
+        ordered = list(reversed(named))  # backward produces the last layers' gradients first
+        for i, (_, param) in enumerate(ordered):
+            ranges[param] = (offset, offset + param.numel())
+            offset += param.numel()
+            members.append(param)
+            if offset - bucket_start >= limit or i == len(ordered) - 1:
+                end = -(-offset // pad) * pad
+                buckets.append(Bucket(len(buckets), members, bucket_start, end))
+                offset = bucket_start = end
+                members = []
+        device, dtype = named[0][1].device, named[0][1].dtype
+        param_data = torch.zeros(offset, dtype=dtype, device=device)
+        main_grad = torch.zeros(offset, dtype=torch.float32, device=device)
+        buffer = cls(
+            topology=topology,
+            params=[p for _, p in named],
+            names={p: n for n, p in named},
+            ranges=ranges,
+            buckets=buckets,
+            param_data=param_data,
+            main_grad=main_grad,
+            distributed=distributed,
+            overlap=overlap,
+        )
+        with torch.no_grad():
+            for param, (lo, hi) in ranges.items():
+                view = param_data[lo:hi].view_as(param)
+                view.copy_(param.data)
+                param.data = view  # the parameter now lives in the flat buffer
+                param.main_grad = main_grad[lo:hi].view_as(param)
+                param.register_post_accumulate_grad_hook(buffer._on_grad)
+        for bucket in buckets:
+            for param in bucket.params:
+                buffer.bucket_of[param] = bucket
+        return buffer
+
+    # ------------------------------------------------------------------ during backward
+
+    def start_step(self, num_microbatches: int) -> None:
+        """Before a step's backward passes: how many micro-batches each gradient arrives for."""
+        self._expected = num_microbatches
+        self._counts = dict.fromkeys(self.params, 0)
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        param.main_grad.add_(param.grad)  # fp32 += model dtype: accumulation in fp32
+        param.grad = None
+        if not self.overlap or not self._counts:
+            return
+        self._counts[param] += 1
+        if self._counts[param] == self._expected:
+            bucket = self.bucket_of[param]
+            bucket.waiting -= 1
+            # start every bucket whose turn has come and whose gradients are all final
+            while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+                self._start(self.buckets[self._next], async_op=True)
+                self._next += 1
+
+    def _start(self, bucket: Bucket, async_op: bool) -> None:
+        dp = self.topology.data_parallel_size
+        bucket.started = True
+        if dp == 1:
+            return
+        grad = self.main_grad[bucket.start : bucket.end]
+        grad.mul_(1.0 / dp)
+        group = self.topology.group("dp")
+        if self.distributed:
+            lo, hi = bucket.shard(self.topology.dp_rank, dp)
+            bucket.handle = comm.reduce_scatter_into(
+                self.main_grad[lo:hi], grad, group, async_op=async_op
+            )
+        else:
+            bucket.handle = comm.all_reduce(grad, group, async_op=async_op)
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: every bucket reduced (started now if not yet), then the
+        gradients that sequence parallelism left partial on each TP rank are summed over TP."""
+        for bucket in self.buckets:
+            if not bucket.started:
+                self._start(bucket, async_op=False)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+        self._counts = {}
+        partial = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        tp_group = self.topology.group("tp")
+        if partial and tp_group is not None:
+            flat = torch.cat([p.main_grad.reshape(-1) for p in partial])
+            comm.all_reduce(flat, tp_group)
+            torch._foreach_copy_(
+                [p.main_grad.reshape(-1) for p in partial],
+                list(flat.split([p.numel() for p in partial])),
+            )
+
+    def zero_grad(self) -> None:
+        self.main_grad.zero_()
+        for param in self.params:
+            param.grad = None
+
+    # ------------------------------------------------------------------ after the step
+
+    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
+        """(param, lo, hi): the slices of each parameter, in its own flat numbering, that this rank
+        updates. Everything without the distributed optimizer; this rank's shards with it."""
+        if not self.distributed:
+            return [(p, 0, p.numel()) for p in self.params]
+        dp, rank = self.topology.data_parallel_size, self.topology.dp_rank
+        pieces = []
+        for param in self.params:
+            lo, hi = self.ranges[param]
+            shard_lo, shard_hi = self.bucket_of[param].shard(rank, dp)
+            a, b = max(lo, shard_lo), min(hi, shard_hi)
+            if a < b:
+                pieces.append((param, a - lo, b - lo))
+        return pieces
+
+    def gather_params(self) -> None:
+        """Distributed optimizer: every rank's updated shard of every bucket, to every rank."""
+        dp = self.topology.data_parallel_size
+        if not self.distributed or dp == 1:
+            return
+        rank, group = self.topology.dp_rank, self.topology.group("dp")
+        handles = []
+        for bucket in self.buckets:
+            lo, hi = bucket.shard(rank, dp)
+            full = self.param_data[bucket.start : bucket.end]
+            handles.append(comm.all_gather_into(full, self.param_data[lo:hi], group, True))
+        for handle in handles:
+            handle.wait()
