@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -49,7 +50,9 @@ def _child(fn, rank, world_size, port, results, args, env) -> None:
             }
         )
         torch.set_num_threads(1)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # plain pickle: torch's queue pickler would share tensors through file descriptors that
+        # die with this process
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test
         results.put((rank, False, traceback.format_exc()))
         code = 1
@@ -96,7 +99,7 @@ def run_ranks(
                 continue
             if not ok:
                 raise RankFailed(f"rank {rank} failed:\n{payload}")
-            collected[rank] = payload
+            collected[rank] = pickle.loads(payload)
     finally:
         for proc in procs:
             proc.join(timeout=0 if len(collected) < world_size else 10)

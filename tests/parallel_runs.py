@@ -1,0 +1,84 @@
+"""Train the same tiny GPT on N forked CPU ranks and on one, and collect what must match.
+
+``layout_run(args, world_size)`` returns rank 0's per-iteration losses, the full (TP-gathered)
+parameters after training, and each rank's optimizer-state bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega import hookimpl
+from mega.core.console import Display
+from mega.core.engine import Engine
+from mega.core.plugins import make_plugins
+from mega.core.resolve import resolve_config
+
+from conftest import TINY
+from multiproc import run_ranks
+
+# Dropout off: two layouts draw different dropout masks, so only dropout-free runs can match.
+# No linear biases: the key bias has an exactly-zero gradient (softmax ignores a shift shared by
+# all keys), so its gradient is pure rounding noise, which Adam's m/sqrt(v) turns into O(lr)
+# steps whose sign depends on summation order; measured: 3e-6 apart after 10 steps at DP=2, while
+# every other parameter stays within 1e-7.
+EQUIVALENCE = [
+    *TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--mock-data", "--lr", "3e-3",
+    "--disable-bias-linear",
+]  # fmt: skip
+
+
+class _Losses:
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    @hookimpl
+    def step_end(self, engine: Any, iteration: int, metrics: dict[str, float]) -> None:
+        if "lm_loss" in metrics:
+            self.losses.append(metrics["lm_loss"])
+
+
+def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every parameter as its global fp32 tensor (gathered over tensor-parallel ranks)."""
+    if engine.topology.tensor_model_parallel_size > 1:
+        from mega.plugins.parallel.tensor.apply import gather_full_parameters
+
+        return gather_full_parameters(engine.model, engine.topology)
+    return {n: p.detach().float().clone() for n, p in engine.model.named_parameters()}
+
+
+def _train(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[str, Any]:
+    plugins = make_plugins()
+    capture = _Losses()
+    plugins.pm.register(capture)
+    config = resolve_config([*args, "--run-dir", run_dir], plugins)
+    engine = Engine(config, plugins, Display(enabled=False))
+    engine.train()
+    return {
+        "losses": capture.losses,
+        "params": full_parameters(engine) if rank == 0 else None,
+        "state_bytes": engine.optimizer.state_bytes(),
+        "engine_buckets": len(engine.buffer.buckets),
+    }
+
+
+def layout_run(args: list[str], world_size: int, run_dir: str) -> list[dict[str, Any]]:
+    """Train ``args`` on ``world_size`` forked ranks; every rank's result."""
+    return run_ranks(_train, world_size, args, run_dir, timeout=240)
+
+
+def assert_same_training(
+    reference: dict[str, Any], other: dict[str, Any], rel: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Same per-iteration losses (relative difference <= rel) and the same final parameters."""
+    ref_losses, losses = reference["losses"], other["losses"]
+    assert len(ref_losses) == len(losses) > 0
+    for i, (a, b) in enumerate(zip(ref_losses, losses, strict=True), start=1):
+        assert abs(a - b) <= rel * abs(a), f"iteration {i}: lm loss {b} vs {a}"
+    ref_params, params = reference["params"], other["params"]
+    assert ref_params.keys() == params.keys()
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, rtol=rel * 10, atol=atol, msg=name)
