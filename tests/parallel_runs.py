@@ -34,19 +34,22 @@ EQUIVALENCE = [
 class _Losses:
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.grad_norms: list[float] = []
 
     @hookimpl
     def step_end(self, engine: Any, iteration: int, metrics: dict[str, float]) -> None:
         if "lm_loss" in metrics:
             self.losses.append(metrics["lm_loss"])
+            self.grad_norms.append(metrics["grad_norm"])
 
 
 def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
     """Every parameter as its global fp32 tensor (gathered over tensor-parallel ranks)."""
     if engine.topology.tensor_model_parallel_size > 1:
-        from mega.plugins.parallel.tensor.apply import gather_full_parameters
+        from mega.plugins.parallel.tensor import gather_full_parameters
 
-        return gather_full_parameters(engine.model, engine.topology)
+        params = gather_full_parameters(engine.model, engine.topology)
+        return {name: value.cpu() for name, value in params.items()}
     return {n: p.detach().float().clone() for n, p in engine.model.named_parameters()}
 
 
@@ -57,9 +60,11 @@ def _train(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[st
     config = resolve_config([*args, "--run-dir", run_dir], plugins)
     engine = Engine(config, plugins, Display(enabled=False))
     engine.train()
+    params = full_parameters(engine)  # collective: every rank takes part
     return {
         "losses": capture.losses,
-        "params": full_parameters(engine) if rank == 0 else None,
+        "grad_norms": capture.grad_norms,
+        "params": params if rank == 0 else None,
         "state_bytes": engine.optimizer.state_bytes(),
         "engine_buckets": len(engine.buffer.buckets),
     }
@@ -71,14 +76,28 @@ def layout_run(args: list[str], world_size: int, run_dir: str) -> list[dict[str,
 
 
 def assert_same_training(
-    reference: dict[str, Any], other: dict[str, Any], rel: float = 1e-5, atol: float = 1e-6
+    reference: dict[str, Any], other: dict[str, Any], rel: float = 1e-5, atol: float = 1e-5
 ) -> None:
-    """Same per-iteration losses (relative difference <= rel) and the same final parameters."""
+    """Same per-iteration losses (relative difference <= rel) and the same final parameters.
+
+    Parameters get an absolute tolerance: a different layout sums in a different order, and
+    Adam's m/sqrt(v) turns the rounding of a near-zero gradient into a different O(lr) step.
+    Measured after 10 steps at lr 3e-3: DP <= 1e-7, TP <= 2.5e-6 (linear_fc2), against about
+    1e-2 of movement. A real bug (a missing reduction, a wrong shard) moves them by O(lr) or more.
+    """
     ref_losses, losses = reference["losses"], other["losses"]
     assert len(ref_losses) == len(losses) > 0
     for i, (a, b) in enumerate(zip(ref_losses, losses, strict=True), start=1):
         assert abs(a - b) <= rel * abs(a), f"iteration {i}: lm loss {b} vs {a}"
+    # the clipping norm: Adam hides a wrong one (it is nearly scale-invariant), so check it here
+    pairs = zip(reference["grad_norms"], other["grad_norms"], strict=True)
+    for i, (a, b) in enumerate(pairs, start=1):
+        assert abs(a - b) <= 10 * rel * abs(a), f"iteration {i}: grad norm {b} vs {a}"
     ref_params, params = reference["params"], other["params"]
     assert ref_params.keys() == params.keys()
     for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=rel * 10, atol=atol, msg=name)
+        got = params[name]
+        if got.shape != value.shape:  # vocabulary padded differently: compare the common rows
+            rows = min(got.shape[0], value.shape[0])
+            got, value = got[:rows], value[:rows]
+        torch.testing.assert_close(got, value, rtol=rel * 10, atol=atol, msg=name)

@@ -416,3 +416,31 @@ def test_reset_positions_and_document_mask_isolate_packed_documents(position_emb
     packed = model(ids, position_ids=positions, attention_mask=~allowed[None, None])
     alone = model(ids[:, first:])
     torch.testing.assert_close(packed[:, first:], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_vocabulary_padding_changes_nothing():
+    """Padding rows are masked out of the softmax and the real rows' init ignores the padding, so
+    TP=1's 384-row and TP=2's 512-row vocabularies for 257 real ids train the same model."""
+    from types import SimpleNamespace
+
+    def padded_model(padded: int) -> GPTModel:
+        ctx = BuildContext(
+            seed=7,
+            device="cpu",
+            params_dtype="float32",
+            seq_length=SEQ,
+            padded_vocab_size=padded,
+            tokenizer=SimpleNamespace(vocab_size=257),
+        )
+        return GPTModel(tiny(), ctx)
+
+    small, large = padded_model(384), padded_model(512)
+    ids = torch.randint(0, 257, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    losses = [m(ids, labels=ids.roll(-1, 1)) for m in (small, large)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-6, atol=1e-6)
+    assert math.isclose(float(losses[0].detach().mean()), math.log(257), rel_tol=0.05)
+    for loss in losses:
+        loss.mean().backward()
+    grads = [m.embedding.word_embeddings.weight.grad for m in (small, large)]
+    torch.testing.assert_close(grads[0][:257], grads[1][:257], rtol=1e-5, atol=1e-7)
+    assert not grads[1][257:].any()  # padding rows learn nothing

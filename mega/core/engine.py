@@ -350,6 +350,15 @@ class Engine:
             stacked /= self.topology.data_parallel_size
         return stacked.tolist()
 
+    def _peak_memory_gb(self) -> float:
+        """The largest peak of allocated GPU memory over all ranks so far, in GiB."""
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
+        if self.topology.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak) / 2**30
+
     def _log(self, interval: IntervalStats, result: StepResult) -> dict[str, float]:
         """Sync the interval's losses once, print the iteration line, feed the sinks."""
         cfg, t = self.config, self.config.training
@@ -377,6 +386,8 @@ class Engine:
             metrics["lm_loss"] = sum(finite) / len(finite)
         if interval.grad_norm is not None:
             metrics["grad_norm"] = float(interval.grad_norm)
+        if self.device.type == "cuda":
+            metrics["max_memory_gb"] = self._peak_memory_gb()
         self.display.print(format_iteration_line(metrics, t.train_iters))
         record = {**metrics, "skipped_total": self.skipped_total, "nan_total": self.nan_total}
         for sink in self._sinks:

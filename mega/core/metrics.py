@@ -72,6 +72,8 @@ def format_iteration_line(m: dict[str, float], train_iters: int) -> str:
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
     parts.append(f"number of skipped iterations: {int(m['skipped_iterations']):3d}")
     parts.append(f"number of nan iterations: {int(m['nan_iterations']):3d}")
+    if "max_memory_gb" in m:  # GPU runs: the largest peak over all ranks
+        parts.append(f"max memory allocated (GB): {m['max_memory_gb']:.2f}")
     return " | ".join(parts) + " |"
 
 

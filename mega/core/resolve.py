@@ -302,11 +302,10 @@ def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
             )
         else:
             errors += spec.parallel_plan(config.model).problems(tp)
-    if p.sequence_parallel and tp > 1 and config.training.seq_length % tp:
-        errors.append(
-            f"--seq-length ({config.training.seq_length}) must be divisible by "
-            f"--tensor-model-parallel-size ({tp}) with --sequence-parallel"
-        )
+    if p.sequence_parallel:
+        from mega.plugins.parallel.tensor import sequence_parallel_problems
+
+        errors += sequence_parallel_problems(config.training.seq_length, tp)
     if config.world_size > 1 and (config.checkpoint.save or config.checkpoint.load):
         errors.append(
             "--save/--load with more than one process are not supported yet (sharded "

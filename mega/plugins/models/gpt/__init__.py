@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from mega import BuildContext, ModelSpec, hookimpl
 from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
+from mega.plugins.models.gpt.plan import gpt_parallel_plan
 
 __all__ = ["GPTConfig", "flops_per_token", "register_models"]
 
@@ -26,6 +27,7 @@ def register_models(register) -> None:
             config_cls=GPTConfig,
             build=_build,
             flops_per_token=flops_per_token,
+            parallel_plan=gpt_parallel_plan,
             description="Decoder-only GPT (Megatron-style)",
         )
     )

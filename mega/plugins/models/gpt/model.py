@@ -3,7 +3,10 @@
 Shapes: ``b`` batch, ``s`` sequence, ``h`` hidden, ``np`` query heads, ``ng`` query groups (key/value
 heads), ``d`` head dim (kv channels), ``f`` ffn hidden, ``V`` padded vocab. Activations are kept
 batch-first ``[b, s, h]``. No process groups here: parallel plugins rewrite this module from outside,
-keyed on the parameter names below.
+keyed on the parameter names below and on the module paths of ``plan.py``. Two parameter-free
+submodules exist for them: ``core_attention`` (the SDPA call: wrapped to run under the
+tensor-parallel RNG, or recomputed) and ``output_head`` (hidden states x output weight -> logits or
+loss: swapped for a vocab-parallel head).
 """
 
 from __future__ import annotations
@@ -81,34 +84,26 @@ class Embedding(nn.Module):
         return self.embedding_dropout(hidden)
 
 
-class SelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+class CoreAttention(nn.Module):
+    """Scaled dot-product attention with causal or explicit masking; no parameters.
+
+    Its own module so that parallel plugins can run it under another RNG (its dropout acts on
+    tensor-parallel-sharded heads) or recompute it in backward (selective recompute).
+    """
+
+    def __init__(self, dropout_p: float) -> None:
         super().__init__()
-        heads, groups = cfg.num_attention_heads, cfg.resolved_num_query_groups()
-        self.head_dim = cfg.resolved_kv_channels()
-        self.heads_per_group = heads // groups
-        self.attention_dropout = cfg.attention_dropout
-        bias = cfg.add_bias_linear
-        # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
-        qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
-        self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.dropout_p = dropout_p
 
     def forward(
         self,
-        hidden: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        b, s, _ = hidden.shape
-        per_group, d = self.heads_per_group, self.head_dim
-        # The group count is read from the weight (-1), so a layer holding only some of the
-        # groups (tensor parallel) runs unchanged.
-        qkv = self.linear_qkv(hidden).view(b, s, -1, per_group + 2, d)  # [b, s, ng, np/ng+2, d]
-        query = qkv[:, :, :, :per_group].reshape(b, s, -1, d)  # [b, s, np, d], group-major heads
-        key, value = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [b, s, ng, d]
-        if rotary is not None:
-            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        """``query [b, s, np, d]``, ``key``/``value [b, s, ng, d]`` -> context ``[b, s, np*d]``."""
+        b, s, heads, _ = query.shape
         # SDPA wants [b, heads, s, d]. Query head i belongs to group i // (np/ng), which is exactly
         # the repeat_interleave that enable_gqa applies to key/value heads.
         context = F.scaled_dot_product_attention(
@@ -117,11 +112,45 @@ class SelfAttention(nn.Module):
             value.transpose(1, 2),
             # Megatron's mask is True where attention is *not* allowed; SDPA's is the opposite.
             attn_mask=None if attention_mask is None else ~attention_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
+            dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=attention_mask is None,
-            enable_gqa=per_group > 1,  # only when needed: not every fused kernel supports it
+            enable_gqa=heads != key.shape[2],  # only when needed: not every fused kernel has it
         )
-        context = context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
+        return context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        heads, groups = cfg.num_attention_heads, cfg.resolved_num_query_groups()
+        self.head_dim = cfg.resolved_kv_channels()
+        self.heads_per_group = heads // groups
+        bias = cfg.add_bias_linear
+        # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
+        qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
+        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
+        self.core_attention = CoreAttention(cfg.attention_dropout)
+        self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        per_group, d = self.heads_per_group, self.head_dim
+        qkv = self.linear_qkv(hidden)
+        # b and s are read from the projection, not the input: under sequence parallelism the
+        # input holds s/tp positions and the column-parallel projection gathers all s of them.
+        # The group count is read from the weight (-1), so a layer holding only some of the
+        # groups (tensor parallel) runs unchanged.
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, per_group + 2, d)  # [b, s, ng, np/ng+2, d]
+        query = qkv[:, :, :, :per_group].reshape(b, s, -1, d)  # [b, s, np, d], group-major heads
+        key, value = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [b, s, ng, d]
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        context = self.core_attention(query, key, value, attention_mask)  # [b, s, np*d]
         return self.linear_proj(context)
 
 
@@ -167,7 +196,12 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """The decoder stack. It computes the RoPE tables itself so that any slice of it can run alone."""
+    """The decoder stack. It computes the RoPE tables itself so that any slice of it can run alone.
+
+    ``sequence_shards`` is how many ranks the input's sequence is split over (sequence parallelism
+    sets it to the tensor-parallel size): the RoPE tables must cover the full sequence, because
+    attention sees all of it after the QKV projection gathers the shards.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -176,6 +210,7 @@ class TransformerBlock(nn.Module):
         self.rope = cfg.position_embedding_type == "rope"
         self.head_dim = cfg.resolved_kv_channels()
         self.rotary_base = cfg.rotary_base
+        self.sequence_shards = 1
 
     def forward(
         self,
@@ -185,12 +220,46 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         rotary = None
         if self.rope:
+            seq_length = hidden.shape[1] * self.sequence_shards  # explicit position_ids are full
             rotary = rotary_cos_sin(
-                hidden.shape[1], self.head_dim, self.rotary_base, hidden.device, position_ids
+                seq_length, self.head_dim, self.rotary_base, hidden.device, position_ids
             )
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_mask)
         return self.final_layernorm(hidden)
+
+
+class OutputHead(nn.Module):
+    """Final hidden states x the ``[V, h]`` output weight -> logits, or the per-token loss.
+
+    Parameter-free (the weight is passed in, tied or not), so tensor parallelism can swap it for
+    a vocab-parallel head that never gathers the full-vocabulary logits.
+
+    The padding rows of the vocabulary (ids >= ``vocab_size``) get logit -inf: they exist only so
+    that the vocabulary splits evenly, and Megatron, which keeps them in the softmax, trains a
+    model that changes with the tensor-parallel size (50257 pads to 50304 at TP=1, 50432 at TP=2).
+    Masked, the loss and every real row's values are the same for any padding.
+    """
+
+    def __init__(self, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size  # the real vocabulary; None: no padding to mask
+
+    def forward(
+        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``hidden [b, s, h]`` -> logits ``[b, s, V]``, or given ``labels [b, s]`` the float32
+        cross-entropy ``[b, s]``."""
+        logits = F.linear(hidden, weight)  # [b, s, V]
+        if self.vocab_size is not None and self.vocab_size < logits.shape[-1]:
+            logits[..., self.vocab_size :] = float("-inf")  # linear's backward never reads it
+        if labels is None:
+            return logits
+        # Cross-entropy in float32 whatever the model dtype: bf16 log-softmax over V loses digits.
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
+        )  # [b*s]
+        return loss.view_as(labels)
 
 
 class GPTModel(nn.Module):
@@ -218,6 +287,8 @@ class GPTModel(nn.Module):
             self.output_layer = None
             if not self.share_embeddings_and_output_weights:
                 self.output_layer = nn.Linear(cfg.hidden_size, ctx.padded_vocab_size, bias=False)
+            vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
+            self.output_head = OutputHead(vocab_size)
         self.to_empty(device="cpu")
         self.reset_parameters()
 
@@ -260,11 +331,4 @@ class GPTModel(nn.Module):
         ``attention_mask [b, 1, s, s]`` bool, True = masked (--reset-attention-mask)."""
         hidden = self.embedding(tokens, position_ids)  # [b, s, h]
         hidden = self.decoder(hidden, position_ids, attention_mask)
-        logits = F.linear(hidden, self.output_weight())  # [b, s, V]
-        if labels is None:
-            return logits
-        # Cross-entropy in float32 whatever the model dtype: bf16 log-softmax over V loses digits.
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1), labels.flatten(), reduction="none"
-        )  # [b*s]
-        return loss.view_as(labels)
+        return self.output_head(hidden, self.output_weight(), labels)

@@ -1,0 +1,122 @@
+"""Multi-GPU layouts of a ~1.3B GPT: tokens/s, TFLOP/s and peak memory per GPU, and bf16 losses
+against the one-GPU run (the layout-invariance check in bf16).
+
+    python benchmarks/parallel_layouts.py --layouts tp1dp1,tp2dp1,tp1dp2 --iters 20
+
+Each layout is one real ``mega train --nproc-per-node N`` (NCCL), run in turn on this machine. The
+model is Megatron's 1.3B shape (24 layers, hidden 2048, 16 heads, seq 2048) in bf16 with fp32
+master weights and gradients, the distributed optimizer and overlapped gradient reduction, dropout
+off, mock data, and a vocabulary (NullTokenizer, 50176 = 98 x 512 ids) that every TP size up to 4
+pads to the same size, so all layouts train the same model on the same batches.
+
+Speed is the median over the iterations after ``--warmup``. Writes
+``benchmarks/results/parallel_layouts_<date>.json`` with the commands, versions and numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODEL = [
+    "--model", "gpt", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
+    "--seq-length", "2048", "--max-position-embeddings", "2048",
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50175",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
+    "--lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
+    "--use-distributed-optimizer", "--overlap-grad-reduce",
+]  # fmt: skip
+
+
+def layout_flags(name: str) -> tuple[int, list[str]]:
+    """``tp2dp1`` -> (world size 2, the tensor-parallel flags)."""
+    match = re.fullmatch(r"tp(\d+)dp(\d+)(sp)?", name)
+    if not match:
+        raise SystemExit(f"layout '{name}' is not of the form tp<N>dp<M>[sp]")
+    tp, dp, sp = int(match[1]), int(match[2]), bool(match[3])
+    flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
+    return tp * dp, flags
+
+
+def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
+    world, flags = layout_flags(name)
+    run_dir = out / name
+    command = [
+        sys.executable, "-m", "mega", "train", *MODEL, *flags,
+        "--nproc-per-node", str(world),
+        "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
+        "--train-iters", str(args.iters), "--run-dir", str(run_dir),
+    ]  # fmt: skip
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    row: dict = {"layout": name, "world_size": world, "command": " ".join(command[1:])}
+    row["wall_s"] = round(wall, 1)
+    if proc.returncode:
+        row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return row
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"lm_loss"' in line
+    ]
+    timed = [r for r in records if r["iteration"] > args.warmup]
+    row["lm_loss"] = [r["lm_loss"] for r in records]
+    row["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
+    row["tokens_per_s_per_gpu"] = round(row["tokens_per_s"] / world)
+    row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 1)
+    row["step_ms"] = round(statistics.median(r["elapsed_ms"] for r in timed), 1)
+    row["max_memory_gb_per_gpu"] = round(max(r.get("max_memory_gb", 0.0) for r in records), 2)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gbs", type=int, default=16)
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [run_layout(name, args, out) for name in args.layouts.split(",")]
+    base = next((r for r in rows if r["layout"] == "tp1dp1" and "lm_loss" in r), None)
+    for row in rows:
+        if base is not None and "lm_loss" in row and row is not base:
+            row["max_rel_loss_diff_vs_tp1dp1"] = max(
+                abs(a - b) / abs(b) for a, b in zip(row["lm_loss"], base["lm_loss"], strict=True)
+            )
+    import torch
+
+    from mega import __version__
+
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "versions": {"mega": __version__, "torch": torch.__version__},
+        "python": platform.python_version(),
+        "results": rows,
+    }
+    path = out / f"parallel_layouts_{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    for row in rows:
+        print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "command")}))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

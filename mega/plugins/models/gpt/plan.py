@@ -1,0 +1,72 @@
+"""The GPT's ParallelPlan: where tensor/sequence parallelism cuts ``model.py``. No torch.
+
+Megatron's placement: QKV and FC1 column-parallel, proj and FC2 row-parallel; word embeddings
+vocab-parallel; the untied output layer column-parallel over the vocabulary (the head reads its
+weight, never calls it); the loss vocab-parallel. QKV rows are grouped per query group
+(``[np/ng q, k, v]`` per group), so a contiguous split keeps whole groups on each rank. SwiGLU's
+fc1 is ``[gate; up]`` stacked: each half is split separately.
+
+Under sequence parallelism the embedding dropout is where the sequence is split (after the
+vocab all-reduce and the position embeddings); the whole decoder (layers and final norm) runs on
+``s/tp`` positions between the linears; the head gathers the sequence back.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mega.core.parallel_plan import (
+    COLUMN,
+    LM_HEAD,
+    ROW,
+    SEQUENCE_SCATTER,
+    VOCAB_EMBEDDING,
+    ParallelPlan,
+)
+from mega.plugins.models.gpt.config import GPTConfig
+
+LAYERS = "decoder.layers"
+CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
+
+
+def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
+    tensor = {
+        "embedding.word_embeddings": VOCAB_EMBEDDING,
+        "embedding.embedding_dropout": SEQUENCE_SCATTER,
+        f"{LAYERS}.*.self_attention.linear_qkv": COLUMN,
+        f"{LAYERS}.*.self_attention.linear_proj": ROW,
+        f"{LAYERS}.*.mlp.linear_fc1": COLUMN,
+        f"{LAYERS}.*.mlp.linear_fc2": ROW,
+        "output_head": LM_HEAD,
+    }
+    if cfg.untie_embeddings_and_output_weights:
+        tensor["output_layer"] = COLUMN
+    return ParallelPlan(
+        tensor=tensor,
+        stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
+        layers=LAYERS,
+        core_attention=CORE_ATTENTION,
+        tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
+        sequence_parallel_region=("decoder",),
+        problems=partial(tensor_parallel_problems, cfg),
+    )
+
+
+def tensor_parallel_problems(cfg: GPTConfig, tp: int) -> list[str]:
+    """Every reason ``cfg`` cannot be split over ``tp`` tensor-parallel ranks, one per flag."""
+    if tp <= 1:
+        return []
+    flag = f"--tensor-model-parallel-size ({tp})"
+    problems = []
+    heads = cfg.num_attention_heads
+    if heads % tp:
+        problems.append(f"--num-attention-heads ({heads}) must be divisible by {flag}")
+    if cfg.group_query_attention:  # without GQA the groups are the heads: one message is enough
+        groups = cfg.resolved_num_query_groups()
+        if groups % tp:
+            problems.append(f"--num-query-groups ({groups}) must be divisible by {flag}")
+    ffn = cfg.resolved_ffn_hidden_size()
+    if ffn % tp:
+        default = "" if cfg.ffn_hidden_size is not None else ", the default for --hidden-size"
+        problems.append(f"--ffn-hidden-size ({ffn}{default}) must be divisible by {flag}")
+    return problems
