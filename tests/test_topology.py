@@ -1,0 +1,67 @@
+"""The rank layout (tp-cp-ep-dp-pp, tp innermost) and the checks that run before any launch."""
+
+from __future__ import annotations
+
+import pytest
+
+from mega.core.errors import MegaUsageError
+from mega.core.resolve import resolve_config
+from mega.core.topology import build_topology, group_ranks, layout_problems
+
+from conftest import TINY
+
+
+def test_tensor_parallel_is_innermost_and_pipeline_outermost():
+    groups = group_ranks(8, {"tp": 2, "cp": 1, "ep": 1, "pp": 2})
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # one model copy: tp x pp
+    assert groups["cp"] == groups["ep"] == [[r] for r in range(8)]
+
+
+def test_every_dimension_in_megatron_order():
+    groups = group_ranks(16, {"tp": 2, "cp": 2, "ep": 1, "pp": 2})
+    assert groups["cp"][0] == [0, 2]  # stride tp
+    assert groups["dp"][0] == [0, 4]  # stride tp x cp
+    assert groups["pp"][0] == [0, 8]  # stride tp x cp x dp
+    for dim, lists in groups.items():  # each dimension partitions the world
+        assert sorted(r for ranks in lists for r in ranks) == list(range(16)), dim
+
+
+def test_one_process_topology_has_no_groups():
+    topology = build_topology(1, 0)
+    assert topology.data_parallel_size == 1 and topology.tp_rank == 0
+    assert topology.group("tp") is None and topology.group("dp") is None
+
+
+def test_layout_problems_name_the_sizes():
+    (message,) = layout_problems(6, {"tp": 4, "cp": 1, "ep": 1, "pp": 1})
+    assert "world size (6 processes)" in message and "tensor-model-parallel-size 4" in message
+    assert layout_problems(8, {"tp": 2, "cp": 1, "ep": 1, "pp": 2}) == []
+
+
+def test_every_layout_error_is_listed_at_once(plugins):
+    args = [
+        *TINY, "--nproc-per-node", "6", "--tensor-model-parallel-size", "4",
+        "--num-attention-heads", "6", "--hidden-size", "48", "--ffn-hidden-size", "90",
+        "--global-batch-size", "7", "--sequence-parallel", "--seq-length", "30",
+    ]  # fmt: skip
+    with pytest.raises(MegaUsageError) as raised:
+        resolve_config(args, plugins)
+    text = "\n".join(raised.value.messages)
+    for expected in (
+        "world size (6 processes) is not divisible by tensor-model-parallel-size 4",
+        "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)",
+        "--ffn-hidden-size (90) must be divisible by --tensor-model-parallel-size (4)",
+        "--seq-length (30) must be divisible by --tensor-model-parallel-size (4)",
+        "--global-batch-size (7) must be divisible by",
+    ):
+        assert expected in text, (expected, text)
+
+
+def test_world_size_and_global_batch_follow_the_launch(plugins):
+    config = resolve_config([*TINY, "--nproc-per-node", "4", "--global-batch-size", "16",
+                             "--tensor-model-parallel-size", "2"], plugins)  # fmt: skip
+    assert config.world_size == 4 and config.data_parallel_size == 2
+    assert config.num_microbatches == 16 // (4 * 2)
