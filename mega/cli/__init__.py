@@ -1,6 +1,8 @@
 """The ``mega`` command. Its subcommands arrive through the ``register_commands`` hook.
 
-Bad input ends with one ``error: ...`` line per problem on stderr and exit code 2, no traceback.
+Bad input ends with one ``error: ...`` line per problem on stderr and exit code 2, no traceback;
+a run that cannot go on ends with one ``error: ...`` line and exit code 1. In a job of several
+processes the ranks other than 0 say ``[rank N] error: ...``, so a shared log shows whose it is.
 """
 
 from __future__ import annotations
@@ -64,20 +66,49 @@ def current_plugins():
     return click.get_current_context().find_root().command.plugins()
 
 
+def _rank_prefix() -> str:
+    """``"[rank N] "`` in a worker of a multi-process job whose rank is not 0 (RANK or
+    SLURM_PROCID says so); rank 0 and a one-process run print unprefixed."""
+    from mega.core.console import rank_prefix
+    from mega.core.distributed import process_place
+
+    try:
+        place = process_place()
+    except ValueError:  # a malformed launcher variable must not hide the error being reported
+        return ""
+    return rank_prefix(place.rank) if place.world_size > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     cli = make_cli()
     try:
         code = cli.main(args=argv, prog_name="mega", standalone_mode=False)
     except MegaUsageError as exc:
+        prefix = _rank_prefix()
         for message in exc.messages:
-            click.echo(f"error: {message}", err=True)
+            click.echo(f"{prefix}error: {message}", err=True)
         sys.exit(2)
     except MegaRunError as exc:
-        click.echo(f"error: {exc}", err=True)
+        click.echo(f"{_rank_prefix()}error: {exc}", err=True)
         sys.exit(1)
     except click.UsageError as exc:
-        click.echo(f"error: {exc.format_message()}", err=True)
+        click.echo(f"{_rank_prefix()}error: {exc.format_message()}", err=True)
         sys.exit(2)
     except click.Abort:
         sys.exit(130)
+    except Exception as exc:
+        from mega.core.launch import lost_peer, wait_for_launcher
+
+        if not lost_peer(exc):
+            raise  # a bug: its traceback is what helps
+        # Another rank failed or died, so this rank's collective broke: a consequence, not the
+        # cause. Let the launcher name the rank that failed first, then say what happened here.
+        wait_for_launcher()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        click.echo(
+            f"{_rank_prefix()}error: communication with the other ranks failed (another rank"
+            f" has probably failed; its message says why): {first}",
+            err=True,
+        )
+        sys.exit(1)
     sys.exit(code if isinstance(code, int) else 0)

@@ -79,14 +79,38 @@ def train_command(args: tuple[str, ...]) -> None:
         click.echo(_help_text(args_list))
         return
     from mega.cli import current_plugins
+    from mega.core import launch
+    from mega.core.distributed import process_place
+    from mega.core.errors import MegaUsageError
     from mega.core.resolve import resolve_config
 
     plugins = current_plugins()
-    for info in plugins.failures():
-        click.echo(
-            f"warning: plugin '{info.name}' ({info.dist}) failed to load: {info.error}", err=True
-        )
+    try:
+        place = process_place()  # torchrun's or SLURM's variables, if either started us
+    except ValueError as exc:  # e.g. a SLURM_JOB_NODELIST that cannot be read
+        raise MegaUsageError(str(exc)) from None
+    # Every rank loads the same plugins and reads the same flags: one copy of these warnings
+    # (rank 0's, or the launching parent's, whose workers then stay quiet) is enough.
+    speaks = place.rank == 0 and not launch.is_launched_worker()
+    if speaks:
+        for info in plugins.failures():
+            click.echo(
+                f"warning: plugin '{info.name}' ({info.dist}) failed to load: {info.error}",
+                err=True,
+            )
     config = resolve_config(args_list, plugins)  # every config error, before torch is touched
+    asked = config.launch.world_size
+    if speaks and place.source != "single" and asked not in (1, place.world_size):
+        click.echo(
+            f"warning: --nproc-per-node x --nnodes ({asked}) ignored: {place.source} started"
+            f" this job's {place.world_size} processes",
+            err=True,
+        )
+    if launch.needs_launch(config):
+        # --nproc-per-node/--nnodes and no torchrun/SLURM around us: start the workers, which run
+        # this same command (they see RANK etc., so they train instead of launching)
+        launch.launch_workers(config, args_list)
+        return
 
     from mega.core.engine import Engine
 

@@ -2,6 +2,11 @@
 
 Iteration lines always go to stdout as text, so they read the same in a log file and on screen.
 Plugins never print; they return data to hooks or use ``logging``.
+
+In a job of several processes rank 0 owns the console. The other ranks print only warnings
+(``Display.warn``) and errors (``mega.cli.main``), each prefixed with the rank that says it,
+``[rank 3] warning: ...``, so that a message seen in a log of eight interleaved workers says whose
+it is.
 """
 
 from __future__ import annotations
@@ -10,11 +15,23 @@ import sys
 from typing import Any
 
 
-class Display:
-    """What the engine shows. ``enabled=False`` (ranks other than 0) prints nothing."""
+def rank_prefix(rank: int) -> str:
+    """``"[rank 3] "`` for a message from a rank other than 0; rank 0 speaks unprefixed."""
+    return f"[rank {rank}] " if rank > 0 else ""
 
-    def __init__(self, enabled: bool = True, rich_output: bool | None = None):
+
+class Display:
+    """What the engine shows.
+
+    ``enabled=False`` (ranks other than 0) prints nothing but warnings; ``rank`` is this process's
+    global rank, used to prefix those warnings.
+    """
+
+    def __init__(
+        self, enabled: bool = True, rich_output: bool | None = None, *, rank: int = 0
+    ) -> None:
         self.enabled = enabled
+        self.rank = rank
         self.rich = sys.stdout.isatty() if rich_output is None else rich_output
         self._console: Any = None
         self._progress: Any = None
@@ -31,6 +48,14 @@ class Display:
             self._console.print(text, markup=False, soft_wrap=True)
         else:
             print(text, flush=True)
+
+    def warn(self, text: str) -> None:
+        """A warning every rank prints, to stderr: ``warning: text`` (``[rank N] warning: text``).
+
+        Printed through ``sys.stderr`` as it is at call time: while a rich progress bar is live it
+        has replaced ``sys.stderr`` with a proxy that prints above the bar instead of through it.
+        """
+        print(f"{rank_prefix(self.rank)}warning: {text}", file=sys.stderr, flush=True)
 
     def panel(self, title: str, lines: list[str]) -> None:
         if not self.enabled:

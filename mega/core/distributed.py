@@ -3,7 +3,8 @@
 Three ways a process learns its rank, in this order:
 - torchrun / torch elastic (and ``mega train --nproc-per-node``): RANK, WORLD_SIZE, LOCAL_RANK,
   MASTER_ADDR, MASTER_PORT;
-- SLURM (``srun mega train ...``, one task per GPU): SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID;
+- SLURM (``srun mega train ...``, one task per GPU): SLURM_PROCID, SLURM_STEP_NUM_TASKS (the
+  srun step's size; an sbatch script without srun is not a worker), SLURM_LOCALID;
   the master is the first host of SLURM_JOB_NODELIST, the port MASTER_PORT or one derived from
   the job id, so every task of a job agrees without talking;
 - nothing set: a one-process run.
@@ -55,10 +56,12 @@ def process_place(env: Mapping[str, str] | None = None) -> ProcessPlace:
             master_port=int(env.get("MASTER_PORT", "29500")),
             source="torchrun",
         )
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    # SLURM_STEP_NUM_TASKS is set by srun for its job step. The batch script itself also has
+    # SLURM_PROCID=0 and SLURM_NTASKS=N, but it is not a worker: it must run (or launch) alone.
+    if "SLURM_PROCID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         job = int(env.get("SLURM_JOB_ID", "0") or 0)
         return ProcessPlace(
-            world_size=int(env["SLURM_NTASKS"]),
+            world_size=int(env["SLURM_STEP_NUM_TASKS"]),
             rank=int(env["SLURM_PROCID"]),
             local_rank=int(env.get("SLURM_LOCALID", "0")),
             master_addr=env.get("MASTER_ADDR") or first_host(env.get("SLURM_JOB_NODELIST", "")),

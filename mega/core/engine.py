@@ -134,8 +134,8 @@ class Engine:
         self.topology = build_topology(
             place.world_size, place.rank, local_rank=place.local_rank, **sizes
         )
-        if not self.topology.is_rank0:
-            self.display = Display(enabled=False)  # rank 0 owns the console
+        if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
+            self.display = Display(enabled=False, rank=place.rank)
 
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
@@ -477,7 +477,7 @@ class Engine:
         else:
             check_schedule(self.lr_schedule, state["lr_schedule"], directory, s)
         for warning in data_changes(state["config"], resolved_as_dict(self.config)):
-            self.display.print(f" warning: {warning}")
+            self.display.warn(warning)
         restore_rng_state(state["rng"])
         self.interval = IntervalStats.from_state_dict(state["interval"])
         self.iteration = int(state["iteration"])
