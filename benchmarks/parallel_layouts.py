@@ -32,28 +32,30 @@ MODEL = [
     "--seq-length", "2048", "--max-position-embeddings", "2048",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50175",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
-    "--lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
+    "--lr", "1e-4", "--lr-warmup-iters", "4", "--eval-iters", "0", "--log-interval", "1",
     "--use-distributed-optimizer", "--overlap-grad-reduce",
 ]  # fmt: skip
 
 
-def layout_flags(name: str) -> tuple[int, list[str]]:
-    """``tp2dp1`` -> (world size 2, the tensor-parallel flags)."""
-    match = re.fullmatch(r"tp(\d+)dp(\d+)(sp)?", name)
+def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
+    """``tp2dp1`` -> (world size 2, the flags). ``sp`` adds --sequence-parallel; ``mb2`` sets the
+    micro-batch size to 2: on tp1dp1 that is the bf16 noise floor (same math, other kernels)."""
+    match = re.fullmatch(r"tp(\d+)dp(\d+)(sp)?(?:mb(\d+))?", name)
     if not match:
-        raise SystemExit(f"layout '{name}' is not of the form tp<N>dp<M>[sp]")
+        raise SystemExit(f"layout '{name}' is not of the form tp<N>dp<M>[sp][mb<K>]")
     tp, dp, sp = int(match[1]), int(match[2]), bool(match[3])
     flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
+    flags += ["--micro-batch-size", match[4] or str(mbs)]
     return tp * dp, flags
 
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
-    world, flags = layout_flags(name)
+    world, flags = layout_flags(name, args.mbs)
     run_dir = out / name
     command = [
         sys.executable, "-m", "mega", "train", *MODEL, *flags,
         "--nproc-per-node", str(world),
-        "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
+        "--global-batch-size", str(args.gbs),
         "--train-iters", str(args.iters), "--run-dir", str(run_dir),
     ]  # fmt: skip
     started = time.perf_counter()
