@@ -38,8 +38,8 @@ def shard_parameter(full: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
     return param
 
 
-class ColumnParallelLinear(nn.Module):
-    """``weight [out/tp, in]``, ``bias [out/tp]``; output sharded along its last dim."""
+class _ParallelLinear(nn.Module):
+    """A linear's shard: its weight (and bias) plus the group that holds the other shards."""
 
     def __init__(
         self,
@@ -53,6 +53,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = bias
         self.group = group
         self.sequence_parallel = sequence_parallel
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``weight [out/tp, in]``, ``bias [out/tp]``; output sharded along its last dim."""
 
     @classmethod
     def from_linear(
@@ -87,21 +91,8 @@ class ColumnParallelLinear(nn.Module):
         return f"in={inp}, out/tp={out}, bias={self.bias is not None}, sp={self.sequence_parallel}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """``weight [out, in/tp]``, ``bias [out]`` (replicated); input sharded along its last dim."""
-
-    def __init__(
-        self,
-        weight: nn.Parameter,
-        bias: nn.Parameter | None,
-        group: Any,
-        sequence_parallel: bool,
-    ) -> None:
-        super().__init__()
-        self.weight = weight
-        self.bias = bias
-        self.group = group
-        self.sequence_parallel = sequence_parallel
 
     @classmethod
     def from_linear(
