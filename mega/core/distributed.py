@@ -98,3 +98,34 @@ def init_process_group(place: ProcessPlace, backend: str, timeout_minutes: float
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def join_job(config: Any) -> tuple[Any, Any]:
+    """Pick this process's device, join the job's process group (several processes) and build
+    its topology; returns ``(torch.device, Topology)``."""
+    import torch
+
+    from mega.core.errors import MegaUsageError
+    from mega.core.topology import build_topology
+
+    place = process_place()
+    if place.world_size != config.world_size:
+        raise MegaUsageError(
+            f"this job has {place.world_size} processes but the config was validated for "
+            f"{config.world_size}"
+        )
+    wanted = config.training.device
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if wanted == "auto" else wanted
+    device = torch.device(kind)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", place.local_rank)  # one GPU per local rank
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    parallel = config.parallel
+    if place.world_size > 1:
+        backend = parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+        init_process_group(place, backend, parallel.distributed_timeout_minutes)
+    topology = build_topology(
+        place.world_size, place.rank, local_rank=place.local_rank, **parallel.sizes()
+    )
+    return device, topology

@@ -27,7 +27,7 @@ from mega.core.checkpointing import (
 )
 from mega.core.config import RunConfig
 from mega.core.console import Display
-from mega.core.distributed import init_process_group, process_place
+from mega.core.distributed import join_job
 from mega.core.errors import MegaRunError, MegaUsageError
 from mega.core.grad_buffer import ParamAndGradBuffer
 from mega.core.lr_schedule import LRSchedule, resolve_warmup_iters
@@ -45,7 +45,7 @@ from mega.core.resolve import resolved_as_dict
 from mega.core.resume_checks import check_schedule, data_changes
 from mega.core.rng import capture_rng_state, restore_rng_state, seed_everything
 from mega.core.run_files import plugins_txt, to_toml
-from mega.core.topology import Topology, build_topology
+from mega.core.topology import Topology
 from mega.core.vocab import padded_vocab_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -112,30 +112,9 @@ class Engine:
     # ------------------------------------------------------------------ setup
 
     def _join_job(self) -> None:
-        """Pick the device, join the process group (several processes) and build the topology."""
-        cfg, t = self.config, self.config.training
-        place = process_place()
-        if place.world_size != cfg.world_size:
-            raise MegaUsageError(
-                f"this job has {place.world_size} processes but the config was validated for "
-                f"{cfg.world_size}"
-            )
-        kind = ("cuda" if torch.cuda.is_available() else "cpu") if t.device == "auto" else t.device
-        self.device = torch.device(kind)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", place.local_rank)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if place.world_size > 1:
-            p = cfg.parallel
-            backend = p.distributed_backend or ("nccl" if self.device.type == "cuda" else "gloo")
-            init_process_group(place, backend, p.distributed_timeout_minutes)
-        sizes = cfg.parallel.sizes()
-        self.topology = build_topology(
-            place.world_size, place.rank, local_rank=place.local_rank, **sizes
-        )
+        self.device, self.topology = join_job(self.config)
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
-            self.display = Display(enabled=False, rank=place.rank)
+            self.display = Display(enabled=False, rank=self.topology.rank)
 
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
