@@ -29,7 +29,8 @@ from mega.plugins.parallel.tensor import (
 )
 from mega.plugins.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from mega.plugins.parallel.tensor.rng import TensorParallelRNG
-from tests.multiproc import run_ranks
+
+from multiproc import run_ranks
 
 VOCAB, SEQ, BATCH, SEED = 256, 16, 2, 1234
 

@@ -112,6 +112,10 @@ def train_command(args: tuple[str, ...]) -> None:
         launch.launch_workers(config, args_list)
         return
 
+    from mega.core.distributed import leave_job
     from mega.core.engine import Engine
 
-    Engine(config, plugins).train()
+    try:
+        Engine(config, plugins).train()
+    finally:
+        leave_job()

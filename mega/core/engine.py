@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mega import BuildContext, DataRequest, hookimpl
+from mega.core import comm
 from mega.core.batches import global_batch, requested_samples
 from mega.core.checkpointing import (
     atomic_write_text,
@@ -323,8 +324,6 @@ class Engine:
         stacked = torch.stack(values).float()
         group = self.topology.group("dp")
         if group is not None:
-            from mega.core import comm
-
             comm.all_reduce(stacked, group)
             stacked /= self.topology.data_parallel_size
         return stacked.tolist()

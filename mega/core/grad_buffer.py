@@ -31,7 +31,6 @@ _ALIGN = 64
 
 @dataclass
 class Bucket:
-    index: int
     params: list[torch.nn.Parameter]
     start: int  # [start, end) in the flat buffers; end - start divisible by DP
     end: int
@@ -51,7 +50,6 @@ class ParamAndGradBuffer:
 
     topology: Topology
     params: list[torch.nn.Parameter]
-    names: dict[torch.nn.Parameter, str]
     ranges: dict[torch.nn.Parameter, tuple[int, int]]
     buckets: list[Bucket]
     param_data: torch.Tensor
@@ -93,7 +91,7 @@ class ParamAndGradBuffer:
             members.append(param)
             if offset - bucket_start >= limit or i == len(ordered) - 1:
                 end = -(-offset // pad) * pad
-                buckets.append(Bucket(len(buckets), members, bucket_start, end))
+                buckets.append(Bucket(members, bucket_start, end))
                 offset = bucket_start = end
                 members = []
         device, dtype = named[0][1].device, named[0][1].dtype
@@ -102,7 +100,6 @@ class ParamAndGradBuffer:
         buffer = cls(
             topology=topology,
             params=[p for _, p in named],
-            names={p: n for n, p in named},
             ranges=ranges,
             buckets=buckets,
             param_data=param_data,

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mega.core.config import RunConfig
-from mega.core.distributed import process_place
+from mega.core.distributed import process_place, url_host
 from mega.core.errors import MegaRunError, MegaUsageError
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -142,7 +142,7 @@ def launch_workers(config: RunConfig, argv: list[str]) -> None:
             run_id="mega",
             role="mega-train",
             rdzv_backend="static",
-            rdzv_endpoint=f"{_url_host(launch.master_addr)}:{launch.master_port}",
+            rdzv_endpoint=f"{url_host(launch.master_addr)}:{launch.master_port}",
             rdzv_configs={"rank": launch.node_rank, "timeout": timeout_s},
             max_restarts=0,
             monitor_interval=MONITOR_INTERVAL,
@@ -229,8 +229,10 @@ def lost_peer(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective or store of a multi-process job failing because another
     rank went away (or timed out): gloo's "Connection closed by peer", NCCL's and the store's
     ``DistError``s."""
-    dist = sys.modules.get("torch.distributed")  # never imported here: mega --help stays fast
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+    # never imported here: mega --help stays fast. Not "is the group initialised": mega train
+    # has already destroyed it (leave_job) by the time main() sees the error.
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available():
         return False
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
@@ -292,7 +294,3 @@ def _kept_signal_handlers() -> Iterator[None]:
         for sig, handler in saved.items():
             if handler is not None:
                 signal.signal(sig, handler)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
