@@ -2,6 +2,8 @@
 against the one-GPU run (the layout-invariance check in bf16).
 
     python benchmarks/parallel_layouts.py --layouts tp1dp1,tp2dp1,tp1dp2 --iters 20
+    python benchmarks/parallel_layouts.py --layouts tp1dp1,pp2-1f1b,pp2v2-interleaved --gbs 32 \
+        --name pipeline_schedules
 
 Each layout is one real ``mega train --nproc-per-node N`` (NCCL), run in turn on this machine. The
 model is Megatron's 1.3B shape (24 layers, hidden 2048, 16 heads, seq 2048) in bf16 with fp32
@@ -37,16 +39,35 @@ MODEL = [
 ]  # fmt: skip
 
 
+TOKEN = re.compile(r"-?(?:(tp|dp|pp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b|interleaved))")
+FLAGS = {
+    "tp": "--tensor-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "v": "--virtual-pipeline-model-parallel-size",
+    "mb": "--micro-batch-size",
+    "first": "--decoder-first-pipeline-num-layers",
+    "last": "--decoder-last-pipeline-num-layers",
+}
+
+
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
-    """``tp2dp1`` -> (world size 2, the flags). ``sp`` adds --sequence-parallel; ``mb2`` sets the
-    micro-batch size to 2: on tp1dp1 that is the bf16 noise floor (same math, other kernels)."""
-    match = re.fullmatch(r"tp(\d+)dp(\d+)(sp)?(?:mb(\d+))?", name)
-    if not match:
-        raise SystemExit(f"layout '{name}' is not of the form tp<N>dp<M>[sp][mb<K>]")
-    tp, dp, sp = int(match[1]), int(match[2]), bool(match[3])
-    flags = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
-    flags += ["--micro-batch-size", match[4] or str(mbs)]
-    return tp * dp, flags
+    """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``v<N>``
+    (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``), ``sp``
+    (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
+    same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
+    ``pp2v2-interleaved-first14``."""
+    parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1}, []
+    if not parts or "".join(TOKEN.sub("", name)):
+        raise SystemExit(
+            f"layout '{name}' is not made of tp/dp/pp/v/mb/first/last<N>, sp, a schedule"
+        )
+    values = {key: value for key, value, _, _ in parts if key}
+    sizes.update({k: int(v) for k, v in values.items() if k in sizes})
+    values.setdefault("mb", str(mbs))
+    flags = [arg for key, value in values.items() if key in FLAGS for arg in (FLAGS[key], value)]
+    flags += ["--sequence-parallel"] * any(sp for _, _, sp, _ in parts)
+    flags += [arg for *_, schedule in parts if schedule for arg in ("--parallel", schedule)]
+    return sizes["tp"] * sizes["dp"] * sizes["pp"], flags
 
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
@@ -85,6 +106,7 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
+    parser.add_argument("--name", default="parallel_layouts", help="result file name prefix")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mbs", type=int, default=4)
@@ -100,6 +122,9 @@ def main() -> None:
             row["max_rel_loss_diff_vs_tp1dp1"] = max(
                 abs(a - b) / abs(b) for a, b in zip(row["lm_loss"], base["lm_loss"], strict=True)
             )
+            row["per_gpu_vs_tp1dp1"] = round(
+                row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 4
+            )
     import torch
 
     from mega import __version__
@@ -113,7 +138,7 @@ def main() -> None:
         "python": platform.python_version(),
         "results": rows,
     }
-    path = out / f"parallel_layouts_{result['date']}.json"
+    path = out / f"{args.name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "command")}))

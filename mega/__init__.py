@@ -15,6 +15,7 @@ from mega.core.specs import (
     DatasetSplits,
     ModelSpec,
     ParallelSpec,
+    PipelineScheduleSpec,
     TokenizerSpec,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "DatasetSplits",
     "ModelSpec",
     "ParallelSpec",
+    "PipelineScheduleSpec",
     "TokenizerSpec",
     "__version__",
     "hookimpl",

@@ -44,13 +44,29 @@ class _Losses:
 
 
 def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
-    """Every parameter as its global fp32 tensor (gathered over tensor-parallel ranks)."""
+    """Every parameter as its global fp32 tensor: gathered over tensor-parallel ranks, then
+    collected from every pipeline stage (a weight two stages hold must be the same on both)."""
     if engine.topology.tensor_model_parallel_size > 1:
         from mega.plugins.parallel.tensor import gather_full_parameters
 
         params = gather_full_parameters(engine.model, engine.topology)
-        return {name: value.cpu() for name, value in params.items()}
-    return {n: p.detach().float().clone() for n, p in engine.model.named_parameters()}
+        params = {name: value.cpu() for name, value in params.items()}
+    else:
+        params = {n: p.detach().float().clone() for n, p in engine.model.named_parameters()}
+    group = engine.topology.group("pp")
+    if group is None:
+        return params
+    import torch.distributed as dist
+
+    stages: list[Any] = [None] * engine.topology.pipeline_model_parallel_size
+    dist.all_gather_object(stages, params, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, value in stage.items():
+            if name in merged:  # the tied embeddings: the last stage's copy
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=1e-6, msg=name)
+            merged.setdefault(name, value)
+    return merged
 
 
 def _train(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[str, Any]:

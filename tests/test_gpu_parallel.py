@@ -57,7 +57,11 @@ def test_bf16_layouts_match_one_gpu(tmp_path: Path):
         "tp2-sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
         "tp2": ["--tensor-model-parallel-size", "2"],
         "dp2-distopt": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
-    }
+        "pp2-1f1b": ["--pipeline-model-parallel-size", "2"],
+        "pp2-interleaved": [
+            "--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2",
+        ],
+    }  # fmt: skip
     diffs = {
         name: max_rel(
             losses(tmp_path, name, [*flags, "--nproc-per-node", "2", "--micro-batch-size", "4"]),

@@ -106,6 +106,22 @@ def test_tp2_times_dp2_on_four_processes(tmp_path: Path, reference):
     assert_rank0_console_only(result.stdout)
 
 
+def test_interleaved_pipeline_on_four_processes(tmp_path: Path):
+    """The issue's command: 4 stages, one layer per virtual stage, the same losses as one process."""
+    args = ["train", *ARGS, "--num-layers", "8"]
+    one = mega(args, tmp_path)
+    assert one.returncode == 0, one.stderr
+    layout = [
+        "--nproc-per-node", "4", "--pipeline-model-parallel-size", "4", "--parallel",
+        "interleaved", "--num-layers-per-virtual-pipeline-stage", "1",
+    ]  # fmt: skip
+    result = mega([*args, *layout, "--master-port", str(free_port())], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "pp 4" in result.stdout and "[0-0] [4-4] | [1-1] [5-5]" in result.stdout, result.stdout
+    assert_same_losses(losses(one.stdout), losses(result.stdout))
+    assert_rank0_console_only(result.stdout)
+
+
 def test_two_nodes_meet_at_the_master_port(tmp_path: Path, reference):
     """``--nnodes 2 --node-rank 0|1``, both nodes on this machine: one job of two workers."""
     common = ["train", *ARGS, "--nnodes", "2", "--nproc-per-node", "1"]

@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from mega import PipelineScheduleSpec, hookimpl
+from mega.core.errors import MegaUsageError
+from mega.core.plugins import make_plugins
 from mega.plugins.parallel.pipeline import (
-    SCHEDULE_TABLES,
     Backward,
     Forward,
     RecvActivation,
@@ -21,29 +23,28 @@ from mega.plugins.parallel.pipeline import (
     ScheduleError,
     SendActivation,
     SendGrad,
-    TableSpec,
-    analytic_bubble,
     build_table,
     check_table,
-    minimum_microbatches,
-    register_table,
+    fifo_problems,
+    p2p_batches,
+    pipeline_schedules,
+    schedule_spec,
     simulate,
     table_problems,
 )
-from mega.plugins.parallel.pipeline.actions import with_p2p
+from mega.plugins.parallel.pipeline.actions import _assemble, _place, with_p2p
+from mega.plugins.parallel.pipeline.builtin import BUILTIN_SCHEDULES
 from mega.plugins.parallel.pipeline.tables import interleaved_order, microbatch_groups
 
 from conftest import run_mega
 
-BUILT_IN = ["gpipe", "1f1b", "interleaved"]
+SPECS = {spec.name: spec for spec in BUILTIN_SCHEDULES}
+BUILT_IN = list(SPECS)
+MODES = ("eager", "rendezvous")
 
 
-def layouts():
-    """(schedule, pp, vpp) of the acceptance grid: VPP > 1 only for the interleaved schedule."""
-    for name in BUILT_IN:
-        for pp in (2, 3, 4, 8):
-            for vpp in (1, 2, 4) if name == "interleaved" else (1,):
-                yield name, pp, vpp
+def table(name, pp, vpp, m):
+    return build_table(SPECS[name], pp, vpp, m)
 
 
 def forward_before_backward(result) -> None:
@@ -58,53 +59,70 @@ def forward_before_backward(result) -> None:
                 assert forward_end[key] <= slot.start
 
 
-@pytest.mark.parametrize("name,pp,vpp", list(layouts()))
-def test_simulation_acceptance(name, pp, vpp):
-    """The issue's acceptance test: no deadlock, F before B on every stage, and the analytic
-    bubble exactly when M is a multiple of PP (unit costs); otherwise finite and in [0, 1)."""
-    num_layers = pp * vpp * 2
-    for m in range(pp, 4 * pp + 1):
-        assert table_problems(name, pp, vpp, m, num_layers) == []
-        result = simulate(build_table(name, pp, vpp, m), pp, vpp, m)  # raises on deadlock
-        forward_before_backward(result)
-        if m % pp == 0:
-            v = vpp if name == "interleaved" else 1
-            expected = (pp - 1) / (v * m + pp - 1)
-            assert result.bubble_fraction == expected, (m, result.bubble_fraction, expected)
-            assert result.total_time == 2 * (vpp * m + pp - 1)  # exact: unit cost per chunk
-        else:
+def acceptance_grid(name, pp):
+    """(vpp, m) of the acceptance grid for one schedule and PP: VPP > 1 only for interleaved
+    (VPP = 1 is 1F1B), M from PP to 4 PP, and M < PP too for GPipe and 1F1B."""
+    for vpp in (2, 4) if name == "interleaved" else (1,):
+        for m in range(pp if name == "interleaved" else 1, 4 * pp + 1):
+            yield vpp, m
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+@pytest.mark.parametrize("pp", [2, 3, 4, 8])
+def test_simulation_acceptance(name, pp):
+    """The issue's acceptance test, under both transfer models: no deadlock, F before B on every
+    stage, sends and receives of every pair of ranks matched in order (FIFO), and, with unit
+    costs, the analytic bubble exactly when M is a multiple of PP (both models); otherwise
+    finite, in [0, 1).
+
+    Stronger than Megatron, with eager sends: with groups of at least PP micro-batches the
+    interleaved bubble stays (p-1)/(v m+p-1) when M is not a multiple of PP, and 1F1B/GPipe keep
+    theirs for any M. (With rendezvous sends those M can cost a little more; it is only shown.)"""
+    spec = SPECS[name]
+    for vpp, m in acceptance_grid(name, pp):
+        num_layers = pp * vpp * 2
+        assert table_problems(spec, pp, vpp, m, num_layers) == []
+        built = build_table(spec, pp, vpp, m)
+        assert fifo_problems(built, pp) == []
+        for mode in MODES:
+            result = simulate(built, pp, vpp, m, p2p=mode)  # raises on deadlock or FIFO mismatch
+            assert result.p2p == mode
+            forward_before_backward(result)
             assert math.isfinite(result.bubble_fraction) and 0 <= result.bubble_fraction < 1
+            if m % pp == 0:
+                v = vpp if name == "interleaved" else 1
+                expected = (pp - 1) / (v * m + pp - 1)
+                assert result.bubble_fraction == expected, (mode, vpp, m, result.bubble_fraction)
+                assert result.total_time == 2 * (vpp * m + pp - 1)  # exact: unit cost per chunk
+            if mode == "eager":
+                assert result.bubble_fraction == spec.analytic_bubble(pp, vpp, m), (vpp, m)
 
 
-@pytest.mark.parametrize("name,pp,vpp", list(layouts()))
-def test_bubble_is_the_analytic_one_for_every_m_at_least_pp(name, pp, vpp):
-    """Stronger than Megatron: with groups of at least PP micro-batches the interleaved bubble
-    stays (p-1)/(v m+p-1) when M is not a multiple of PP; 1F1B/GPipe keep theirs for any M."""
-    for m in range(1 if vpp == 1 else pp, 4 * pp + 1):
-        result = simulate(build_table(name, pp, vpp, m), pp, vpp, m)
-        assert result.bubble_fraction == analytic_bubble(name, pp, vpp, m)
-
-
-def test_unequal_costs_keep_the_closed_form():
+@pytest.mark.parametrize("mode", MODES)
+def test_unequal_costs_keep_the_closed_form(mode):
     for name, vpp in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-        result = simulate(build_table(name, 4, vpp, 8), 4, vpp, 8, forward_cost=1, backward_cost=2)
+        built = table(name, 4, vpp, 8)
+        result = simulate(built, 4, vpp, 8, forward_cost=1, backward_cost=2, p2p=mode)
         assert result.total_time == (vpp * 8 + 3) * 3
-        assert result.bubble_fraction == analytic_bubble(name, 4, vpp, 8)
+        assert result.bubble_fraction == SPECS[name].analytic_bubble(4, vpp, 8)
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 2, 3), (2, 2, 5), (2, 4, 7), (4, 2, 6), (4, 4, 9)])
 def test_interleaved_at_pp2_and_m_not_divisible_by_pp(pp, vpp, m):
     """Megatron refuses both (issues #750, #675); the tables here run."""
-    assert table_problems("interleaved", pp, vpp, m, pp * vpp) == []
-    result = simulate(build_table("interleaved", pp, vpp, m), pp, vpp, m)
-    assert result.bubble_fraction == (pp - 1) / (vpp * m + pp - 1)
+    assert table_problems(SPECS["interleaved"], pp, vpp, m, pp * vpp) == []
+    built = table("interleaved", pp, vpp, m)
+    assert simulate(built, pp, vpp, m).bubble_fraction == (pp - 1) / (vpp * m + pp - 1)
+    simulate(built, pp, vpp, m, p2p="rendezvous")  # runs with rendezvous transfers too
 
 
 @pytest.mark.parametrize("pp,vpp", [(2, 2), (4, 2), (8, 4)])
 def test_interleaved_with_fewer_microbatches_than_stages_still_runs(pp, vpp):
     for m in range(1, pp):
-        assert minimum_microbatches("interleaved", pp, vpp) <= m
-        forward_before_backward(simulate(build_table("interleaved", pp, vpp, m), pp, vpp, m))
+        assert SPECS["interleaved"].min_microbatches(pp, vpp) <= m
+        for mode in MODES:
+            built = table("interleaved", pp, vpp, m)
+            forward_before_backward(simulate(built, pp, vpp, m, p2p=mode))
 
 
 def test_interleaved_order_is_megatrons():
@@ -126,70 +144,119 @@ def test_warmup_lengths_are_megatrons():
         computes = [a for a in table[rank] if isinstance(a, Forward | Backward)]
         return next(i for i, a in enumerate(computes) if isinstance(a, Backward))
 
-    one_f_one_b = build_table("1f1b", 4, 1, 8)
+    one_f_one_b = table("1f1b", 4, 1, 8)
     assert [forwards_first(one_f_one_b, r) for r in range(4)] == [4, 3, 2, 1]  # p-r-1, +1
-    interleaved = build_table("interleaved", 4, 2, 8)
+    interleaved = table("interleaved", 4, 2, 8)
     assert [forwards_first(interleaved, r) for r in range(4)] == [11, 9, 7, 5]  # 2(p-r-1)+(v-1)p
-    gpipe = build_table("gpipe", 3, 1, 5)
+    gpipe = table("gpipe", 3, 1, 5)
     assert [forwards_first(gpipe, r) for r in range(3)] == [5, 5, 5]
 
 
 def test_table_semantics():
-    table = build_table("1f1b", 2, 1, 1)
-    assert table[0] == [Forward(0, 0), SendActivation(0, 0, 1), RecvGrad(0, 0, 1), Backward(0, 0)]
-    assert table[1] == [RecvActivation(0, 0, 0), Forward(0, 0), Backward(0, 0), SendGrad(0, 0, 0)]
+    built = table("1f1b", 2, 1, 1)
+    assert built[0] == [Forward(0, 0), SendActivation(0, 0, 1), RecvGrad(0, 0, 1), Backward(0, 0)]
+    assert built[1] == [RecvActivation(0, 0, 0), Forward(0, 0), Backward(0, 0), SendGrad(0, 0, 0)]
     # chunk 1 of rank 0 is virtual stage 2: its input comes from rank 1's chunk 0 (stage 1)
-    table = build_table("interleaved", 2, 2, 2)
-    assert RecvActivation(0, 1, 1) in table[0] and SendActivation(0, 0, 0) in table[1]
-    assert check_table(table, 2, 2, 2) == []
+    built = table("interleaved", 2, 2, 2)
+    assert RecvActivation(0, 1, 1) in built[0] and SendActivation(0, 0, 0) in built[1]
+    assert check_table(built, 2, 2, 2) == []
 
 
 def test_table_problems_are_actionable():
-    (message,) = table_problems("interleaved", 4, 2, 8, num_layers=12)
+    (message,) = table_problems(SPECS["interleaved"], 4, 2, 8, num_layers=12)
     assert "--num-layers (12)" in message and "--pipeline-model-parallel-size" in message
     assert "--virtual-pipeline-model-parallel-size" in message
     assert (
         "--num-layers-per-virtual-pipeline-stage" in message
         and "try --num-layers 8 or 16" in message
     )
-    (message,) = table_problems("1f1b", 4, 1, 8, num_layers=6)
+    (message,) = table_problems(SPECS["1f1b"], 4, 1, 8, num_layers=6)
     assert "must be divisible by --pipeline-model-parallel-size (4)" in message
-    (message,) = table_problems("1f1b", 4, 2, 8)
+    (message,) = table_problems(SPECS["1f1b"], 4, 2, 8)
     assert "--parallel interleaved" in message
-    (message,) = table_problems("interleaved", 1, 2, 8)
+    (message,) = table_problems(SPECS["interleaved"], 1, 2, 8)
     assert "--pipeline-model-parallel-size must be at least 2" in message
-    (message,) = table_problems("1f1b", 4, 1, 0)
+    (message,) = table_problems(SPECS["1f1b"], 4, 1, 0)
     assert "micro-batches must be at least 1" in message
-    (message,) = table_problems("1f1bb", 4, 1, 8)
-    assert "unknown pipeline schedule '1f1bb'" in message and "did you mean '1f1b'" in message
     with pytest.raises(ValueError, match="at least 2"):
-        build_table("interleaved", 1, 2, 4)
+        build_table(SPECS["interleaved"], 1, 2, 4)
+
+
+def test_schedules_are_parallel_plugins(plugins):
+    """The built-ins come in through the ``mega`` entry points as ``PipelineScheduleSpec``s in
+    the parallel registry, next to ``no-pipelining``; ``schedule_spec`` finds only those."""
+    assert sorted(pipeline_schedules(plugins)) == ["1f1b", "gpipe", "interleaved"]
+    assert plugins.parallel.provider("1f1b") == "pipeline_schedules"
+    assert schedule_spec(plugins, "interleaved") is plugins.parallel.get("interleaved")
+    with pytest.raises(MegaUsageError) as info:
+        schedule_spec(plugins, "1f1bb")
+    (message,) = info.value.messages
+    assert "unknown pipeline schedule '1f1bb'" in message and "did you mean '1f1b'" in message
+    assert "no-pipelining" in plugins.parallel
+    with pytest.raises(MegaUsageError) as info:
+        schedule_spec(plugins, "no-pipelining")
+    (message,) = info.value.messages
+    assert message.startswith("'no-pipelining' is not a pipeline schedule")
+    assert "1f1b, gpipe, interleaved" in message
+
+
+def test_import_is_torch_free_and_cheap():
+    code = (
+        "import sys, time\nstart = time.perf_counter()\n"
+        "import mega.plugins.parallel.pipeline.builtin\n"
+        "print(time.perf_counter() - start, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    seconds, torch = result.stdout.split()
+    assert torch == "False" and float(seconds) < 0.5, result.stdout
+
+
+class ToyGPipe:
+    """A third-party schedule: GPipe, but it wants a full pipeline."""
+
+    spec = PipelineScheduleSpec(
+        name="toy-gpipe",
+        table=lambda pp, vpp, m: table("gpipe", pp, 1, m),
+        description="GPipe, but it wants a full pipeline",
+        min_microbatches=lambda pp, vpp: pp,
+    )
+
+    @hookimpl
+    def register_parallel(self, register):
+        register(self.spec)
 
 
 def test_minimum_microbatches_needs_a_stricter_plugin_table():
-    spec = TableSpec(
-        "toy-gpipe",
-        lambda pp, vpp, m: build_table("gpipe", pp, 1, m),
-        "GPipe, but it wants a full pipeline",
-        min_microbatches=lambda pp, vpp: pp,
-    )
-    register_table(spec)
-    try:
-        assert minimum_microbatches("toy-gpipe", 4, 1) == 4
-        (message,) = table_problems("toy-gpipe", 4, 1, 3)
-        assert "needs at least 4 micro-batches" in message and "--global-batch-size" in message
-        assert simulate(build_table("toy-gpipe", 4, 1, 4), 4, 1, 4).total_time == 14
-        with pytest.raises(ValueError, match="already registered"):
-            register_table(spec)
-    finally:
-        SCHEDULE_TABLES.pop("toy-gpipe")
+    plugins = make_plugins(extra=[("toy", ToyGPipe())])
+    spec = schedule_spec(plugins, "toy-gpipe")
+    assert spec.min_microbatches(4, 1) == 4
+    (message,) = table_problems(spec, 4, 1, 3)
+    assert "needs at least 4 micro-batches" in message and "--global-batch-size" in message
+    assert simulate(build_table(spec, 4, 1, 4), 4, 1, 4).total_time == 14
+    twice = make_plugins(extra=[("toy", ToyGPipe()), ("toy-again", ToyGPipe())])
+    (problem,) = twice.problems
+    assert "'toy-gpipe' is registered by two plugins" in problem
 
 
-def broken(name, pp, vpp, m, edit):
-    table = build_table(name, pp, vpp, m)
-    edit(table)
+def test_a_plugin_schedule_runs_in_mega_schedule():
+    from mega.cli import make_cli
+
+    plugins = make_plugins(extra=[("toy", ToyGPipe())])
+    args = ["schedule", "--schedule", "toy-gpipe", "--pp", "4", "-m", "4", "--p2p", "rendezvous"]
+    result = CliRunner().invoke(make_cli(plugins), args)
+    assert result.exit_code == 0, result.output
+    assert "toy-gpipe: 4 pipeline ranks x 1 chunk, 4 micro-batches" in result.output
+    assert "bubble: 0.4286 simulated" in result.output
+    result = CliRunner().invoke(make_cli(plugins), [*args[:-4], "-m", "3"])
+    assert isinstance(result.exception, MegaUsageError)  # `mega` prints it as one error line
+    assert "needs at least 4 micro-batches" in str(result.exception)
+
+
+def broken(name, pp, vpp, m, edit, p2p="eager"):
+    built = table(name, pp, vpp, m)
+    edit(built)
     with pytest.raises(ScheduleError) as info:
-        simulate(table, pp, vpp, m)
+        simulate(built, pp, vpp, m, p2p=p2p)
     return str(info.value)
 
 
@@ -242,8 +309,93 @@ def test_a_plugin_table_is_checked_like_a_built_in():
         rank: [*(Forward(mb) for mb in range(m)), *(Backward(mb) for mb in reversed(range(m)))]
         for rank in range(pp)
     }
-    result = simulate(with_p2p(orders, pp, 1), pp, 1, m)
-    assert result.bubble_fraction == (pp - 1) / (m + pp - 1)
+    for mode in MODES:
+        result = simulate(with_p2p(orders, pp, 1), pp, 1, m, p2p=mode)
+        assert result.bubble_fraction == (pp - 1) / (m + pp - 1)
+
+
+def test_p2p_batches_groups_runs_of_transfers():
+    """What the executor issues: one batch_isend_irecv per maximal run of sends and receives."""
+    actions = [
+        RecvActivation(0, 0, 0),
+        Forward(0),
+        SendActivation(0, 0, 2),
+        RecvGrad(0, 0, 2),
+        RecvActivation(1, 0, 0),
+        Backward(0),
+        Forward(1),
+        SendGrad(0, 0, 0),
+    ]
+    assert p2p_batches(actions) == [
+        (RecvActivation(0, 0, 0),),
+        Forward(0),
+        (SendActivation(0, 0, 2), RecvGrad(0, 0, 2), RecvActivation(1, 0, 0)),
+        Backward(0),
+        Forward(1),
+        (SendGrad(0, 0, 0),),
+    ]
+    assert p2p_batches([]) == [] and p2p_batches([Forward(0)]) == [Forward(0)]
+    # interleaved, steady state: one batch per (forward, backward) pair, as Megatron's
+    # send_forward_backward_recv_forward_backward
+    items = p2p_batches(table("interleaved", 4, 2, 8)[3])
+    assert items[21:24] == [
+        Forward(4, 0),
+        Backward(0, 0),
+        (SendGrad(0, 0, 2), SendActivation(4, 0, 0), RecvActivation(5, 0, 2), RecvGrad(1, 0, 0)),
+    ]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fifo_mismatch_is_reported(mode):
+    """NCCL pairs the k-th send from a to b with the k-th receive on b from a: receiving the
+    micro-batches in another order than they were sent would silently swap the tensors."""
+
+    def receive_both_first(built):
+        last = built[1]
+        last.remove(RecvActivation(1, 0, 0))
+        last.insert(0, RecvActivation(1, 0, 0))  # before RecvActivation(0, ...)
+
+    assert check_table(table("gpipe", 2, 1, 2), 2, 1, 2) == []
+    message = broken("gpipe", 2, 1, 2, receive_both_first, mode)
+    assert message.startswith("rank 0 -> rank 1: message 0 is SendActivation(microbatch=0")
+    assert "but RecvActivation(microbatch=1, chunk=0, peer=0) on rank 1" in message
+
+
+def test_rendezvous_deadlock_that_eager_sends_hide():
+    """Interleaved 1F1B with each receive just before its compute and each send just after (the
+    tables before the rendezvous model): fine with eager sends, but with NCCL every rank sits in
+    a batch sending a gradient to its predecessor, which is itself sending. ``with_p2p`` groups
+    the steady state's transfers as Megatron does, so the built-in table runs either way."""
+    pp, vpp, m = 4, 2, 8
+    built = table("interleaved", pp, vpp, m)
+    orders = {rank: [a for a in built[rank] if isinstance(a, Forward | Backward)] for rank in built}
+    naive = _assemble(*_place(orders, pp, vpp, None)[:2], pp)
+    assert simulate(naive, pp, vpp, m).bubble_fraction == 3 / 19
+    with pytest.raises(ScheduleError) as info:
+        simulate(naive, pp, vpp, m, p2p="rendezvous")
+    message = str(info.value)
+    assert message.startswith("deadlock (rendezvous p2p): no rank can go on")
+    for rank in range(pp):
+        assert f"rank {rank} waits in batch [SendGrad(" in message
+    assert "needs rank 3's RecvGrad(microbatch=0, chunk=0, peer=0), but rank 3 is at" in message
+    assert simulate(built, pp, vpp, m, p2p="rendezvous").bubble_fraction == 3 / 19
+
+
+def test_pp2_interleaved_fifo_needs_the_pairs_ordered():
+    """With PP = 2 both neighbours are one peer, so activations and gradients share a channel;
+    with M = 5 the naive placement sends the gradient of micro-batch 0 before the activation of
+    micro-batch 3 while the peer wants them the other way round."""
+    pp, vpp, m = 2, 2, 5
+    built = table("interleaved", pp, vpp, m)
+    orders = {rank: [a for a in built[rank] if isinstance(a, Forward | Backward)] for rank in built}
+    (problem,) = fifo_problems(_assemble(*_place(orders, pp, vpp, None)[:2], pp), pp)
+    assert problem.startswith("rank 0 -> rank 1: message 6 is SendGrad(microbatch=0, chunk=1")
+    assert fifo_problems(built, pp) == []
+
+
+def test_unknown_p2p_mode():
+    with pytest.raises(ValueError, match="eager, rendezvous"):
+        simulate(table("1f1b", 2, 1, 2), 2, 1, 2, p2p="lazy")
 
 
 # ------------------------------------------------------------------------------------ the CLI
@@ -276,14 +428,18 @@ def test_cli_prints_every_rank_and_the_bubble(plugins):
     )
 
 
-def test_cli_pp2_interleaved_odd_microbatches(plugins):
+@pytest.mark.parametrize("mode", MODES)
+def test_cli_pp2_interleaved_odd_microbatches(plugins, mode):
     from mega.cli import make_cli
 
     args = ["schedule", "--pp", "2", "--vpp", "2", "-m", "3", "--backward-cost", "2"]
-    result = CliRunner().invoke(make_cli(plugins), args)
+    result = CliRunner().invoke(make_cli(plugins), [*args, "--p2p", mode])
     assert result.exit_code == 0, result.output
     assert "interleaved: 2 pipeline ranks x 2 chunks, 3 micro-batches" in result.output
+    assert f"checked: finishes with {mode} p2p" in result.output
     assert "B0.1---" in result.output and "bubble: 0.1429 simulated" in result.output
+    bad = CliRunner().invoke(make_cli(plugins), [*args, "--p2p", "lazy"])
+    assert bad.exit_code == 2 and "'lazy' is not one of 'eager', 'rendezvous'" in bad.output
 
 
 def read_png(path: Path) -> tuple[int, int, bytes]:
@@ -323,6 +479,11 @@ def test_cli_png_and_errors(tmp_path: Path):
     assert bad.returncode == 2
     (line,) = bad.stderr.strip().splitlines()
     assert line.startswith("error: unknown pipeline schedule 'interleave'")
+
+    bad = run_mega(["schedule", "--schedule", "no-pipelining"], tmp_path)
+    assert bad.returncode == 2
+    (line,) = bad.stderr.strip().splitlines()
+    assert line.startswith("error: 'no-pipelining' is not a pipeline schedule")
 
     bad = run_mega(["schedule", "--pp", "four"], tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1

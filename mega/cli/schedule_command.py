@@ -1,9 +1,11 @@
 """``mega schedule``: print a pipeline schedule's timeline and its simulated bubble.
 
 ``mega schedule --pp 4 --vpp 2 --microbatches 8 --schedule interleaved [--num-layers L]
-[--forward-cost 1 --backward-cost 1] [--png FILE] [--width COLS]`` builds the table, simulates it
-(which proves it finishes and respects its dependencies), prints one timeline row per rank and the
-bubble fraction: simulated, and the closed form where there is one. Pure Python: no torch.
+[--forward-cost 1 --backward-cost 1] [--p2p eager|rendezvous] [--png FILE] [--width COLS]`` looks
+the schedule up among the registered pipeline schedules (built-in or a plugin's), builds its
+table, simulates it (which proves it finishes, respects its dependencies and pairs every send
+with its receive in order), prints one timeline row per rank and the bubble fraction: simulated,
+and the closed form where there is one. Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -18,10 +20,8 @@ from mega.core.errors import MegaRunError, MegaUsageError
 DEFAULT_WIDTH = 100
 
 
-def _analytic_text(name: str, pp: int, vpp: int, m: int) -> str | None:
-    from mega.plugins.parallel.pipeline import analytic_bubble
-
-    value = analytic_bubble(name, pp, vpp, m)
+def _analytic_text(spec, pp: int, vpp: int, m: int) -> str | None:
+    value = spec.analytic_bubble(pp, vpp, m)
     if value is None:
         return None
     formula = "(p-1)/(v*m+p-1)" if vpp > 1 else "(p-1)/(m+p-1)"
@@ -34,7 +34,10 @@ def _analytic_text(name: str, pp: int, vpp: int, m: int) -> str | None:
     "--parallel",
     "name",
     default=None,
-    help="Schedule table: gpipe, 1f1b, interleaved (default: interleaved if --vpp > 1, else 1f1b).",
+    help=(
+        "Pipeline schedule: gpipe, 1f1b, interleaved or one a plugin registers"
+        " (default: interleaved if --vpp > 1, else 1f1b)."
+    ),
 )
 @click.option(
     "--pp",
@@ -83,6 +86,16 @@ def _analytic_text(name: str, pp: int, vpp: int, m: int) -> str | None:
     help="Time of one backward of one chunk.",
 )
 @click.option(
+    "--p2p",
+    type=click.Choice(["eager", "rendezvous"]),
+    default="eager",
+    show_default=True,
+    help=(
+        "Transfer model: eager (a send never waits) or rendezvous (as with NCCL: each run of"
+        " sends/receives is one batch that ends once every peer has reached its side)."
+    ),
+)
+@click.option(
     "--png",
     "png_path",
     type=click.Path(dir_okay=False),
@@ -103,6 +116,7 @@ def schedule_command(
     num_layers: int | None,
     forward_cost: float,
     backward_cost: float,
+    p2p: str,
     png_path: str | None,
     width: int | None,
 ) -> None:
@@ -115,23 +129,27 @@ def schedule_command(
     Example:
       mega schedule --pp 4 --vpp 2 --microbatches 8 --schedule interleaved --png sched.png
     """
+    from mega.cli import current_plugins
     from mega.plugins.parallel.pipeline import (
         ScheduleError,
         build_table,
+        schedule_spec,
         simulate,
         table_problems,
     )
     from mega.plugins.parallel.pipeline.render import render_text
 
-    name = name or ("interleaved" if vpp > 1 else "1f1b")
+    spec = schedule_spec(current_plugins(), name or ("interleaved" if vpp > 1 else "1f1b"))
+    name = spec.name
     m = 2 * pp if microbatches is None else microbatches
-    problems = table_problems(name, pp, vpp, m, num_layers)
+    problems = table_problems(spec, pp, vpp, m, num_layers)
     if problems:
         raise MegaUsageError(problems)
     try:
-        result = simulate(build_table(name, pp, vpp, m), pp, vpp, m, forward_cost, backward_cost)
+        table = build_table(spec, pp, vpp, m)
+        result = simulate(table, pp, vpp, m, forward_cost, backward_cost, p2p=p2p)
     except ScheduleError as exc:  # a table that cannot run is the table's bug, not bad input
-        raise MegaRunError(f"schedule '{name}' does not run: {exc}") from None
+        raise MegaRunError(f"schedule '{name}' does not run ({p2p} p2p): {exc}") from None
     chunks = f"{vpp} chunks" if vpp > 1 else "1 chunk"
     click.echo(
         f"{name}: {pp} pipeline ranks x {chunks}, {m} micro-batches;"
@@ -139,12 +157,15 @@ def schedule_command(
     )
     columns = width or shutil.get_terminal_size((DEFAULT_WIDTH, 24)).columns
     click.echo(render_text(result, columns))
+    click.echo(
+        f"checked: finishes with {p2p} p2p, every dependency met, sends match receives in order"
+    )
     busy = sum(slot.end - slot.start for slots in result.timelines.values() for slot in slots)
     line = (
         f"bubble: {result.bubble_fraction:.4f} simulated"
         f" (time {result.total_time:g} per rank, {busy / pp:g} busy on average)"
     )
-    analytic = _analytic_text(name, pp, vpp, m)
+    analytic = _analytic_text(spec, pp, vpp, m)
     if analytic:
         line += f"; analytic {analytic}"
     click.echo(line)

@@ -47,3 +47,20 @@ def reduce_scatter_into(
         output.copy_(input)
         return None
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def exchange(
+    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any
+) -> None:
+    """Post every send and receive (``(tensor, global peer rank)``) as one batch and wait for all.
+
+    One batch is one NCCL group: its sends and receives progress together, so two ranks that send
+    to each other in the same batch do not wait on one another. Messages between a pair of ranks
+    are matched in the order they were posted.
+    """
+    ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
+    ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
+    if not ops:
+        return
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()

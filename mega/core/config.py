@@ -195,11 +195,28 @@ class DataConfig:
 
 @dataclass(kw_only=True)
 class ParallelConfig:
-    parallel: str = option("no-pipelining", "Schedule plugin that runs forward and backward.")
+    parallel: str | None = option(
+        None,
+        "Schedule plugin that runs forward and backward: no-pipelining, gpipe, 1f1b, interleaved"
+        " or a plugin's (default: no-pipelining on one stage, 1f1b with pipeline stages,"
+        " interleaved with virtual stages).",
+    )
     tensor_model_parallel_size: int = option(
         1, "Tensor-parallel size (ranks splitting each layer)."
     )
     pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (stages).")
+    virtual_pipeline_model_parallel_size: int | None = option(
+        None, "Model chunks (virtual stages) per pipeline rank, for --parallel interleaved."
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "Layers per virtual stage (sets the virtual stages per pipeline rank)."
+    )
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "Layers on the first pipeline stage (uneven split; the rest are spread evenly)."
+    )
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "Layers on the last pipeline stage (uneven split; the rest are spread evenly)."
+    )
     context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
     expert_model_parallel_size: int = option(1, "Expert-parallel size.")
     sequence_parallel: bool = option(
@@ -254,6 +271,26 @@ class ParallelConfig:
             errors.append(
                 f"--recompute-method {self.recompute_method} needs --recompute-num-layers >= 1"
             )
+        if (
+            self.virtual_pipeline_model_parallel_size is not None
+            and self.num_layers_per_virtual_pipeline_stage is not None
+        ):
+            errors.append(
+                "give --virtual-pipeline-model-parallel-size or"
+                " --num-layers-per-virtual-pipeline-stage, not both"
+            )
+        for flag, value in (
+            ("--virtual-pipeline-model-parallel-size", self.virtual_pipeline_model_parallel_size),
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+        ):
+            if value is not None and value < 1:
+                errors.append(f"{flag} must be at least 1 (got {value})")
+        for flag, value in (
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
+        ):
+            if value is not None and value < 0:
+                errors.append(f"{flag} must not be negative (got {value})")
         if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
             errors.append("--ddp-bucket-size must be at least 1")
         if self.distributed_timeout_minutes <= 0:

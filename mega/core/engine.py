@@ -41,6 +41,8 @@ from mega.core.metrics import (
 )
 from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
 from mega.core.parallelize import parallelize
+from mega.core.pipeline_setup import PipelineSetup, pipeline_setup
+from mega.core.pipeline_split import tied_copy
 from mega.core.plugins import Plugins
 from mega.core.resolve import resolved_as_dict
 from mega.core.resume_checks import check_schedule, data_changes
@@ -77,12 +79,28 @@ def model_inputs(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) ->
     return {k: microbatch[k] for k in accepted if k in microbatch}
 
 
-def masked_lm_loss(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean per-token loss over the tokens the loss mask keeps (fp32 scalar)."""
+def model_forward(
+    model: torch.nn.Module,
+    microbatch: dict[str, torch.Tensor],
+    hidden_states: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The model (or a pipeline chunk) on one micro-batch: per-token loss, or hidden states from
+    a pipeline stage before the last, which also gets the previous stage's ``hidden_states``."""
     extra = model_inputs(model, microbatch)
-    per_token = model(microbatch["tokens"], labels=microbatch["labels"], **extra)
+    if hidden_states is not None:
+        extra["hidden_states"] = hidden_states
+    return model(microbatch["tokens"], labels=microbatch["labels"], **extra)
+
+
+def masked_mean(per_token: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean per-token loss over the tokens the loss mask keeps (fp32 scalar)."""
     mask = microbatch["loss_mask"].to(per_token.dtype)
     return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_lm_loss(model: torch.nn.Module, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean per-token loss of the whole model over the tokens the loss mask keeps."""
+    return masked_mean(model_forward(model, microbatch), microbatch)
 
 
 class CoreHooks:
@@ -159,8 +177,11 @@ class Engine:
         model = model_spec.build(cfg.model, ctx)  # fp32 on the CPU: the exact seeded init
         self.num_parameters = sum(p.numel() for p in model.parameters())  # global, before sharding
         plan = model_spec.parallel_plan(cfg.model) if model_spec.parallel_plan else None
-        parallelize(model, plan, cfg.parallel, self.topology)
-        self.model = model.to(device=self.device, dtype=DTYPES[cfg.precision.params_dtype])
+        pipeline, _ = pipeline_setup(cfg, self.plugins)
+        layout = pipeline.layout if pipeline else None
+        model, chunks = parallelize(model, plan, cfg.parallel, self.topology, layout)
+        dtype = DTYPES[cfg.precision.params_dtype]
+        self.model = model.to(device=self.device, dtype=dtype)  # the chunks share its modules
         p = cfg.parallel
         self.buffer = ParamAndGradBuffer.build(
             self.model,
@@ -168,9 +189,15 @@ class Engine:
             bucket_size=p.ddp_bucket_size,
             overlap=p.overlap_grad_reduce,
             distributed=p.use_distributed_optimizer,
+            tied=tied_copy(self.model, plan, self.topology.pp_rank, layout.pp) if layout else [],
         )
         self.optimizer = MixedPrecisionAdamW(self.buffer, cfg.optimizer, cfg.precision)
-        self.schedule = self.plugins.parallel.get(cfg.parallel.parallel).build(cfg)
+        self.pipeline = None
+        if pipeline is None:
+            self.schedule = self.plugins.parallel.get(cfg.parallel.parallel).build(cfg)
+        else:
+            self.pipeline = self._pipeline_executor(pipeline, chunks, plan, dtype)
+            self.display.print(f" > pipeline layers by rank and chunk: {layout.describe()}")
         s = cfg.scheduler
         decay_iters = s.lr_decay_iters or t.train_iters
         self.lr_schedule = LRSchedule(
@@ -200,6 +227,26 @@ class Engine:
             ],
         )
 
+    def _pipeline_executor(
+        self, pipeline: PipelineSetup, chunks: list, plan: Any, dtype: torch.dtype
+    ) -> Any:
+        from mega.plugins.parallel.pipeline.executor import PipelineExecutor
+
+        t, p = self.config.training, self.config.parallel
+        positions = t.seq_length // (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+        return PipelineExecutor(
+            name=pipeline.spec.name,
+            chunks=chunks,
+            table=pipeline.spec.table,
+            layout=pipeline.layout,
+            topology=self.topology,
+            activation_shape=plan.activation_shape(t.micro_batch_size, positions),
+            dtype=dtype,
+            device=self.device,
+            forward_fn=model_forward,
+            loss_fn=masked_mean,
+        )
+
     def _open_run_files(self) -> None:
         """Write the resolved config and plugin versions; open the metrics sinks."""
         cfg = self.config
@@ -226,13 +273,15 @@ class Engine:
         successful = iteration - 1 - self.skipped_total
         lr = self.lr_schedule.lr_at(successful)
         self.buffer.start_step(len(microbatches))
-        losses = self.schedule(
-            self.model, microbatches, masked_lm_loss, grad_scale=self.optimizer.loss_scale
-        )
+        scale = self.optimizer.loss_scale
+        if self.pipeline is not None:
+            losses = self.pipeline.forward_backward(microbatches, grad_scale=scale)
+        else:
+            losses = self.schedule(self.model, microbatches, masked_lm_loss, grad_scale=scale)
         self.buffer.finish_grad_sync()
         outcome = self.optimizer.step(lr)
         return StepResult(
-            loss=torch.stack(losses).mean(),
+            loss=self._batch_loss(losses),
             skipped=outcome.skipped,
             grad_norm=outcome.grad_norm,
             learning_rate=self.lr_schedule.lr_at(successful + (0 if outcome.skipped else 1)),
@@ -317,11 +366,19 @@ class Engine:
             topo.data_parallel_size,
         )
 
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of this rank's micro-batch losses; 0 on pipeline stages without the loss."""
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).mean()
+
     def _dp_mean(self, values: list[torch.Tensor]) -> list[float]:
-        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host."""
+        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host.
+        Only the last pipeline stage has losses (the others hold zeros): summed over the stages."""
         if not values:
             return []
         stacked = torch.stack(values).float()
+        comm.all_reduce(stacked, self.topology.group("pp"))
         group = self.topology.group("dp")
         if group is not None:
             comm.all_reduce(stacked, group)
@@ -381,10 +438,13 @@ class Engine:
         self.model.eval()
         losses = []
         for k in range(t.eval_iters):
-            for mb in self._microbatches(source, first_sample + k * gbs):
-                losses.append(masked_lm_loss(self.model, mb))
+            microbatches = self._microbatches(source, first_sample + k * gbs)
+            if self.pipeline is not None:
+                losses += self.pipeline.forward_only(microbatches)
+            else:
+                losses += [masked_lm_loss(self.model, mb) for mb in microbatches]
         self.model.train()
-        return self._dp_mean([torch.stack(losses).mean()])[0]
+        return self._dp_mean([self._batch_loss(losses)])[0]
 
     def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
         started = time.perf_counter()

@@ -11,6 +11,12 @@ PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter t
 the reduced slice it owns (``shard``). With ``overlap`` the reduction of a bucket starts, async, as
 soon as backward has produced all its gradients for the last micro-batch; buckets always start in
 index order, so every rank issues the same collectives in the same order.
+
+Tied weights across pipeline stages (the word embeddings, used again by the last stage's output
+layer) sit alone in a final bucket that never starts during backward: ``finish_grad_sync`` first
+sums their gradients over the first and last stage (the ``embd`` group), then reduces the bucket
+over DP. Both stages' tied buckets are laid out alike, so they shard alike under the distributed
+optimizer and the two copies get the same update.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class Bucket:
     start: int  # [start, end) in the flat buffers; end - start divisible by DP
     end: int
     waiting: int = 0  # gradients of this step's last micro-batch still to arrive
+    tied: bool = False  # holds tied weights: reduced only after their cross-stage sum
     handle: Any = None  # the async collective in flight
     started: bool = False
 
@@ -70,7 +77,9 @@ class ParamAndGradBuffer:
         bucket_size: int | None = None,
         overlap: bool = False,
         distributed: bool = False,
+        tied: list[torch.nn.Parameter] | None = None,
     ) -> ParamAndGradBuffer:
+        """``tied``: parameters whose gradients are summed over the ``embd`` group first."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -84,14 +93,20 @@ class ParamAndGradBuffer:
         buckets: list[Bucket] = []
         offset, members = 0, []
         bucket_start = 0
-        ordered = list(reversed(named))  # backward produces the last layers' gradients first
-        for i, (_, param) in enumerate(ordered):
+        tied_ids = {id(p) for p in tied or ()}
+        # backward produces the last layers' gradients first; tied weights go last, alone
+        ordered = [p for _, p in reversed(named) if id(p) not in tied_ids]
+        ordered += [p for _, p in reversed(named) if id(p) in tied_ids]
+        for i, param in enumerate(ordered):
             ranges[param] = (offset, offset + param.numel())
             offset += param.numel()
             members.append(param)
-            if offset - bucket_start >= limit or i == len(ordered) - 1:
+            last = i == len(ordered) - 1
+            next_tied = not last and id(ordered[i + 1]) in tied_ids and id(param) not in tied_ids
+            if offset - bucket_start >= limit or last or next_tied:
                 end = -(-offset // pad) * pad
-                buckets.append(Bucket(members, bucket_start, end))
+                is_tied = id(param) in tied_ids
+                buckets.append(Bucket(members, bucket_start, end, tied=is_tied))
                 offset = bucket_start = end
                 members = []
         device, dtype = named[0][1].device, named[0][1].dtype
@@ -139,7 +154,11 @@ class ParamAndGradBuffer:
             bucket = self.bucket_of[param]
             bucket.waiting -= 1
             # start every bucket whose turn has come and whose gradients are all final
-            while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            while (
+                self._next < len(self.buckets)
+                and self.buckets[self._next].waiting == 0
+                and not self.buckets[self._next].tied  # waits for the cross-stage sum
+            ):
                 self._start(self.buckets[self._next], async_op=True)
                 self._next += 1
 
@@ -163,6 +182,8 @@ class ParamAndGradBuffer:
         """After the last backward: every bucket reduced (started now if not yet), then the
         gradients that sequence parallelism left partial on each TP rank are summed over TP."""
         for bucket in self.buckets:
+            if bucket.tied:
+                self._sum_tied(bucket)
             if not bucket.started:
                 self._start(bucket, async_op=False)
         for bucket in self.buckets:
@@ -179,6 +200,10 @@ class ParamAndGradBuffer:
                 [p.main_grad.reshape(-1) for p in partial],
                 list(flat.split([p.numel() for p in partial])),
             )
+
+    def _sum_tied(self, bucket: Bucket) -> None:
+        """Add the other pipeline stage's gradients of the tied weights (before the DP reduce)."""
+        comm.all_reduce(self.main_grad[bucket.start : bucket.end], self.topology.group("embd"))
 
     def zero_grad(self) -> None:
         self.main_grad.zero_()

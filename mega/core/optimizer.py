@@ -65,9 +65,13 @@ class MixedPrecisionAdamW:
             self.masters = [piece.detach().float().clone() for piece in self.param_pieces]
         else:
             self.masters = self.param_pieces  # fp32: update the parameters in place
-        # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm.
+        # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm,
+        # and so does a tied weight two pipeline stages hold (on the first stage).
         tp_rank = self.topology.tp_rank
-        self._in_norm = [tp_rank == 0 or hasattr(p, "shard") for p, _, _ in pieces]
+        self._in_norm = [
+            (tp_rank == 0 or hasattr(p, "shard")) and not getattr(p, "tied_copy", False)
+            for p, _, _ in pieces
+        ]
         decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim >= 2]
         no_decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim < 2]
         on_cuda = buffer.param_data.is_cuda

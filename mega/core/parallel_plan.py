@@ -42,3 +42,20 @@ class ParallelPlan:
     sequence_parallel_region: tuple[str, ...] = ()
     # tp size -> every reason this model cannot be split that way (heads, groups, ffn, ...)
     problems: Callable[[int], list[str]] = field(default=lambda tp: [])
+
+    # Pipeline parallelism. The model is cut into stages by keeping, on each stage, only its
+    # entries of ``layers``; modules in ``pipeline_first`` live on the first stage only and those
+    # in ``pipeline_last`` on the last only (a missing one is set to None). The model's forward
+    # must then take ``hidden_states`` (the previous stage's output, used instead of embedding the
+    # tokens) and, when its ``pipeline_last`` modules are None, return the hidden states it
+    # computed instead of logits or loss. An empty ``pipeline_first``: no pipeline support.
+    num_layers: int = 0
+    pipeline_first: tuple[str, ...] = ()
+    pipeline_last: tuple[str, ...] = ()
+    # a parameter of a ``pipeline_first`` module that the last stage uses too (tied input and
+    # output embeddings): the last stage keeps its own copy, whose gradient is summed with the
+    # first stage's so both stay identical
+    tied_weight: str = ""
+    # (micro-batch size, sequence positions on this rank) -> shape of the tensor sent between
+    # stages (under sequence parallelism a rank holds seq_length / tp positions)
+    activation_shape: Callable[[int, int], tuple[int, ...]] | None = None

@@ -15,6 +15,7 @@ from typing import Any
 from mega.core.config import CORE_SECTIONS, PLUGIN_SECTIONS, RunConfig
 from mega.core.errors import MegaUsageError, closest
 from mega.core.flags import FlagTable
+from mega.core.pipeline_setup import default_schedule, pipeline_setup
 from mega.core.plugins import Plugins
 
 DEFAULT_MODEL = "gpt"
@@ -198,6 +199,8 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
         **built,
     )
     config.world_size = job_world_size(config.launch)
+    if config.parallel.parallel is None:
+        config.parallel.parallel = default_schedule(config.parallel)
     # a flag that failed to parse kept its default, so the other checks still mean something
     errors += validate_run(config, plugins)
     if errors:
@@ -260,8 +263,8 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
         except MegaUsageError as exc:
             errors += exc.messages
             continue
-        if registry is plugins.parallel:
-            errors += spec.validate(config)
+        if registry is plugins.parallel and hasattr(spec, "validate"):
+            errors += spec.validate(config)  # a pipeline schedule is checked by pipeline_setup
     from mega.core.checkpointing import validate_checkpoint_dirs
 
     errors += validate_checkpoint_dirs(config.checkpoint)
@@ -286,7 +289,6 @@ def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
     p = config.parallel
     errors = world_problems(config.world_size, p.sizes())
     for flag, size in (
-        ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
         ("--context-parallel-size", p.context_parallel_size),
         ("--expert-model-parallel-size", p.expert_model_parallel_size),
     ):
@@ -302,6 +304,7 @@ def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
             )
         else:
             errors += spec.parallel_plan(config.model).problems(tp)
+    errors += pipeline_setup(config, plugins)[1]
     if p.sequence_parallel:
         from mega.plugins.parallel.tensor import sequence_parallel_problems
 

@@ -131,6 +131,31 @@ class ParallelSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineScheduleSpec:
+    """A pipeline schedule, selected by ``--parallel NAME``: a table of actions, not an engine.
+
+    ``table(pp, vpp, m)`` returns, for every pipeline rank ``0..pp-1``, its ordered list of
+    actions (``mega.plugins.parallel.pipeline.actions``: ``Forward``/``Backward`` of a micro-batch
+    on a local model chunk, ``Send``/``Recv`` of activations and gradients). One executor runs any
+    table; ``mega schedule`` simulates it. Pure Python: building a table must not import torch.
+
+    ``min_microbatches(pp, vpp)`` is the fewest micro-batches per global batch the table runs
+    with; ``analytic_bubble(pp, vpp, m)`` the closed-form idle fraction with unit forward and
+    backward costs, or None. ``interleaved``: the table runs ``vpp > 1`` chunks per rank.
+    """
+
+    name: str
+    table: Callable[[int, int, int], Any]
+    description: str = ""
+    interleaved: bool = False
+    min_pp: int = 1
+    min_microbatches: Callable[[int, int], int] = field(default=lambda pp, vpp: 1)
+    analytic_bubble: Callable[[int, int, int], float | None] = field(
+        default=lambda pp, vpp, m: None
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointBackendSpec:
     """Stores one checkpoint's state in a directory the engine created for it.
 

@@ -103,7 +103,8 @@ class Topology:
         return members.index(self.rank) if members else 0
 
     def group(self, dim: str) -> Any:
-        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "pp", "mp"), None if size 1."""
+        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "pp", "mp"), None if size 1;
+        "embd" is the first and last pipeline stage, on those ranks only."""
         return self.groups.get(dim)
 
     @property
@@ -156,6 +157,12 @@ def build_topology(
                     members[dim] = tuple(ranks)
                     if group is not None:
                         groups[dim] = group
+        # the first and last stage of each pipeline: they sum the tied embeddings' gradients
+        for ranks in all_groups["pp"] if pp > 1 else []:
+            pair = [ranks[0], ranks[-1]]
+            group = dist.new_group(pair)
+            if rank in pair:
+                members["embd"], groups["embd"] = tuple(pair), group
     else:
         members = {dim: (0,) for dim in all_groups}
     return Topology(

@@ -226,6 +226,8 @@ class TransformerBlock(nn.Module):
             )
         for layer in self.layers:
             hidden = layer(hidden, rotary, attention_mask)
+        if self.final_layernorm is None:  # a pipeline stage before the last
+            return hidden
         return self.final_layernorm(hidden)
 
 
@@ -326,9 +328,19 @@ class GPTModel(nn.Module):
         labels: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``tokens [b, s]``; optional ``position_ids [b, s]`` (--reset-position-ids) and
-        ``attention_mask [b, 1, s, s]`` bool, True = masked (--reset-attention-mask)."""
-        hidden = self.embedding(tokens, position_ids)  # [b, s, h]
+        ``attention_mask [b, 1, s, s]`` bool, True = masked (--reset-attention-mask).
+
+        As a pipeline stage (``plan.py``): ``hidden_states [b, s, h]`` is the previous stage's
+        output and replaces the embedding; a stage without the output head returns its hidden
+        states."""
+        if hidden_states is None:
+            hidden = self.embedding(tokens, position_ids)  # [b, s, h]
+        else:
+            hidden = hidden_states
         hidden = self.decoder(hidden, position_ids, attention_mask)
+        if self.output_head is None:
+            return hidden
         return self.output_head(hidden, self.output_weight(), labels)

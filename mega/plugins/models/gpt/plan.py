@@ -9,6 +9,9 @@ fc1 is ``[gate; up]`` stacked: each half is split separately.
 Under sequence parallelism the embedding dropout is where the sequence is split (after the
 vocab all-reduce and the position embeddings); the whole decoder (layers and final norm) runs on
 ``s/tp`` positions between the linears; the head gathers the sequence back.
+
+Pipeline stages: the embedding is on the first, the final norm, the output layer and the head on
+the last; with tied embeddings the last stage keeps its own copy of the word embeddings.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from mega.plugins.models.gpt.config import GPTConfig
 
 LAYERS = "decoder.layers"
 CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
+TIED_WEIGHT = "embedding.word_embeddings.weight"
 
 
 def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
@@ -49,7 +53,16 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
         sequence_parallel_region=("decoder",),
         problems=partial(tensor_parallel_problems, cfg),
+        num_layers=cfg.num_layers,
+        pipeline_first=("embedding",),
+        pipeline_last=("decoder.final_layernorm", "output_layer", "output_head"),
+        tied_weight="" if cfg.untie_embeddings_and_output_weights else TIED_WEIGHT,
+        activation_shape=partial(_hidden_shape, cfg.hidden_size),
     )
+
+
+def _hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
+    return (micro_batch, positions, hidden_size)  # batch-first [b, s, h]
 
 
 def tensor_parallel_problems(cfg: GPTConfig, tp: int) -> list[str]:

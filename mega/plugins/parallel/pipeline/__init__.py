@@ -2,7 +2,9 @@
 simulator that proves a table finishes, checks its dependencies and computes its bubble.
 
 Pure Python (no torch): ``mega schedule`` and the checks before a launch use it. The executor that
-runs a table on real stages lives elsewhere; ``actions.py`` states the semantics it implements.
+runs a table on real stages lives elsewhere; ``actions.py`` states the semantics it implements,
+and ``p2p_batches`` is how it groups a rank's sends and receives. Schedules are
+``PipelineScheduleSpec`` plugins (``builtin.py``); ``schedule_spec`` looks one up by name.
 """
 
 from __future__ import annotations
@@ -17,29 +19,29 @@ from mega.plugins.parallel.pipeline.actions import (
     SendGrad,
     Table,
     label,
+    p2p_batches,
     stage_place,
     virtual_stage,
+    with_p2p,
 )
 from mega.plugins.parallel.pipeline.registry import (
-    SCHEDULE_TABLES,
-    TableSpec,
-    analytic_bubble,
     build_table,
-    minimum_microbatches,
-    register_table,
+    pipeline_schedules,
+    schedule_spec,
     table_problems,
-    table_spec,
 )
 from mega.plugins.parallel.pipeline.simulate import (
+    P2P_MODES,
     ScheduleError,
     SimulationResult,
     Slot,
     check_table,
+    fifo_problems,
     simulate,
 )
 
 __all__ = [
-    "SCHEDULE_TABLES",
+    "P2P_MODES",
     "Action",
     "Backward",
     "Forward",
@@ -51,16 +53,16 @@ __all__ = [
     "SimulationResult",
     "Slot",
     "Table",
-    "TableSpec",
-    "analytic_bubble",
     "build_table",
     "check_table",
+    "fifo_problems",
     "label",
-    "minimum_microbatches",
-    "register_table",
+    "p2p_batches",
+    "pipeline_schedules",
+    "schedule_spec",
     "simulate",
     "stage_place",
     "table_problems",
-    "table_spec",
     "virtual_stage",
+    "with_p2p",
 ]

@@ -7,14 +7,25 @@ Model of execution (see ``actions.py`` for what each action means):
   action*, i.e. per model chunk. With ``vpp`` chunks a chunk is 1/vpp of a rank's layers, so "unit
   costs" here mean a whole stage costs ``vpp`` units. The bubble fraction does not depend on that
   scale, which is why the analytic ``(p-1)/(v m + p-1)`` holds exactly with the default 1 and 1;
-- point-to-point transfers take no time. A send never blocks (it is posted at the rank's current
-  time). A receive blocks until its matching send has been posted, and completes at
-  ``max(now, time of the send)``;
+- point-to-point transfers take no time. How they wait depends on ``p2p``:
+
+  - ``"eager"`` (default): a send never blocks (it is posted at the rank's current time). A
+    receive blocks until its matching send has been posted, and completes at
+    ``max(now, time of the send)``. Sends and receives match by what they carry.
+  - ``"rendezvous"``: what the executor does with NCCL. A rank runs ``actions.p2p_batches`` of its
+    list: each maximal run of consecutive sends and receives is one batch (one
+    ``batch_isend_irecv``), issued when the rank reaches it; the rank's p2p ops are serialized, so
+    the batch is *active* until it ends. The k-th send from rank a to rank b is received by the
+    k-th receive on b from a (NCCL ignores tags). An op completes once it and that partner are
+    both in active batches, at the later of the two batches' start times; a batch ends when all
+    its ops have completed. A large send cannot finish before its receive is running, so a cycle
+    of batches waiting on each other deadlocks even where ``"eager"`` finishes;
 - the run deadlocks when no rank can take its next action while some still have actions left.
 
-``check_table`` finds structural mistakes without running anything; ``simulate`` runs those checks,
-executes the table, checks the timeline's data dependencies again, and raises ``ScheduleError``
-listing every problem it found.
+``check_table`` finds structural mistakes without running anything, including sends and receives
+that the in-order matching of one pair of ranks would pair wrongly (``fifo_problems``); ``simulate``
+runs those checks, executes the table, checks the timeline's data dependencies again, and raises
+``ScheduleError`` listing every problem it found.
 """
 
 from __future__ import annotations
@@ -32,11 +43,14 @@ from mega.plugins.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
     Table,
+    p2p_batches,
     stage_place,
+    transfer_of,
     virtual_stage,
 )
 
 MAX_PROBLEMS = 20  # problems listed in a ScheduleError before "... and N more"
+P2P_MODES = ("eager", "rendezvous")
 
 
 class ScheduleError(Exception):
@@ -70,6 +84,7 @@ class SimulationResult:
     timelines: dict[int, list[Slot]]
     total_time: float
     bubble_fraction: float  # idle compute time / (pp * total_time)
+    p2p: str = "eager"  # the transfer model it ran under (one of P2P_MODES)
 
 
 def _key(kind: str, microbatch: int, src_stage: int, dst_stage: int) -> tuple[str, int, int, int]:
@@ -126,7 +141,7 @@ def check_table(table: Table, pp: int, vpp: int, m: int) -> list[str]:
     """Structural problems of a table, one line each (empty when it is well formed): every
     ``(micro-batch, chunk)`` forwarded and backwarded exactly once on each rank, forward before
     backward, each needed receive before its compute and each send after it, every send matched
-    by exactly one receive."""
+    by exactly one receive; then, if all that holds, ``fifo_problems``."""
     if sorted(table) != list(range(pp)):
         return [f"the table's ranks are {sorted(table)}, expected 0..{pp - 1}"]
     problems: list[str] = []
@@ -189,13 +204,54 @@ def check_table(table: Table, pp: int, vpp: int, m: int) -> list[str]:
                 f"{kind} of micro-batch {mb} from virtual stage {src} to {dst}:"
                 f" {sends[key]} sends but {recvs[key]} receives"
             )
+    return problems or fifo_problems(table, pp)
+
+
+def _pairs(table: Table) -> dict[tuple[int, int], tuple[list[int], list[int]]]:
+    """For each ordered pair of ranks (a, b): the positions in a's list of its sends to b, and
+    the positions in b's list of its receives from a, each in list order."""
+    pairs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+    for rank, actions in table.items():
+        for index, action in enumerate(actions):
+            if isinstance(action, SendActivation | SendGrad):
+                pairs.setdefault((rank, action.peer), ([], []))[0].append(index)
+            elif isinstance(action, RecvActivation | RecvGrad):
+                pairs.setdefault((action.peer, rank), ([], []))[1].append(index)
+    return pairs
+
+
+def fifo_problems(table: Table, pp: int) -> list[str]:
+    """Sends and receives that in-order matching would pair wrongly, one line per pair of ranks.
+
+    NCCL (and so the executor) ignores tags: the k-th send from rank a to rank b is received by
+    the k-th receive on b from a. For every ordered pair the two sequences must therefore agree
+    element by element in (kind, micro-batch, receiver's virtual stage); where they do not, a real
+    run would hand a tensor to the wrong micro-batch or stage without any error. Expects a table
+    whose actions are otherwise well formed (``check_table`` calls it last)."""
+    problems = []
+    for (src, dst), (sends, recvs) in sorted(_pairs(table).items()):
+        for k, (i, j) in enumerate(zip(sends, recvs, strict=False)):
+            send, recv = table[src][i], table[dst][j]
+            if transfer_of(src, send, pp) != transfer_of(dst, recv, pp):
+                problems.append(
+                    f"rank {src} -> rank {dst}: message {k} is {send} on rank {src} but"
+                    f" {recv} on rank {dst} (sends and receives between two ranks match in"
+                    " order, so the wrong tensor would arrive)"
+                )
+                break
+        else:
+            if len(sends) != len(recvs):
+                problems.append(
+                    f"rank {src} -> rank {dst}: {len(sends)} sends but {len(recvs)} receives"
+                )
     return problems
 
 
-def _run(
+def _run_eager(
     table: Table, pp: int, forward_cost: float, backward_cost: float
 ) -> tuple[dict[int, list[Slot]], list[str]]:
-    """Execute the table; per-rank timelines and the deadlock report (empty when it finished)."""
+    """Execute the table with eager sends; per-rank timelines and the deadlock report (empty
+    when it finished)."""
     clock = dict.fromkeys(range(pp), 0.0)
     cursor = dict.fromkeys(range(pp), 0)
     posted: dict[tuple, float] = {}
@@ -226,6 +282,110 @@ def _run(
         return timelines, []
     waits = ", ".join(f"rank {r} waits at {table[r][cursor[r]]}" for r in stuck)
     return timelines, [f"deadlock: no rank can go on ({waits})"]
+
+
+def _batch_text(batch: tuple) -> str:
+    return "[" + ", ".join(str(op) for op in batch) + "]"
+
+
+def _run_rendezvous(
+    table: Table, pp: int, forward_cost: float, backward_cost: float
+) -> tuple[dict[int, list[Slot]], list[str]]:
+    """Execute the table batch by batch (``p2p_batches``) with in-order matched, rendezvous
+    transfers; per-rank timelines and the deadlock report (empty when it finished)."""
+    items = {rank: p2p_batches(table[rank]) for rank in range(pp)}
+    where: dict[tuple[int, int], tuple[int, int]] = {}  # (rank, list index) -> (item, op)
+    for rank in range(pp):
+        index = 0
+        for item_index, item in enumerate(items[rank]):
+            for op_index in range(len(item) if isinstance(item, tuple) else 1):
+                where[rank, index] = (item_index, op_index)
+                index += 1
+    partner: dict[tuple[int, int, int], tuple[int, int, int]] = {}  # (rank, item, op) both ways
+    for (src, dst), (sends, recvs) in _pairs(table).items():
+        for i, j in zip(sends, recvs, strict=False):
+            a, b = (src, *where[src, i]), (dst, *where[dst, j])
+            partner[a], partner[b] = b, a
+    clock = dict.fromkeys(range(pp), 0.0)
+    cursor = dict.fromkeys(range(pp), 0)
+    started: dict[int, float | None] = dict.fromkeys(range(pp))  # start of the active batch
+    done: dict[tuple[int, int, int], float] = {}  # completed op -> time
+    timelines: dict[int, list[Slot]] = {rank: [] for rank in range(pp)}
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            while cursor[rank] < len(items[rank]):
+                item = items[rank][cursor[rank]]
+                if not isinstance(item, tuple):
+                    cost = forward_cost if isinstance(item, Forward) else backward_cost
+                    start = clock[rank]
+                    clock[rank] = start + cost
+                    timelines[rank].append(Slot(start, clock[rank], item))
+                    cursor[rank] += 1
+                    progress = True
+                    continue
+                if started[rank] is None:
+                    started[rank] = clock[rank]
+                    progress = True
+                for op_index in range(len(item)):
+                    me = (rank, cursor[rank], op_index)
+                    other = partner.get(me)
+                    if me in done or other is None:
+                        continue
+                    peer, peer_item, _ = other
+                    if cursor[peer] == peer_item and started[peer] is not None:
+                        done[me] = done[other] = max(started[rank], started[peer])
+                        progress = True
+                ends = [done.get((rank, cursor[rank], i)) for i in range(len(item))]
+                if any(end is None for end in ends):
+                    break  # the batch stays active until every op in it has completed
+                clock[rank] = max(started[rank], *ends)
+                started[rank] = None
+                cursor[rank] += 1
+                progress = True
+    stuck = [rank for rank in range(pp) if cursor[rank] < len(items[rank])]
+    if not stuck:
+        return timelines, []
+    waits = []
+    for rank in stuck:
+        item = items[rank][cursor[rank]]
+        pending = []
+        for op_index, op in enumerate(item):
+            me = (rank, cursor[rank], op_index)
+            if me in done:
+                continue
+            if me not in partner:
+                pending.append(f"{op} has no matching op on rank {op.peer}")
+                continue
+            peer, peer_item, peer_op = partner[me]
+            if cursor[peer] < len(items[peer]):
+                at = items[peer][cursor[peer]]
+                at = _batch_text(at) if isinstance(at, tuple) else str(at)
+            else:
+                at = "its end"
+            pending.append(
+                f"{op} needs rank {peer}'s {items[peer][peer_item][peer_op]}, but rank {peer}"
+                f" is at {at}"
+            )
+        waits.append(f"rank {rank} waits in batch {_batch_text(item)}: " + "; ".join(pending))
+    return timelines, ["deadlock (rendezvous p2p): no rank can go on (" + " | ".join(waits) + ")"]
+
+
+def _makespan(timelines: dict[int, list[Slot]]) -> float:
+    return max((slots[-1].end for slots in timelines.values() if slots), default=0.0)
+
+
+def rendezvous_delay(table: Table, pp: int) -> float | None:
+    """With unit costs, how much later a table finishes with rendezvous transfers than with eager
+    ones; None if it cannot run that way (sends and receives paired wrongly, or a deadlock).
+    Expects a well-formed table (``check_table``)."""
+    if fifo_problems(table, pp):
+        return None
+    timelines, problems = _run_rendezvous(table, pp, 1.0, 1.0)
+    if problems:
+        return None
+    return _makespan(timelines) - _makespan(_run_eager(table, pp, 1.0, 1.0)[0])
 
 
 def _check_timeline(timelines: dict[int, list[Slot]], pp: int, vpp: int) -> list[str]:
@@ -259,21 +419,27 @@ def simulate(
     m: int,
     forward_cost: float = 1.0,
     backward_cost: float = 1.0,
+    p2p: str = "eager",
 ) -> SimulationResult:
-    """Check and execute ``table``; raise ``ScheduleError`` if it is malformed, deadlocks or
-    breaks a data dependency. ``bubble_fraction`` = idle compute time / (pp * total time)."""
+    """Check and execute ``table`` under the transfer model ``p2p`` (``"eager"`` or
+    ``"rendezvous"``, see the module docstring); raise ``ScheduleError`` if it is malformed,
+    pairs sends and receives wrongly, deadlocks or breaks a data dependency.
+    ``bubble_fraction`` = idle compute time / (pp * total time)."""
     if forward_cost <= 0 or backward_cost <= 0:
         raise ValueError("forward and backward costs must be > 0")
+    if p2p not in P2P_MODES:
+        raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)} (got {p2p!r})")
     problems = check_table(table, pp, vpp, m)
     if problems:
         raise ScheduleError(problems)
-    timelines, problems = _run(table, pp, forward_cost, backward_cost)
+    run = _run_eager if p2p == "eager" else _run_rendezvous
+    timelines, problems = run(table, pp, forward_cost, backward_cost)
     if problems:
         raise ScheduleError(problems)
     problems = _check_timeline(timelines, pp, vpp)
     if problems:
         raise ScheduleError(problems)
-    total = max((slots[-1].end for slots in timelines.values() if slots), default=0.0)
+    total = _makespan(timelines)
     busy = sum(slot.end - slot.start for slots in timelines.values() for slot in slots)
     # idle / capacity in one correctly rounded division: with integer costs both are exact, so the
     # result equals any other exact form of the same fraction, e.g. (p-1)/(m+p-1), bit for bit.
@@ -287,4 +453,5 @@ def simulate(
         timelines=timelines,
         total_time=total,
         bubble_fraction=bubble,
+        p2p=p2p,
     )

@@ -68,7 +68,12 @@ def interleaved(pp: int, vpp: int, m: int) -> Table:
     When ``m`` is a multiple of ``pp`` this is exactly Megatron's table. With the larger groups
     of ``microbatch_groups`` it also runs for the other ``m`` (Megatron refuses them), and the
     simulated bubble is still ``(pp - 1) / (vpp m + pp - 1)`` for every ``m >= pp``. With
-    ``vpp == 1`` this is ``one_f_one_b`` (same bubble, fewer activations kept)."""
+    ``vpp == 1`` this is ``one_f_one_b`` (same bubble, fewer activations kept).
+
+    Transfers are batched as Megatron's: one batch between the computes of the warmup and of the
+    cooldown, one per steady (forward, backward) pair (``send_forward_backward_recv_forward_
+    backward``). That runs with rendezvous (NCCL) transfers exactly when ``m`` is a multiple of
+    ``pp``; for the other ``m``, ``with_p2p`` moves the sends that would deadlock."""
     if vpp == 1:
         return one_f_one_b(pp, vpp, m)
     order = interleaved_order(pp, vpp, m)
@@ -77,6 +82,7 @@ def interleaved(pp: int, vpp: int, m: int) -> Table:
     first_group = microbatch_groups(pp, m)[0]
     total = m * vpp
     orders: dict[int, list[Compute]] = {}
+    steps: dict[int, list[int]] = {}
     for rank in range(pp):
         warmup = min(2 * (pp - rank - 1) + (vpp - 1) * first_group, total)
         steady = total - warmup
@@ -85,4 +91,6 @@ def interleaved(pp: int, vpp: int, m: int) -> Table:
             rank_order += [forwards[warmup + step], backwards[step]]
         rank_order += backwards[steady:]
         orders[rank] = rank_order
-    return with_p2p(orders, pp, vpp)
+        # a steady (forward, backward) pair runs back to back: one batch of transfers per pair
+        steps[rank] = [1] * warmup + [2] * steady + [1] * warmup
+    return with_p2p(orders, pp, vpp, steps)

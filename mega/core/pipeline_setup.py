@@ -1,0 +1,93 @@
+"""The run's pipeline: which schedule table, how many virtual stages, which layers where.
+
+Read from the config by the checks before launch (every problem listed at once) and by the
+engine when it builds the model. Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mega.core.pipeline_layout import (
+    FIRST,
+    LAST,
+    PP,
+    VPP,
+    VPP_LAYERS,
+    PipelineLayout,
+    layout_problems,
+    pipeline_layout,
+    virtual_stages_per_rank,
+)
+from mega.core.specs import PipelineScheduleSpec
+
+
+@dataclass(frozen=True)
+class PipelineSetup:
+    spec: PipelineScheduleSpec
+    layout: PipelineLayout
+
+
+def default_schedule(parallel: Any) -> str:
+    """Megatron's choice when ``--parallel`` is not given: no pipelining on one stage, interleaved
+    1F1B when virtual stages are asked for, 1F1B otherwise."""
+    if parallel.pipeline_model_parallel_size == 1:
+        return "no-pipelining"
+    virtual = parallel.virtual_pipeline_model_parallel_size or 1
+    if virtual > 1 or parallel.num_layers_per_virtual_pipeline_stage is not None:
+        return "interleaved"
+    return "1f1b"
+
+
+def _pipeline_schedules(plugins: Any) -> str:
+    names = [n for n, e in plugins.parallel.items() if isinstance(e.spec, PipelineScheduleSpec)]
+    return ", ".join(names)
+
+
+def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, list[str]]:
+    """The pipeline of the run (None when ``--parallel`` is not a pipeline schedule) and every
+    reason it cannot run."""
+    p = config.parallel
+    if p.parallel not in plugins.parallel:
+        return None, []  # reported with the other unknown plugin names
+    spec = plugins.parallel.get(p.parallel)
+    pp = p.pipeline_model_parallel_size
+    virtual_flags = (
+        p.virtual_pipeline_model_parallel_size,
+        p.num_layers_per_virtual_pipeline_stage,
+    )
+    if not isinstance(spec, PipelineScheduleSpec):
+        problems = []
+        if pp > 1:
+            problems.append(
+                f"--parallel {p.parallel} runs the whole model on every rank; with {PP} {pp}"
+                f" choose a pipeline schedule: {_pipeline_schedules(plugins)}"
+            )
+        if any(v is not None for v in virtual_flags):
+            problems.append(f"{VPP}/{VPP_LAYERS} need --parallel interleaved")
+        return None, problems
+    model_spec = plugins.models.get(config.model_name)
+    plan = model_spec.parallel_plan(config.model) if model_spec.parallel_plan else None
+    if plan is None or not plan.pipeline_first:
+        return None, [
+            f"model '{config.model_name}' does not support pipeline schedules (its parallel plan"
+            " names no pipeline stages)"
+        ]
+    vpp, problems = virtual_stages_per_rank(plan.num_layers, pp, *virtual_flags)
+    first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
+    if p.num_layers_per_virtual_pipeline_stage is not None and (first, last) != (None, None):
+        problems.append(f"{FIRST}/{LAST} take {VPP}, not {VPP_LAYERS}")
+    if spec.interleaved and vpp == 1:
+        problems.append(
+            f"--parallel {spec.name} needs virtual stages: set {VPP_LAYERS} or {VPP} (2 or more)"
+        )
+    if problems:
+        return None, problems
+    problems += layout_problems(plan.num_layers, pp, vpp, first, last)
+    from mega.plugins.parallel.pipeline.registry import table_problems
+
+    problems += table_problems(spec, pp, vpp, config.num_microbatches)
+    if problems:
+        return None, problems
+    return PipelineSetup(spec, pipeline_layout(plan.num_layers, pp, vpp, first, last)), []

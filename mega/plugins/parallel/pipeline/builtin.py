@@ -1,0 +1,48 @@
+"""The built-in pipeline schedules, registered like any plugin's: ``gpipe``, ``1f1b`` and
+``interleaved`` (the tables are in ``tables.py``). Pure Python and cheap to import: no torch."""
+
+from __future__ import annotations
+
+from mega import PipelineScheduleSpec, hookimpl
+from mega.plugins.parallel.pipeline import tables
+
+
+def one_chunk_bubble(pp: int, vpp: int, m: int) -> float:
+    """GPipe's and 1F1B's bubble with unit costs: ``(p-1)/(m+p-1)``."""
+    return (pp - 1) / (m + pp - 1)
+
+
+def interleaved_bubble(pp: int, vpp: int, m: int) -> float | None:
+    """Interleaved 1F1B's bubble with unit costs, ``(p-1)/(v m+p-1)``, for ``m >= p``."""
+    return (pp - 1) / (vpp * m + pp - 1) if m >= pp or vpp == 1 else None
+
+
+GPIPE = PipelineScheduleSpec(
+    name="gpipe",
+    table=tables.gpipe,
+    description="all forwards, then all backwards (keeps every micro-batch's activations)",
+    analytic_bubble=one_chunk_bubble,
+)
+ONE_F_ONE_B = PipelineScheduleSpec(
+    name="1f1b",
+    table=tables.one_f_one_b,
+    description="warmup forwards, then one forward one backward (Megatron's default with PP > 1)",
+    analytic_bubble=one_chunk_bubble,
+)
+INTERLEAVED = PipelineScheduleSpec(
+    name="interleaved",
+    table=tables.interleaved,
+    description=(
+        "1F1B over vpp model chunks per rank: a bubble vpp times smaller (Megatron's interleaved)"
+    ),
+    interleaved=True,
+    min_pp=2,
+    analytic_bubble=interleaved_bubble,
+)
+BUILTIN_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+
+
+@hookimpl
+def register_parallel(register) -> None:
+    for spec in BUILTIN_SCHEDULES:
+        register(spec)

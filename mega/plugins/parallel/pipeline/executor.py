@@ -1,0 +1,209 @@
+"""The one executor that runs any schedule table (``actions.py`` defines what each action means).
+
+Each rank walks its own list. ``Forward``/``Backward`` run a local model chunk; every maximal run
+of consecutive sends and receives is posted as one batch (``comm.exchange``: one NCCL group, so
+two ranks sending to each other in the same step cannot wait on each other) and waited for
+before the next compute. Tensors between stages have one static shape (``activation_shape``), as
+in Megatron, so nothing but the payload crosses the wire.
+
+Memory: a stage's output is needed after its send only for its ``grad_fn``, so its storage is
+released as soon as the send completed (Megatron's ``deallocate_output_tensor``); backward then
+goes straight to the autograd engine, which checks the gradient against the shape recorded in the
+graph, not against the (now empty) tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.variable import Variable
+
+from mega.core import comm
+from mega.core.errors import MegaRunError
+from mega.core.pipeline_layout import PipelineLayout
+from mega.core.topology import Topology
+from mega.plugins.parallel.pipeline.actions import (
+    Action,
+    Backward,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    p2p_batches,
+)
+from mega.plugins.parallel.pipeline.simulate import ScheduleError, simulate
+from mega.plugins.parallel.pipeline.tables import interleaved_order
+
+Microbatch = dict[str, torch.Tensor]
+# (chunk, micro-batch, hidden states from the previous stage or None) -> the chunk's output
+ForwardFn = Callable[[torch.nn.Module, Microbatch, torch.Tensor | None], torch.Tensor]
+# (the last stage's output, micro-batch) -> the micro-batch's mean loss (fp32 scalar)
+LossFn = Callable[[torch.Tensor, Microbatch], torch.Tensor]
+
+
+def _release(output: torch.Tensor) -> None:
+    """Free a sent output's storage but keep its autograd node."""
+    if output.grad_fn is not None and output._base is None:
+        output.data = torch.empty((1,), device=output.device, dtype=output.dtype)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``output.backward(grad)`` without the shape check against a released output."""
+    grads = (grad,) if grad is not None else (torch.ones_like(output),)
+    Variable._execution_engine.run_backward((output,), grads, False, False, (), True, True)
+
+
+class PipelineExecutor:
+    """Runs ``table(pp, vpp, m)[pp_rank]`` on this rank's chunks, one call per global batch."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        chunks: list[torch.nn.Module],
+        table: Callable[[int, int, int], dict[int, list[Action]]],
+        layout: PipelineLayout,
+        topology: Topology,
+        activation_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        forward_fn: ForwardFn,
+        loss_fn: LossFn,
+    ) -> None:
+        self.name = name
+        self.chunks = chunks
+        self.table = table
+        self.layout = layout
+        self.rank = topology.pp_rank
+        self.group = topology.group("pp")
+        self.peers = topology.members.get("pp", (topology.rank,))  # pp-group rank -> global rank
+        self.shape = activation_shape
+        self.dtype, self.device = dtype, device
+        self.forward_fn, self.loss_fn = forward_fn, loss_fn
+        self._steps: dict[tuple[bool, int], list[Any]] = {}
+
+    # ------------------------------------------------------------------ the action lists
+
+    def _train_steps(self, m: int) -> list[Any]:
+        if (True, m) not in self._steps:
+            pp, vpp = self.layout.pp, self.layout.vpp
+            table = self.table(pp, vpp, m)
+            # A table that would hang the job or swap tensors is refused before it runs: the
+            # simulator with NCCL's semantics (blocking, batched, in-order) runs it on paper.
+            try:
+                simulate(table, pp, vpp, m, p2p="rendezvous")
+            except ScheduleError as exc:
+                raise MegaRunError(f"--parallel {self.name}: the table cannot run: {exc}") from None
+            self._steps[True, m] = p2p_batches(table[self.rank])
+        return self._steps[True, m]
+
+    def _forward_steps(self, m: int) -> list[Any]:
+        """Evaluation: the forwards in the interleaved order (the same on every rank), each
+        receive just before its forward and each send just after."""
+        if (False, m) not in self._steps:
+            pp, vpp = self.layout.pp, self.layout.vpp
+            order = interleaved_order(pp, vpp, m) if vpp > 1 else [(mb, 0) for mb in range(m)]
+            actions: list[Action] = []
+            for mb, chunk in order:
+                stage = self.layout.stage(self.rank, chunk)
+                if stage > 0:
+                    actions.append(RecvActivation(mb, chunk, (stage - 1) % pp))
+                actions.append(Forward(mb, chunk))
+                if stage < self.layout.last_stage:
+                    actions.append(SendActivation(mb, chunk, (stage + 1) % pp))
+            self._steps[False, m] = p2p_batches(actions)
+        return self._steps[False, m]
+
+    # ------------------------------------------------------------------ running them
+
+    def forward_backward(
+        self, microbatches: list[Microbatch], grad_scale: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Forward and backward over the global batch; each micro-batch's loss is scaled by
+        ``grad_scale / M`` before backward. Returns the detached losses (on the last stage only;
+        other ranks return an empty list)."""
+        return self._run(self._train_steps(len(microbatches)), microbatches, grad_scale, True)
+
+    @torch.no_grad()
+    def forward_only(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:
+        """The losses of every micro-batch (on the last stage; empty on the others)."""
+        return self._run(self._forward_steps(len(microbatches)), microbatches, 1.0, False)
+
+    def _run(
+        self, steps: list[Any], microbatches: list[Microbatch], grad_scale: float, train: bool
+    ) -> list[torch.Tensor]:
+        self._inputs: dict[tuple[int, int], torch.Tensor] = {}  # received activations
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # forward outputs (or losses)
+        self._output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients
+        self._input_grads: dict[tuple[int, int], torch.Tensor] = {}  # gradients to send
+        scale = grad_scale / len(microbatches)
+        losses = []
+        for step in steps:
+            if isinstance(step, tuple):
+                self._communicate(step, train)
+            elif isinstance(step, Forward):
+                loss = self._forward(step, microbatches[step.microbatch], scale)
+                if loss is not None:
+                    losses.append(loss)
+            elif isinstance(step, Backward):
+                self._backward(step)
+            else:
+                raise TypeError(f"unknown pipeline action {step!r}")
+        leftover = [d for d in (self._inputs, self._outputs, self._output_grads) if d]
+        if train and leftover:
+            raise RuntimeError(f"the schedule left tensors behind: {leftover}")
+        return losses
+
+    def _forward(self, action: Forward, microbatch: Microbatch, scale: float) -> Any:
+        key = (action.microbatch, action.chunk)
+        stage = self.layout.stage(self.rank, action.chunk)
+        hidden = self._inputs.get(key) if stage > 0 else None
+        output = self.forward_fn(self.chunks[action.chunk], microbatch, hidden)
+        if not torch.is_grad_enabled():
+            self._inputs.pop(key, None)
+        if stage < self.layout.last_stage:
+            self._outputs[key] = output
+            return None
+        loss = self.loss_fn(output, microbatch)
+        if torch.is_grad_enabled():
+            self._outputs[key] = loss * scale
+        return loss.detach()
+
+    def _backward(self, action: Backward) -> None:
+        key = (action.microbatch, action.chunk)
+        output = self._outputs.pop(key)
+        _backward(output, self._output_grads.pop(key, None))
+        received = self._inputs.pop(key, None)
+        if received is not None:
+            grad = received.grad
+            self._input_grads[key] = grad if grad is not None else torch.zeros_like(received)
+
+    def _communicate(self, batch: tuple[Any, ...], train: bool) -> None:
+        sends, recvs, sent = [], [], []
+        for op in batch:
+            key, peer = (op.microbatch, op.chunk), self.peers[op.peer]
+            if isinstance(op, SendActivation):
+                sends.append((self._outputs[key].detach(), peer))
+                sent.append(key)
+            elif isinstance(op, SendGrad):
+                sends.append((self._input_grads.pop(key), peer))
+            else:
+                buffer = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                recvs.append((buffer, peer))
+                if isinstance(op, RecvActivation):
+                    self._inputs[key] = buffer
+                elif isinstance(op, RecvGrad):
+                    self._output_grads[key] = buffer
+        comm.exchange(sends, recvs, self.group)
+        if train:  # after the receive wrote them: the chunk's backward fills their .grad
+            for op in batch:
+                if isinstance(op, RecvActivation):
+                    self._inputs[op.microbatch, op.chunk].requires_grad_(True)
+        for key in sent:
+            if train:
+                _release(self._outputs[key])
+            else:
+                del self._outputs[key]
