@@ -41,10 +41,11 @@ VPP2 = ["--virtual-pipeline-model-parallel-size", "2"]
         (4, pp(4, "interleaved", "--num-layers-per-virtual-pipeline-stage", "1")),
         (2, pp(2, "1f1b", "--decoder-first-pipeline-num-layers", "3")),
         (4, pp(4, "interleaved", *VPP2, "--untie-embeddings-and-output-weights")),
+        (2, pp(2, "interleaved", "--pipeline-model-parallel-layout", "Et*3|t*2|(t*2|)*1,tL")),
     ],
     ids=[
         "pp1-gpipe", "pp2-gpipe", "pp2-1f1b", "pp4-gpipe", "pp4-1f1b", "pp2-interleaved",
-        "pp4-interleaved", "pp2-uneven", "pp4-interleaved-untied",
+        "pp4-interleaved", "pp2-uneven", "pp4-interleaved-untied", "pp2-layout",
     ],
 )  # fmt: skip
 def test_pipeline_matches_one_process(single, tmp_path: Path, world_size, flags):
@@ -83,6 +84,14 @@ def test_bad_pipeline_layouts_are_refused_before_launch():
     assert "choose a pipeline schedule" in problems(*pp(4, "no-pipelining"))
     assert "need --parallel interleaved" in problems(*VPP2, world="1")
     assert "runs one model chunk per rank" in problems(*pp(4, "1f1b", *VPP2))
+    layout = "--pipeline-model-parallel-layout"
+    assert "places 7 layers, but --num-layers is 8" in problems(
+        *pp(2, "interleaved", layout, "Et*3|t*2|t|tL"), world="2"
+    )
+    assert "unknown symbols x" in problems(*pp(2, "1f1b", layout, "Et*4x|t*4L"), world="2")
+    assert "L (the loss) must close the last stage" in problems(
+        *pp(2, "1f1b", layout, "Et*4|Lt*4"), world="2"
+    )
     assert "do not add up" in problems(
         *pp(2, "1f1b", "--decoder-first-pipeline-num-layers", "9"), world="2"
     )

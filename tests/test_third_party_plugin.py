@@ -2,9 +2,10 @@
 
 ``tests/plugin_pkgs/mega-plugin-example`` is a separate distribution (its own pyproject, version
 0.3.1) that registers the ``bigram`` model, the ``ExampleCharTokenizer`` tokenizer, the
-``example-hello`` command and a ``train_step`` wrapper. A session fixture installs it into a
-throw-away virtual environment that sees mega through ``--system-site-packages``; subprocess tests
-then check discovery, the command, a short training run, and the environment switches that hide
+``toy-sequential`` pipeline schedule, the ``example-hello`` command and a ``train_step`` wrapper.
+A session fixture installs it into a throw-away virtual environment that sees mega through
+``--system-site-packages``; subprocess tests then check discovery, the command, a short training
+run, a two-stage pipeline run on the plugin's schedule, and the environment switches that hide
 it. The in-process tests at the end use the pattern plugin authors use for unit tests:
 ``make_plugins(extra=[(name, module)])``.
 """
@@ -29,11 +30,15 @@ from mega.core.errors import MegaUsageError
 from mega.core.plugins import make_plugins
 from mega.core.resolve import resolve_config
 
+from conftest import TINY, lm_losses
+from multiproc import free_port
+
 PACKAGE_DIR = Path(__file__).parent / "plugin_pkgs" / "mega-plugin-example"
 DIST, VERSION, ENTRY_POINT = "mega-plugin-example", "0.3.1", "example"
 REGISTERS = {
     "model": ["bigram"],
     "tokenizer": ["ExampleCharTokenizer"],
+    "parallel": ["toy-sequential"],
     "command": ["example-hello"],
 }
 LOSS = re.compile(r"\| lm loss: ([0-9.]+E[+-]\d+) \|")
@@ -93,9 +98,25 @@ def _offline_build_problem() -> str | None:
     return None
 
 
+# What a launcher (torchrun, SLURM) sets: scrubbed so that a multi-process run started from a test
+# inside such a job still forms its own group.
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 def _clean_env(**env: str) -> dict[str, str]:
-    """This process's environment without MEGA_* switches, plus ``env``."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MEGA_")}
+    """This process's environment without MEGA_* switches or launcher variables, plus ``env``."""
+    environ = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MEGA_", "SLURM_")) and k not in LAUNCHER_VARS
+    }
     environ.update(env)
     return environ
 
@@ -206,6 +227,50 @@ def test_training_a_plugin_model_with_a_plugin_tokenizer(venv, tmp_path):
     assert steps["steps"] == 12 and steps["ok"] is True and steps["mean_step_ms"] > 0
 
 
+def test_plugins_table_lists_the_schedule(venv, tmp_path):
+    done = run_mega(venv, "plugins", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert re.search(r"│\s+│\s+│\s+│ parallel: toy-sequential\s+│", done.stdout), done.stdout
+
+
+def test_schedule_command_simulates_the_plugin_schedule(venv, tmp_path):
+    args = ["--schedule", "toy-sequential", "--pp", "2", "-m", "4", "--width", "60"]
+    done = run_mega(venv, "schedule", *args, "--p2p", "rendezvous", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.startswith("toy-sequential: 2 pipeline ranks x 1 chunk, 4 micro-batches;"), out
+    assert "checked: finishes with rendezvous p2p" in out
+    # One rank works at a time: each micro-batch takes 4 units (F F B B), each rank is busy 2.
+    assert "bubble: 0.5000 simulated (time 16 per rank, 8 busy on average)" in out, out
+    assert re.search(r"; analytic .*\b0\.5000$", out.rstrip()), out  # the spec's (p-1)/p
+
+
+# Dropout off and no linear biases, as in test_launch.py: a pipelined run must print the losses of
+# one process exactly (up to float32 summation order).
+PIPELINE_ARGS = [
+    *TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear", "--mock-data",
+]  # fmt: skip
+
+
+def test_training_on_the_plugin_schedule_matches_one_process(venv, tmp_path):
+    """Two pipeline stages of the tiny GPT (one layer each, tied embeddings) on the plugin's
+    schedule: 4 micro-batches per step, the one-process run's losses."""
+    layout = ["--parallel", "toy-sequential", "--pipeline-model-parallel-size", "2"]
+    layout += ["--nproc-per-node", "2", "--master-port", str(free_port())]
+    runs = {}
+    for name, extra in (("one", []), ("pp2", layout)):
+        cwd = tmp_path / name
+        cwd.mkdir()
+        runs[name] = run_mega(venv, "train", *PIPELINE_ARGS, *extra, cwd=cwd)
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert "pp 2 x" in runs["pp2"].stdout and "schedule toy-sequential" in runs["pp2"].stdout
+    one, pp2 = lm_losses(runs["one"].stdout), lm_losses(runs["pp2"].stdout)
+    assert sorted(one) == sorted(pp2) == [1, 2, 3, 4], (runs["one"].stdout, runs["pp2"].stdout)
+    for iteration in one:
+        assert float(pp2[iteration]) == pytest.approx(float(one[iteration]), rel=1e-5), iteration
+
+
 def test_train_help_shows_the_plugin_flags(venv, tmp_path):
     done = run_mega(venv, "train", *TRAIN_ARGS, "--help", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -270,12 +335,38 @@ def test_in_process_registration(example):
         ["ExampleCharTokenizer"],
     )
     assert alone.commands.names() == ["example-hello"]
+    assert alone.parallel.names() == ["toy-sequential"]
     assert alone.infos[0].registers == REGISTERS and alone.infos[0].dist == "(in process)"
 
     plugins = make_plugins(extra=[("example", example)])  # with the built-ins
     assert {"bigram", "gpt"} <= set(plugins.models)
     assert plugins.models.provider("bigram") == "example"
+    assert plugins.parallel.provider("toy-sequential") == "example"
     assert plugins.problems == []
+
+
+@pytest.mark.parametrize("p2p", ["eager", "rendezvous"])
+def test_toy_schedule_runs_and_its_bubble_is_analytic(example, p2p):
+    from mega.plugins.parallel.pipeline import schedule_spec, simulate, table_problems
+    from mega.plugins.parallel.pipeline.actions import Backward, Forward
+
+    plugins = make_plugins(extra=[("example", example)])
+    spec = schedule_spec(plugins, "toy-sequential")
+    gpipe, one_f_one_b = schedule_spec(plugins, "gpipe"), schedule_spec(plugins, "1f1b")
+    for pp in range(1, 5):
+        for m in (1, 2, 3, 4, 7, 8):
+            assert table_problems(spec, pp, 1, m, num_layers=4 * pp) == []
+            table = spec.table(pp, 1, m)
+            result = simulate(table, pp, 1, m, p2p=p2p)  # raises ScheduleError if it cannot run
+            assert result.bubble_fraction == pytest.approx(spec.analytic_bubble(pp, 1, m))
+            slow = simulate(table, pp, 1, m, forward_cost=1, backward_cost=2, p2p=p2p)
+            assert slow.bubble_fraction == pytest.approx((pp - 1) / pp)
+            # Every rank computes F0 B0 F1 B1 ...: not a built-in table once there is overlap to lose.
+            computes = [a for a in table[pp - 1] if isinstance(a, Forward | Backward)]
+            assert computes == [op for mb in range(m) for op in (Forward(mb), Backward(mb))]
+            if pp > 1 and m > 1:
+                assert table not in (gpipe.table(pp, 1, m), one_f_one_b.table(pp, 1, m))
+    assert table_problems(spec, 2, 2, 4) != []  # one chunk per rank only
 
 
 def test_plugin_flags_resolve_into_its_config_sections(example):

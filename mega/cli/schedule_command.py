@@ -24,8 +24,7 @@ def _analytic_text(spec, pp: int, vpp: int, m: int) -> str | None:
     value = spec.analytic_bubble(pp, vpp, m)
     if value is None:
         return None
-    formula = "(p-1)/(v*m+p-1)" if vpp > 1 else "(p-1)/(m+p-1)"
-    return f"{formula} = {value:.4f}"
+    return f"{value:.4f}"  # the spec's own closed form, whatever its formula
 
 
 @click.command("schedule")

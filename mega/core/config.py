@@ -217,6 +217,11 @@ class ParallelConfig:
     decoder_last_pipeline_num_layers: int | None = option(
         None, "Layers on the last pipeline stage (uneven split; the rest are spread evenly)."
     )
+    pipeline_model_parallel_layout: str | None = option(
+        None,
+        "Layers of every virtual stage, e.g. 'Et*7|t*6|t*6|t*5L' (E embedding, t layer, L loss,"
+        " | between stages in virtual-stage order, t*N and (...)*N repeat).",
+    )
     context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
     expert_model_parallel_size: int = option(1, "Expert-parallel size.")
     sequence_parallel: bool = option(

@@ -10,10 +10,17 @@ Megatron's rules (``get_num_layers_to_build``, ``get_transformer_layer_offset``)
   virtual stages in that order, so the model runs stage 0 (rank 0), stage 1 (rank 1), ...
 
 The embedding runs on virtual stage 0 and the final norm, output layer and loss on the last one.
+
+``--pipeline-model-parallel-layout`` (Megatron's) sets every virtual stage's layers instead, in
+virtual-stage order: ``Et*7|t*6|t*6|t*5L`` is 2 ranks x 2 chunks with 7, 6, 6 and 5 layers (rank 0
+holds stages 0 and 2). ``E`` (embedding) must open the first stage and ``L`` (loss) close the last;
+``t*N`` is N layers, ``(...)*N`` repeats a group, commas and spaces are ignored. It is how a
+stage that also computes the output layer and loss gets fewer layers to even out the ranks.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 PP = "--pipeline-model-parallel-size"
@@ -118,17 +125,66 @@ def layout_problems(
     return []
 
 
+LAYOUT = "--pipeline-model-parallel-layout"
+_REPEAT = re.compile(r"\(([^()]*)\)\*(\d+)")
+
+
+def parse_layout(text: str) -> tuple[list[int], list[str]]:
+    """Layers per virtual stage from a ``--pipeline-model-parallel-layout`` string, and the
+    problems (empty list of stages when there are any)."""
+    flat = re.sub(r"[\s,]", "", text)
+    while _REPEAT.search(flat):  # innermost groups first
+        flat = _REPEAT.sub(lambda m: m[1] * int(m[2]), flat)
+    flat = re.sub(r"t\*(\d+)", lambda m: "t" * int(m[1]), flat)
+    stages = flat.split("|")
+    bad = sorted(set(re.sub(r"[EtL|]", "", flat)))
+    if bad:
+        return [], [
+            f"{LAYOUT} '{text}': unknown symbols {' '.join(bad)} (use E, t, L, t*N, (...)*N, |)"
+        ]
+    if not stages[0].startswith("E") or flat.count("E") != 1:
+        return [], [f"{LAYOUT} '{text}': E (the embedding) must open the first stage, once"]
+    if not stages[-1].endswith("L") or flat.count("L") != 1:
+        return [], [f"{LAYOUT} '{text}': L (the loss) must close the last stage, once"]
+    return [stage.count("t") for stage in stages], []
+
+
+def explicit_layout_problems(counts: list[int], num_layers: int, pp: int, vpp: int) -> list[str]:
+    """Whether a parsed layout fits the model and the pipeline size."""
+    problems = []
+    if len(counts) % pp:
+        problems.append(f"{LAYOUT} has {len(counts)} stages, not a multiple of {PP} ({pp})")
+    elif vpp > 1 and len(counts) != pp * vpp:
+        problems.append(
+            f"{LAYOUT} has {len(counts)} stages, but {PP} x virtual stages is {pp} x {vpp}"
+        )
+    if sum(counts) != num_layers:
+        problems.append(f"{LAYOUT} places {sum(counts)} layers, but --num-layers is {num_layers}")
+    return problems
+
+
 def pipeline_layout(
-    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+    num_layers: int,
+    pp: int,
+    vpp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    counts: list[int] | None = None,
 ) -> PipelineLayout:
-    """The layers of every virtual stage; ``ValueError`` with the problems if there is no split."""
-    problems = layout_problems(num_layers, pp, vpp, first, last)
+    """The layers of every virtual stage, from the even/uneven split or from explicit per-stage
+    ``counts`` (a parsed layout); ``ValueError`` with the problems if there is no split."""
+    if counts is not None:
+        problems = explicit_layout_problems(counts, num_layers, pp, vpp)
+        vpp = len(counts) // pp
+    else:
+        problems = layout_problems(num_layers, pp, vpp, first, last)
     if problems:
         raise ValueError("; ".join(problems))
-    counts, _ = _rank_counts(num_layers, pp, first, last)
+    if counts is None:
+        per_rank, _ = _rank_counts(num_layers, pp, first, last)
+        counts = [per_rank[stage % pp] // vpp for stage in range(pp * vpp)]
     stages, start = [], 0
-    for stage in range(pp * vpp):
-        size = counts[stage % pp] // vpp
+    for size in counts:
         stages.append(range(start, start + size))
         start += size
     return PipelineLayout(pp, vpp, tuple(stages))

@@ -12,11 +12,14 @@ from typing import Any
 from mega.core.pipeline_layout import (
     FIRST,
     LAST,
+    LAYOUT,
     PP,
     VPP,
     VPP_LAYERS,
     PipelineLayout,
+    explicit_layout_problems,
     layout_problems,
+    parse_layout,
     pipeline_layout,
     virtual_stages_per_rank,
 )
@@ -35,6 +38,9 @@ def default_schedule(parallel: Any) -> str:
     if parallel.pipeline_model_parallel_size == 1:
         return "no-pipelining"
     virtual = parallel.virtual_pipeline_model_parallel_size or 1
+    if parallel.pipeline_model_parallel_layout:
+        counts, _ = parse_layout(parallel.pipeline_model_parallel_layout)
+        virtual = max(virtual, len(counts) // parallel.pipeline_model_parallel_size)
     if virtual > 1 or parallel.num_layers_per_virtual_pipeline_stage is not None:
         return "interleaved"
     return "1f1b"
@@ -78,16 +84,26 @@ def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, lis
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
     if p.num_layers_per_virtual_pipeline_stage is not None and (first, last) != (None, None):
         problems.append(f"{FIRST}/{LAST} take {VPP}, not {VPP_LAYERS}")
+    counts = None
+    if p.pipeline_model_parallel_layout:
+        if (first, last) != (None, None) or p.num_layers_per_virtual_pipeline_stage is not None:
+            problems.append(f"{LAYOUT} replaces {FIRST}/{LAST} and {VPP_LAYERS}: give one")
+        counts, parse_problems = parse_layout(p.pipeline_model_parallel_layout)
+        problems += parse_problems
+        problems += explicit_layout_problems(counts, plan.num_layers, pp, vpp) if counts else []
+        vpp = len(counts) // pp if counts and len(counts) % pp == 0 else vpp
     if spec.interleaved and vpp == 1:
         problems.append(
             f"--parallel {spec.name} needs virtual stages: set {VPP_LAYERS} or {VPP} (2 or more)"
         )
     if problems:
         return None, problems
-    problems += layout_problems(plan.num_layers, pp, vpp, first, last)
+    if counts is None:
+        problems += layout_problems(plan.num_layers, pp, vpp, first, last)
     from mega.plugins.parallel.pipeline.registry import table_problems
 
     problems += table_problems(spec, pp, vpp, config.num_microbatches)
     if problems:
         return None, problems
-    return PipelineSetup(spec, pipeline_layout(plan.num_layers, pp, vpp, first, last)), []
+    layout = pipeline_layout(plan.num_layers, pp, vpp, first, last, counts)
+    return PipelineSetup(spec, layout), []

@@ -11,6 +11,7 @@ from typing import Any
 
 from mega import BuildContext, ModelSpec, TokenizerSpec, hookimpl
 from mega_plugin_example.config import BigramConfig, flops_per_token
+from mega_plugin_example.schedule import TOY_SEQUENTIAL
 from mega_plugin_example.steps import shutdown, train_step
 from mega_plugin_example.tokenizer import (
     ExampleCharTokenizer,
@@ -24,6 +25,7 @@ __all__ = [
     "ExampleCharTokenizer",
     "register_commands",
     "register_models",
+    "register_parallel",
     "register_tokenizers",
     "shutdown",
     "train_step",
@@ -59,6 +61,12 @@ def register_tokenizers(register: Any) -> None:
             description="Lower-case printable ASCII, one id per character; unk, eod, pad (vocab 74).",
         )
     )
+
+
+@hookimpl
+def register_parallel(register: Any) -> None:
+    # A pipeline schedule is a table builder (pure Python): `mega train --parallel toy-sequential`
+    register(TOY_SEQUENTIAL)
 
 
 @hookimpl
