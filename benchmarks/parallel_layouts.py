@@ -55,7 +55,9 @@ def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``), ``sp``
     (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
     same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
-    ``pp2v2-interleaved-first14``."""
+    ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
+    ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``."""
+    name, _, extra = name.partition(":")
     parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1}, []
     if not parts or "".join(TOKEN.sub("", name)):
         raise SystemExit(
@@ -67,22 +69,24 @@ def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     flags = [arg for key, value in values.items() if key in FLAGS for arg in (FLAGS[key], value)]
     flags += ["--sequence-parallel"] * any(sp for _, _, sp, _ in parts)
     flags += [arg for *_, schedule in parts if schedule for arg in ("--parallel", schedule)]
-    return sizes["tp"] * sizes["dp"] * sizes["pp"], flags
+    return sizes["tp"] * sizes["dp"] * sizes["pp"], flags + extra.split()
 
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     world, flags = layout_flags(name, args.mbs)
-    run_dir = out / name
+    run_dir = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     command = [
         sys.executable, "-m", "mega", "train", *MODEL, *flags,
         "--nproc-per-node", str(world),
         "--global-batch-size", str(args.gbs),
         "--train-iters", str(args.iters), "--run-dir", str(run_dir),
     ]  # fmt: skip
+    timing = run_dir / "pipeline_timing"
+    env = {**os.environ, "MEGA_PIPELINE_TIMING": str(timing)} if "--parallel" in flags else None
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
-    (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    (out / f"{run_dir.name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     row: dict = {"layout": name, "world_size": world, "command": " ".join(command[1:])}
     row["wall_s"] = round(wall, 1)
     if proc.returncode:
@@ -100,7 +104,49 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 1)
     row["step_ms"] = round(statistics.median(r["elapsed_ms"] for r in timed), 1)
     row["max_memory_gb_per_gpu"] = round(max(r.get("max_memory_gb", 0.0) for r in records), 2)
+    if timing.is_dir():
+        row["pipeline"] = pipeline_bubbles(timing, flags, args)
     return row
+
+
+def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -> dict:
+    """Measured bubble per rank (1 - compute busy time / span of the schedule, medians over the
+    timed steps) against the simulator's bubble for the same table with the measured mean
+    forward and backward time per chunk."""
+    from mega.core.plugins import make_plugins
+    from mega.plugins.parallel.pipeline.registry import schedule_spec
+    from mega.plugins.parallel.pipeline.simulate import simulate
+
+    ranks = []
+    for path in sorted(timing.glob("rank*.jsonl")):
+        steps = [json.loads(line) for line in path.read_text().splitlines()][args.warmup :]
+        busy = [s["forward_ms"] + s["backward_ms"] for s in steps]
+        ranks.append(
+            {
+                "span_ms": statistics.median(s["span_ms"] for s in steps),
+                "busy_ms": statistics.median(busy),
+                "bubble": statistics.median(
+                    1 - b / s["span_ms"] for b, s in zip(busy, steps, strict=True)
+                ),
+                "forward_ms": statistics.median(s["forward_ms"] / s["forwards"] for s in steps),
+                "backward_ms": statistics.median(s["backward_ms"] / s["backwards"] for s in steps),
+            }
+        )
+    value = dict(zip(flags, flags[1:], strict=False))  # flag -> the token after it
+    pp = int(value["--pipeline-model-parallel-size"])
+    m = args.gbs // int(value["--micro-batch-size"])  # one data-parallel replica
+    first = json.loads((timing / "rank0.jsonl").read_text().splitlines()[0])
+    vpp = first["forwards"] // m  # rank 0 runs m forwards per chunk
+    forward = statistics.mean(r["forward_ms"] for r in ranks)
+    backward = statistics.mean(r["backward_ms"] for r in ranks)
+    spec = schedule_spec(make_plugins(), value["--parallel"])
+    simulated = simulate(spec.table(pp, vpp, m), pp, vpp, m, forward, backward, p2p="rendezvous")
+    return {
+        "ranks": [{k: round(v, 4) for k, v in r.items()} for r in ranks],
+        "measured_bubble_mean": round(statistics.mean(r["bubble"] for r in ranks), 4),
+        "simulated_bubble": round(simulated.bubble_fraction, 4),
+        "analytic_bubble_unit_costs": spec.analytic_bubble(pp, vpp, m),
+    }
 
 
 def main() -> None:

@@ -6,6 +6,11 @@ two ranks sending to each other in the same step cannot wait on each other) and 
 before the next compute. Tensors between stages have one static shape (``activation_shape``), as
 in Megatron, so nothing but the payload crosses the wire.
 
+Timing (benchmarks): with ``MEGA_PIPELINE_TIMING=DIR`` every rank appends one JSON line per
+training step to ``DIR/rank<R>.jsonl``: the time its forwards and backwards kept the GPU busy and
+the span from the first compute's start to the last one's end (CUDA events; one host sync per
+step, so leave it off for real runs). ``1 - busy / span`` is the rank's measured bubble.
+
 Memory: a stage's output is needed after its send only for its ``grad_fn``, so its storage is
 released as soon as the send completed (Megatron's ``deallocate_output_tensor``); backward then
 goes straight to the autograd engine, which checks the gradient against the shape recorded in the
@@ -14,7 +19,11 @@ graph, not against the (now empty) tensor.
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,6 +65,56 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
     Variable._execution_engine.run_backward((output,), grads, False, False, (), True, True)
 
 
+TIMING_ENV = "MEGA_PIPELINE_TIMING"
+
+
+class StepTimer:
+    """CUDA events around every compute of a step (wall clock on the CPU); one JSON line each."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cuda = torch.cuda.is_available()
+        self.marks: list[tuple[str, Any, Any]] = []
+        self.step = 0
+
+    def _now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self, action: Any) -> None:
+        self.marks.append(("F" if isinstance(action, Forward) else "B", self._now(), None))
+
+    def stop(self) -> None:
+        kind, began, _ = self.marks[-1]
+        self.marks[-1] = (kind, began, self._now())
+
+    def _ms(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1000.0
+
+    def write_step(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        busy = {"F": 0.0, "B": 0.0}
+        for kind, began, ended in self.marks:
+            busy[kind] += self._ms(began, ended)
+        self.step += 1
+        record = {
+            "step": self.step,
+            "span_ms": self._ms(self.marks[0][1], self.marks[-1][2]),
+            "forward_ms": busy["F"],
+            "backward_ms": busy["B"],
+            "forwards": sum(k == "F" for k, _, _ in self.marks),
+            "backwards": sum(k == "B" for k, _, _ in self.marks),
+        }
+        with self.path.open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        self.marks = []
+
+
 class PipelineExecutor:
     """Runs ``table(pp, vpp, m)[pp_rank]`` on this rank's chunks, one call per global batch."""
 
@@ -84,6 +143,8 @@ class PipelineExecutor:
         self.dtype, self.device = dtype, device
         self.forward_fn, self.loss_fn = forward_fn, loss_fn
         self._steps: dict[tuple[bool, int], list[Any]] = {}
+        timing = os.environ.get(TIMING_ENV)
+        self.timing = StepTimer(Path(timing) / f"rank{topology.rank}.jsonl") if timing else None
 
     # ------------------------------------------------------------------ the action lists
 
@@ -141,10 +202,14 @@ class PipelineExecutor:
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}  # gradients to send
         scale = grad_scale / len(microbatches)
         losses = []
+        timer = self.timing if train else None
         for step in steps:
             if isinstance(step, tuple):
                 self._communicate(step, train)
-            elif isinstance(step, Forward):
+                continue
+            if timer:
+                timer.start(step)
+            if isinstance(step, Forward):
                 loss = self._forward(step, microbatches[step.microbatch], scale)
                 if loss is not None:
                     losses.append(loss)
@@ -152,6 +217,10 @@ class PipelineExecutor:
                 self._backward(step)
             else:
                 raise TypeError(f"unknown pipeline action {step!r}")
+            if timer:
+                timer.stop()
+        if timer:
+            timer.write_step()
         leftover = [d for d in (self._inputs, self._outputs, self._output_grads) if d]
         if train and leftover:
             raise RuntimeError(f"the schedule left tensors behind: {leftover}")
