@@ -17,6 +17,17 @@ TINY = [
     "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
 ]  # fmt: skip
 
+# What a launcher (torchrun, SLURM) sets: scrubbed from a test's subprocess environment so that a
+# multi-process run started from a test inside such a job still forms its own group.
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| lm loss: ([0-9.E+-]+) \|")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, lm_losses
+from conftest import LAUNCHER_VARS, TINY, lm_losses
 from multiproc import free_port
 
 ITERS = 4
@@ -25,16 +25,6 @@ ARGS = [
     *TINY, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(ITERS),
     "--hidden-dropout", "0", "--attention-dropout", "0", "--disable-bias-linear", "--mock-data",
 ]  # fmt: skip
-# The variables a launcher sets; scrubbed so that a test run inside torchrun or a SLURM job still
-# starts its own jobs from scratch.
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 TIMEOUT = 120  # seconds: far more than any of these runs needs; reaching it means a hang
 
 

@@ -30,7 +30,7 @@ from mega.core.errors import MegaUsageError
 from mega.core.plugins import make_plugins
 from mega.core.resolve import resolve_config
 
-from conftest import TINY, lm_losses
+from conftest import LAUNCHER_VARS, TINY, lm_losses
 from multiproc import free_port
 
 PACKAGE_DIR = Path(__file__).parent / "plugin_pkgs" / "mega-plugin-example"
@@ -96,18 +96,6 @@ def _offline_build_problem() -> str | None:
         if importlib.util.find_spec("wheel") is None:
             return f"setuptools {version} needs the `wheel` package (or setuptools >= 70.1)"
     return None
-
-
-# What a launcher (torchrun, SLURM) sets: scrubbed so that a multi-process run started from a test
-# inside such a job still forms its own group.
-LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 
 
 def _clean_env(**env: str) -> dict[str, str]:

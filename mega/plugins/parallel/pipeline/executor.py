@@ -33,17 +33,18 @@ from mega.core import comm
 from mega.core.errors import MegaRunError
 from mega.core.pipeline_layout import PipelineLayout
 from mega.core.topology import Topology
-from mega.plugins.parallel.pipeline.actions import (
+from mega.plugins.parallel.pipeline import (
     Action,
     Backward,
     Forward,
     RecvActivation,
     RecvGrad,
+    ScheduleError,
     SendActivation,
     SendGrad,
     p2p_batches,
+    simulate,
 )
-from mega.plugins.parallel.pipeline.simulate import ScheduleError, simulate
 from mega.plugins.parallel.pipeline.tables import interleaved_order
 
 Microbatch = dict[str, torch.Tensor]
