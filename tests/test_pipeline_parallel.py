@@ -78,8 +78,13 @@ def test_bad_pipeline_layouts_are_refused_before_launch():
         *pp(3, "1f1b"), world="3"
     )
     assert "needs virtual stages" in problems(*pp(4, "interleaved"))
-    assert "do not split into 4 virtual stages" in problems(
+    assert "x virtual stages per rank (4 x 4 = 16" in problems(
         *pp(4, "interleaved", "--virtual-pipeline-model-parallel-size", "4")
+    )
+    assert "first pipeline rank holds 3 layers, which do not split into 2 virtual stages" in (
+        problems(
+            *pp(2, "interleaved", *VPP2, "--decoder-first-pipeline-num-layers", "3"), world="2"
+        )
     )
     assert "choose a pipeline schedule" in problems(*pp(4, "no-pipelining"))
     assert "need --parallel interleaved" in problems(*VPP2, world="1")

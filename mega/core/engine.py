@@ -42,7 +42,7 @@ from mega.core.metrics import (
 from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
 from mega.core.parallelize import parallelize
 from mega.core.pipeline_setup import PipelineSetup, pipeline_setup
-from mega.core.pipeline_split import tied_copy
+from mega.core.pipeline_split import tied_weights
 from mega.core.plugins import Plugins
 from mega.core.resolve import resolved_as_dict
 from mega.core.resume_checks import check_schedule, data_changes
@@ -189,7 +189,7 @@ class Engine:
             bucket_size=p.ddp_bucket_size,
             overlap=p.overlap_grad_reduce,
             distributed=p.use_distributed_optimizer,
-            tied=tied_copy(self.model, plan, self.topology.pp_rank, layout.pp) if layout else [],
+            tied=tied_weights(self.model, plan, self.topology.pp_rank, layout.pp) if layout else [],
         )
         self.optimizer = MixedPrecisionAdamW(self.buffer, cfg.optimizer, cfg.precision)
         self.pipeline = None

@@ -92,17 +92,10 @@ def _rank_counts(
             f"{FIRST}/{LAST} ({first}, {last}) do not add up with --num-layers {num_layers}"
             f" over {PP} {pp}"
         ]
-    if rest_ranks and rest % rest_ranks:
-        if fixed:
-            return [], [
-                f"the {rest} layers left after {FIRST}/{LAST} must split evenly over the other"
-                f" {rest_ranks} pipeline ranks"
-            ]
-        below = num_layers // pp * pp
-        hint = f"{below} or {below + pp}" if below else f"{pp}"
+    if rest_ranks and rest % rest_ranks:  # (an even split without flags is checked earlier)
         return [], [
-            f"--num-layers ({num_layers}) must be divisible by {PP} ({pp}): try --num-layers"
-            f" {hint}, or split unevenly with {FIRST}/{LAST}"
+            f"the {rest} layers left after {FIRST}/{LAST} must split evenly over the other"
+            f" {rest_ranks} pipeline ranks"
         ]
     even = rest // rest_ranks if rest_ranks else 0
     return [fixed.get(r, even) for r in range(pp)], []
@@ -112,6 +105,23 @@ def layout_problems(
     num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None
 ) -> list[str]:
     """Why the layers cannot be split this way, one actionable line each (empty when they can)."""
+    if num_layers < 1:
+        return [f"--num-layers must be at least 1 (got {num_layers})"]
+    stages = pp * vpp
+    if first is None and last is None and num_layers % stages:
+        split = f"{PP} ({pp})"
+        if vpp > 1:
+            split = (
+                f"{PP} x virtual stages per rank ({pp} x {vpp} = {stages};"
+                f" set by {VPP} or {VPP_LAYERS})"
+            )
+        below = num_layers // stages * stages
+        hint = f"{below} or {below + stages}" if below else f"{stages}"
+        return [
+            f"--num-layers ({num_layers}) must be divisible by {split} so every stage gets the"
+            f" same layers: try --num-layers {hint}, or split unevenly with {FIRST}/{LAST}"
+            f" or {LAYOUT}"
+        ]
     counts, problems = _rank_counts(num_layers, pp, first, last)
     if problems:
         return problems

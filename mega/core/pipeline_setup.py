@@ -46,11 +46,6 @@ def default_schedule(parallel: Any) -> str:
     return "1f1b"
 
 
-def _pipeline_schedules(plugins: Any) -> str:
-    names = [n for n, e in plugins.parallel.items() if isinstance(e.spec, PipelineScheduleSpec)]
-    return ", ".join(names)
-
-
 def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, list[str]]:
     """The pipeline of the run (None when ``--parallel`` is not a pipeline schedule) and every
     reason it cannot run."""
@@ -64,11 +59,13 @@ def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, lis
         p.num_layers_per_virtual_pipeline_stage,
     )
     if not isinstance(spec, PipelineScheduleSpec):
+        from mega.plugins.parallel.pipeline.registry import pipeline_schedules
+
         problems = []
         if pp > 1:
             problems.append(
                 f"--parallel {p.parallel} runs the whole model on every rank; with {PP} {pp}"
-                f" choose a pipeline schedule: {_pipeline_schedules(plugins)}"
+                f" choose a pipeline schedule: {', '.join(pipeline_schedules(plugins))}"
             )
         if any(v is not None for v in virtual_flags):
             problems.append(f"{VPP}/{VPP_LAYERS} need --parallel interleaved")

@@ -103,7 +103,7 @@ def split_for_pipeline(
     return rank_model, chunks
 
 
-def tied_copy(rank_model: nn.Module, plan: ParallelPlan, pp_rank: int, pp: int) -> list:
+def tied_weights(rank_model: nn.Module, plan: ParallelPlan, pp_rank: int, pp: int) -> list:
     """The tied weight as this rank holds it: ``[param]`` on the first and last pipeline ranks of
     a multi-stage, tied model (the last rank's is marked ``tied_copy``), else ``[]``."""
     if not plan.tied_weight or pp == 1 or pp_rank not in (0, pp - 1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.core.pipeline_layout import layout_problems
 from mega.core.specs import PipelineScheduleSpec
 from mega.plugins.parallel.pipeline.actions import Table
 
@@ -41,12 +42,6 @@ def schedule_spec(plugins: Any, name: str) -> PipelineScheduleSpec:
     raise MegaUsageError(unknown_name_message("pipeline schedule", name, schedules))
 
 
-def _layer_hint(num_layers: int, stages: int) -> str:
-    below = num_layers // stages * stages
-    above = below + stages
-    return f"{below} or {above}" if below > 0 else f"{above}"
-
-
 def table_problems(
     spec: PipelineScheduleSpec, pp: int, vpp: int, m: int, num_layers: int | None = None
 ) -> list[str]:
@@ -74,20 +69,7 @@ def table_problems(
             f" got {m} (= --global-batch-size / (--micro-batch-size x data-parallel size))"
         )
     if num_layers is not None:
-        stages = pp * vpp
-        if num_layers < 1:
-            problems.append(f"--num-layers must be at least 1 (got {num_layers})")
-        elif num_layers % stages:
-            split = f"{PP_FLAG} ({pp})"
-            if vpp > 1:
-                split = (
-                    f"{PP_FLAG} x virtual stages per rank ({pp} x {vpp} = {stages}; set by"
-                    f" {VPP_FLAG} or {VPP_LAYERS_FLAG})"
-                )
-            problems.append(
-                f"--num-layers ({num_layers}) must be divisible by {split} so every stage gets"
-                f" the same layers: try --num-layers {_layer_hint(num_layers, stages)}"
-            )
+        problems += layout_problems(num_layers, pp, vpp)
     return problems
 
 
