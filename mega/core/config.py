@@ -28,6 +28,16 @@ class TrainingConfig:
     eval_iters: int = option(10, "Batches per evaluation.")
     log_interval: int = option(50, "Print an iteration line every N iterations.")
     device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
+    compile: bool | None = option(
+        None,
+        "torch.compile each transformer layer and the output head (fuses norms, element-wise "
+        "ops and the loss). Default: on with CUDA, off on the CPU.",
+    )
+    gradient_accumulation_fusion: bool = option(
+        True,
+        "Accumulate linear weight gradients into the fp32 gradient buffer inside the weight-"
+        "gradient GEMM, instead of writing them in the model dtype and adding them after.",
+    )
 
     def validate(self) -> list[str]:
         errors = []

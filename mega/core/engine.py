@@ -26,6 +26,7 @@ from mega.core.checkpointing import (
     load_checkpoint,
     save_checkpoint,
 )
+from mega.core.compile import compile_model
 from mega.core.config import RunConfig
 from mega.core.console import Display
 from mega.core.distributed import join_job
@@ -39,7 +40,7 @@ from mega.core.metrics import (
     format_eval_line,
     format_iteration_line,
 )
-from mega.core.optimizer import MixedPrecisionAdamW, NonFiniteGradients
+from mega.core.optimizer import MixedPrecisionAdamW
 from mega.core.parallelize import parallelize
 from mega.core.pipeline_setup import PipelineSetup, pipeline_setup
 from mega.core.pipeline_split import tied_weights
@@ -174,7 +175,10 @@ class Engine:
             raise MegaUsageError(f"dataset '{cfg.dataset_name}': {exc}") from None
 
         model_spec = self.plugins.models.get(cfg.model_name)
-        model = model_spec.build(cfg.model, ctx)  # fp32 on the CPU: the exact seeded init
+        try:
+            model = model_spec.build(cfg.model, ctx)  # fp32 on the CPU: the exact seeded init
+        except ValueError as exc:
+            raise MegaUsageError(f"model '{cfg.model_name}': {exc}") from None
         self.num_parameters = sum(p.numel() for p in model.parameters())  # global, before sharding
         plan = model_spec.parallel_plan(cfg.model) if model_spec.parallel_plan else None
         pipeline, _ = pipeline_setup(cfg, self.plugins)
@@ -182,6 +186,8 @@ class Engine:
         model, chunks = parallelize(model, plan, cfg.parallel, self.topology, layout)
         dtype = DTYPES[cfg.precision.params_dtype]
         self.model = model.to(device=self.device, dtype=dtype)  # the chunks share its modules
+        if t.compile if t.compile is not None else self.device.type == "cuda":
+            compile_model(self.model, plan, self.topology.tensor_model_parallel_size)
         p = cfg.parallel
         self.buffer = ParamAndGradBuffer.build(
             self.model,
@@ -191,6 +197,9 @@ class Engine:
             distributed=p.use_distributed_optimizer,
             tied=tied_weights(self.model, plan, self.topology.pp_rank, layout.pp) if layout else [],
         )
+        if t.gradient_accumulation_fusion:
+            for param in self.buffer.params:  # honoured by mega.core.linear's linear layers
+                param.fuse_wgrad = True
         self.optimizer = MixedPrecisionAdamW(self.buffer, cfg.optimizer, cfg.precision)
         self.pipeline = None
         if pipeline is None:
@@ -279,7 +288,7 @@ class Engine:
         else:
             losses = self.schedule(self.model, microbatches, masked_lm_loss, grad_scale=scale)
         self.buffer.finish_grad_sync()
-        outcome = self.optimizer.step(lr)
+        outcome = self.optimizer.step(lr, iteration)
         return StepResult(
             loss=self._batch_loss(losses),
             skipped=outcome.skipped,
@@ -303,14 +312,7 @@ class Engine:
                 iteration = self.iteration + 1
                 self.model.train()
                 batch = self._microbatches(self.splits.train, self.consumed_samples)
-                try:
-                    result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
-                except NonFiniteGradients as exc:
-                    raise MegaRunError(
-                        f"iteration {iteration}: NaN or inf in the gradients ({exc});"
-                        " stopped before applying them. Lower --lr, or use --fp16 loss scaling"
-                        " to skip such steps"
-                    ) from None
+                result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
                 self.iteration, self.consumed_samples = iteration, self.consumed_samples + gbs
                 interval = self.interval
                 interval.iterations += 1
@@ -323,6 +325,7 @@ class Engine:
                 metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
                 # iteration 1 too, so a run shows where its loss started
                 if iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+                    self._stop_if_nonfinite()  # the line syncs anyway
                     metrics.update(self._log(interval, result))
                     last, self.interval = metrics, IntervalStats()
                 hook.step_end(engine=self, iteration=iteration, metrics=metrics)
@@ -339,6 +342,7 @@ class Engine:
                 save_every = cfg.checkpoint.save_interval
                 if cfg.checkpoint.save and save_every and iteration % save_every == 0:
                     self.save()
+            self._stop_if_nonfinite()
             if cfg.checkpoint.save and not self._saved_at(self.iteration):
                 self.save()
             self.display.stop_progress()
@@ -352,6 +356,18 @@ class Engine:
             for sink in self._sinks:
                 sink.close()
         return last
+
+    def _stop_if_nonfinite(self) -> None:
+        """Megatron's --check-for-nan-in-loss-and-grad. The optimizer skipped the update of any
+        step whose gradients held NaN or inf; stop the run here, where the host syncs anyway."""
+        bad = self.optimizer.first_nonfinite()
+        if bad is not None:
+            iteration, norm = bad
+            raise MegaRunError(
+                f"iteration {iteration}: NaN or inf in the gradients (the gradient norm is "
+                f"{norm}); that update was not applied, and the run stopped at iteration "
+                f"{self.iteration}. Lower --lr, or use --fp16 loss scaling to skip such steps"
+            )
 
     def _microbatches(self, source: Any, first_sample: int) -> list[dict[str, torch.Tensor]]:
         """This data-parallel rank's share of the global batch starting at ``first_sample``."""
@@ -486,6 +502,7 @@ class Engine:
         }
 
     def save(self) -> Path:
+        self._stop_if_nonfinite()
         cfg = self.config.checkpoint
         backend = self.plugins.checkpoint_backends.get(cfg.ckpt_format)
         started = time.perf_counter()

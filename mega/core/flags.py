@@ -102,8 +102,8 @@ class FlagTable:
                 self.by_key[field.name] = flag
                 for name in flag.flags:
                     self.by_flag[name] = flag
-                if base is bool and switch is True and default_of(field) is True:
-                    # a default-on switch needs a way off: --no-<name>
+                if base is bool and switch is True and default_of(field) is not False:
+                    # a default-on (or decided-later, None) switch needs a way off: --no-<name>
                     self.by_flag["--no-" + field.name.replace("_", "-")] = flag
 
     def parse(self, argv: list[str]) -> tuple[dict[str, dict[str, Any]], list[str]]:

@@ -4,7 +4,10 @@ Megatron's ``param_and_grad_buffer``, simplified. Every trainable parameter beco
 flat buffer of the model's dtype (``param_data``) and gets a ``main_grad`` view into one flat fp32
 buffer. Parameters are laid out in reverse order, the order backward produces their gradients, and
 cut into buckets of about ``bucket_size`` elements. A post-accumulate hook adds each micro-batch's
-low-precision ``.grad`` into ``main_grad`` (fp32 accumulation) and frees it.
+low-precision ``.grad`` into ``main_grad`` (fp32 accumulation) and frees it; the first gradient of
+a step is copied rather than added, so the buffer is never zeroed between steps. Linear weights
+under gradient accumulation fusion (:mod:`mega.core.linear`) write ``main_grad`` themselves, inside
+their weight-gradient GEMM, and the hook only counts them.
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
 PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
@@ -143,9 +146,17 @@ class ParamAndGradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
+        for param in self.params:  # its first gradient this step overwrites main_grad
+            param.main_grad_fresh = True
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)  # fp32 += model dtype: accumulation in fp32
+        if getattr(param, "grad_added_to_main_grad", False):  # the fused wgrad GEMM wrote it
+            param.grad_added_to_main_grad = False
+        elif getattr(param, "main_grad_fresh", False):
+            param.main_grad.copy_(param.grad)  # first micro-batch: fp32 <- model dtype
+        else:
+            param.main_grad.add_(param.grad)  # fp32 += model dtype: accumulation in fp32
+        param.main_grad_fresh = False
         param.grad = None
         if not self.overlap or not self._counts:
             return
@@ -181,6 +192,10 @@ class ParamAndGradBuffer:
     def finish_grad_sync(self) -> None:
         """After the last backward: every bucket reduced (started now if not yet), then the
         gradients that sequence parallelism left partial on each TP rank are summed over TP."""
+        for param in self.params:
+            if getattr(param, "main_grad_fresh", False):  # no gradient this step: it is zero
+                param.main_grad.zero_()
+                param.main_grad_fresh = False
         for bucket in self.buckets:
             if bucket.tied:
                 self._sum_tied(bucket)
@@ -206,9 +221,12 @@ class ParamAndGradBuffer:
         comm.all_reduce(self.main_grad[bucket.start : bucket.end], self.topology.group("embd"))
 
     def zero_grad(self) -> None:
+        """Zero every gradient. Training steps do not need it: each step's first gradient of a
+        parameter overwrites its ``main_grad`` (see ``start_step``)."""
         self.main_grad.zero_()
         for param in self.params:
             param.grad = None
+            param.main_grad_fresh = False
 
     # ------------------------------------------------------------------ after the step
 

@@ -10,6 +10,13 @@ precision): the masters are fp32 copies, written back into the low-precision par
 each step. A step unscales (fp16), skips on inf/NaN, clips the global norm (summed over every
 model-parallel and, sharded, data-parallel rank, each parameter counted once), runs AdamW and,
 sharded, all-gathers the updated parameters.
+
+Without a loss scaler (fp32, bf16) a step never waits for the GPU: clipping is folded into the
+fused AdamW kernel (it divides each gradient by ``grad_scale``, the clip factor's inverse) instead
+of a separate pass over the gradients, and a NaN or inf norm sets the kernel's ``found_inf``, which
+skips the update on the device. The first such step is remembered on the device and reported by
+:meth:`MixedPrecisionAdamW.first_nonfinite` whenever the engine syncs anyway (iteration lines,
+checkpoints, the end of training).
 """
 
 from __future__ import annotations
@@ -22,10 +29,6 @@ import torch
 from mega.core import comm
 from mega.core.grad_buffer import ParamAndGradBuffer
 from mega.core.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
-
-
-class NonFiniteGradients(ArithmeticError):
-    """NaN or inf in the gradients of a run without a loss scaler (fp32, bf16)."""
 
 
 @dataclass
@@ -74,7 +77,6 @@ class MixedPrecisionAdamW:
         ]
         decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim >= 2]
         no_decay = [m for (p, _, _), m in zip(pieces, self.masters, strict=True) if p.ndim < 2]
-        on_cuda = buffer.param_data.is_cuda
         # Megatron's rule: no weight decay on biases and norm weights (the 1-D parameters)
         self.adam = torch.optim.AdamW(
             [
@@ -84,9 +86,12 @@ class MixedPrecisionAdamW:
             lr=optim.lr,
             betas=(optim.adam_beta1, optim.adam_beta2),
             eps=optim.adam_eps,
-            fused=on_cuda,
-            foreach=None if on_cuda else True,
+            fused=True,  # one kernel per group of tensors, with grad_scale and found_inf
         )
+        device = buffer.main_grad.device
+        # (iteration, gradient norm) of the first step whose norm was not finite; 0: none yet
+        self._first_bad_iteration = torch.zeros((), dtype=torch.int64, device=device)
+        self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
 
     @property
     def loss_scale(self) -> float:
@@ -110,34 +115,40 @@ class MixedPrecisionAdamW:
         self._reduce(squared)
         return squared.sqrt().float().reshape(())
 
-    def zero_grad(self) -> None:
-        self.buffer.zero_grad()
+    def _release_grads(self) -> None:
+        # main_grad itself is not zeroed: the next step's first gradients overwrite it
         for master in self.masters:
             master.grad = None
 
-    def step(self, lr: float) -> StepOutcome:
-        """Apply the reduced gradients (call ``buffer.finish_grad_sync()`` first)."""
+    def step(self, lr: float, iteration: int = 0) -> StepOutcome:
+        """Apply the reduced gradients (call ``buffer.finish_grad_sync()`` first). ``iteration``
+        is what :meth:`first_nonfinite` reports if this step's gradients are not finite."""
         if self.scaler is not None:
             found_inf = unscale_(self.grads, 1.0 / self.scaler.scale).float().reshape(1)
             self._reduce(found_inf, comm.MAX)
             overflow = bool(found_inf.item())  # one host sync per step, as in Megatron's fp16
             self.scaler.update(overflow)
             if overflow:
-                self.zero_grad()
+                self._release_grads()
                 return StepOutcome(skipped=True, grad_norm=None)
         for master, grad in zip(self.masters, self.grads, strict=True):
             master.grad = grad
         grad_norm = self._grad_norm()
-        if self.scaler is None and not torch.isfinite(grad_norm):
-            # Megatron's default (--check-for-nan-in-loss-and-grad): stop, do not apply NaNs.
-            # One host sync per step; fp16 already syncs for its overflow check above.
-            self.zero_grad()
-            raise NonFiniteGradients(f"the gradient norm is {float(grad_norm)}")
-        if self.clip_grad > 0 and self.masters:
-            # clip on the device with the norm just computed: no host sync
-            torch.nn.utils.clip_grads_with_norm_(
-                self.masters, self.clip_grad, grad_norm, foreach=True
-            )
+        bad = ~torch.isfinite(grad_norm)
+        if self.scaler is None:
+            # Megatron's --check-for-nan-in-loss-and-grad, without its per-step host sync: the
+            # update is skipped on the device (found_inf) and the engine stops at its next sync
+            first = bad & (self._first_bad_iteration == 0)
+            self._first_bad_iteration = torch.where(first, iteration, self._first_bad_iteration)
+            self._first_bad_norm = torch.where(first, grad_norm, self._first_bad_norm)
+        self.adam.found_inf = bad.float()
+        # clipping by total norm, Megatron's factor max_norm / (norm + 1e-6) capped at 1, applied
+        # by the fused kernel as a division by its inverse: no extra pass over the gradients
+        self.adam.grad_scale = (
+            torch.clamp((grad_norm.float() + 1e-6) / self.clip_grad, min=1.0)
+            if self.clip_grad > 0
+            else None
+        )
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.step()
@@ -145,8 +156,14 @@ class MixedPrecisionAdamW:
             with torch.no_grad():
                 torch._foreach_copy_(self.param_pieces, self.masters)
         self.buffer.gather_params()
-        self.zero_grad()
+        self._release_grads()
         return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+    def first_nonfinite(self) -> tuple[int, float] | None:
+        """(iteration, gradient norm) of the first step skipped for a NaN or inf gradient norm
+        without a loss scaler, or None. Waits for the GPU: call it where the engine syncs anyway."""
+        iteration = int(self._first_bad_iteration)
+        return (iteration, float(self._first_bad_norm)) if iteration else None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""

@@ -12,6 +12,7 @@ from mega.core.fields import option
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 
 
 @dataclass(kw_only=True)
@@ -47,6 +48,12 @@ class GPTConfig:
     )
     hidden_dropout: float = option(0.1, "Dropout on embeddings and after each residual branch.")
     attention_dropout: float = option(0.1, "Dropout on the attention probabilities.")
+    attention_backend: str = option(
+        "auto",
+        "Attention kernels: flash (FlashAttention), fused (cuDNN), unfused (plain math), or auto "
+        "(cuDNN first on Hopper GPUs, else PyTorch's choice).",
+        choices=ATTENTION_BACKENDS,
+    )
     init_method_std: float = option(0.02, "Std of the normal distribution initialising weights.")
     add_bias_linear: bool = option(
         True,

@@ -11,13 +11,17 @@ loss: swapped for a vocab-parallel head).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mega.core.init import normal_
+from mega.core.linear import Linear
 from mega.core.specs import BuildContext
 from mega.plugins.models.gpt.config import GPTConfig
 
@@ -84,6 +88,37 @@ class Embedding(nn.Module):
         return self.embedding_dropout(hidden)
 
 
+# --attention-backend (Megatron's names) -> SDPA kernels, in order of preference. "fused" is
+# cuDNN's fused attention (what Megatron reaches through Transformer Engine), "unfused" the plain
+# math of softmax(QK^T)V.
+SDPA_KERNELS = {
+    "flash": [SDPBackend.FLASH_ATTENTION],
+    "fused": [SDPBackend.CUDNN_ATTENTION],
+    "unfused": [SDPBackend.MATH],
+}
+# auto on a GPU of compute capability 9.0+ (Hopper): cuDNN first, it is the fastest there
+AUTO_HOPPER = [
+    SDPBackend.CUDNN_ATTENTION,
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
+
+
+def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The context that makes SDPA use the kernels ``--attention-backend`` names."""
+    if backend in SDPA_KERNELS:
+        return sdpa_kernel(SDPA_KERNELS[backend])
+    if device.type == "cuda" and _is_hopper_or_newer(device.index):
+        return sdpa_kernel(AUTO_HOPPER, set_priority=True)
+    return contextlib.nullcontext()  # PyTorch's own choice
+
+
+@functools.cache
+def _is_hopper_or_newer(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 class CoreAttention(nn.Module):
     """Scaled dot-product attention with causal or explicit masking; no parameters.
 
@@ -91,9 +126,10 @@ class CoreAttention(nn.Module):
     tensor-parallel-sharded heads) or recompute it in backward (selective recompute).
     """
 
-    def __init__(self, dropout_p: float) -> None:
+    def __init__(self, dropout_p: float, backend: str = "auto") -> None:
         super().__init__()
         self.dropout_p = dropout_p
+        self.backend = backend
 
     def forward(
         self,
@@ -104,9 +140,21 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """``query [b, s, np, d]``, ``key``/``value [b, s, ng, d]`` -> context ``[b, s, np*d]``."""
         b, s, heads, _ = query.shape
+        with sdpa_backends(self.backend, query.device):
+            context = self._sdpa(query, key, value, attention_mask)
+        return context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
+
+    def _sdpa(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        heads = query.shape[2]
         # SDPA wants [b, heads, s, d]. Query head i belongs to group i // (np/ng), which is exactly
         # the repeat_interleave that enable_gqa applies to key/value heads.
-        context = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
@@ -116,7 +164,6 @@ class CoreAttention(nn.Module):
             is_causal=attention_mask is None,
             enable_gqa=heads != key.shape[2],  # only when needed: not every fused kernel has it
         )
-        return context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
 
 
 class SelfAttention(nn.Module):
@@ -128,9 +175,9 @@ class SelfAttention(nn.Module):
         bias = cfg.add_bias_linear
         # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
         qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_rows, bias=bias)
-        self.core_attention = CoreAttention(cfg.attention_dropout)
-        self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.linear_qkv = Linear(cfg.hidden_size, qkv_rows, bias=bias)
+        self.core_attention = CoreAttention(cfg.attention_dropout, cfg.attention_backend)
+        self.linear_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -160,8 +207,8 @@ class MLP(nn.Module):
         ffn = cfg.resolved_ffn_hidden_size()
         self.swiglu = cfg.swiglu
         fc1_rows = 2 * ffn if cfg.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_rows, bias=cfg.add_bias_linear)
-        self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.linear_fc1 = Linear(cfg.hidden_size, fc1_rows, bias=cfg.add_bias_linear)
+        self.linear_fc2 = Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         intermediate = self.linear_fc1(hidden)  # [b, s, f] or [b, s, 2f]
@@ -274,6 +321,11 @@ class GPTModel(nn.Module):
             raise ValueError("invalid GPT config: " + "; ".join(problems))
         if ctx.padded_vocab_size <= 0:
             raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
+        if cfg.attention_backend == "fused" and ctx.device != "cuda":
+            raise ValueError(
+                "--attention-backend fused is cuDNN's attention and needs a CUDA GPU; "
+                "use flash, unfused or auto on the CPU"
+            )
         max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
         if cfg.position_embedding_type == "learned_absolute" and ctx.seq_length > max_positions:
             raise ValueError(

@@ -58,7 +58,8 @@ def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
 
 
 def _expect(module: nn.Module, cls: type, path: str, style: str) -> None:
-    if type(module) is not cls:  # exact: an already-parallel module must not be split twice
+    # the parallel replacements are not subclasses of these, so a module is never split twice
+    if not isinstance(module, cls):
         raise TypeError(
             f"plan marks '{path}' {style}, which needs {cls.__name__}, got {type(module).__name__}"
         )

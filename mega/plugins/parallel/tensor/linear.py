@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mega.core import linear as linear_ops
 from mega.core.shard import ShardSpec, local_shard
 from mega.plugins.parallel.tensor.mappings import (
     copy_to_tensor_parallel,
@@ -84,7 +84,7 @@ class ColumnParallelLinear(_ParallelLinear):
             x = gather_from_sequence(x, self.group)  # [b, s/tp, in] -> [b, s, in]
         else:
             x = copy_to_tensor_parallel(x, self.group)
-        return F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        return linear_ops.linear(x, self.weight, self.bias)  # [b, s, out/tp]
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
@@ -104,7 +104,7 @@ class RowParallelLinear(_ParallelLinear):
         return cls(weight, linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)  # [b, s, out], this rank's share of the sum
+        partial = linear_ops.linear(x, self.weight)  # [b, s, out], this rank's share of the sum
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence(partial, self.group)  # [b, s/tp, out]
         else:

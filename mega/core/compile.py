@@ -1,0 +1,41 @@
+"""``--compile``: torch.compile the model's repeated unit, each transformer layer, and its output
+head, in place.
+
+Compiling each layer rather than the whole model keeps one compiled graph for all the layers (they
+run the same code on different parameters) and compiles in seconds instead of minutes. The head
+(logits and cross-entropy) is compiled on its own so that the float32 log-softmax is fused and the
+float32 logits are never written out. Everything between them (embedding, pipeline sends, the
+tensor-parallel head's collectives) stays eager. ``Module.compile`` keeps parameter names, so
+checkpoints, the gradient buffer and the optimizer see the same model either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mega.core.parallel_plan import LM_HEAD, ParallelPlan
+
+
+def compile_model(model: torch.nn.Module, plan: ParallelPlan | None, tensor_parallel: int) -> int:
+    """Compile each entry of the plan's layer list and, without tensor parallelism, its output
+    head (the whole model if there is no plan); returns how many modules were compiled."""
+    if plan is None or not plan.layers:
+        model.compile()
+        return 1
+    modules = list(model.get_submodule(plan.layers).children())
+    if tensor_parallel == 1:  # the vocab-parallel head runs collectives: left eager
+        heads = [path for path, style in plan.tensor.items() if style == LM_HEAD]
+        modules += [m for m in map(lambda p: _find(model, p), heads) if m is not None]
+    for module in modules:
+        module.compile()
+    return len(modules)
+
+
+def _find(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
+    """The submodule at ``path``, or None where a pipeline stage does not hold it."""
+    module: torch.nn.Module | None = model
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module

@@ -1,0 +1,172 @@
+"""The speed features change no number: gradient accumulation fusion, the gradient buffer's
+overwrite-on-first-gradient (no zeroing between steps), clipping folded into the fused AdamW,
+``--compile`` and ``--attention-backend``. Each is checked against the plain path on the CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from mega.core.console import Display
+from mega.core.engine import Engine
+from mega.core.grad_buffer import ParamAndGradBuffer
+from mega.core.linear import Linear
+from mega.core.plugins import make_plugins
+from mega.core.resolve import resolve_config
+from mega.core.topology import Topology
+
+from conftest import TINY
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(Linear(8, 16), nn.GELU(), Linear(16, 4, bias=False), nn.LayerNorm(4))
+
+
+def _autograd_grads(model: nn.Module, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain autograd: the gradients summed over ``batches``."""
+    model.zero_grad()
+    for x in batches:
+        model(x).square().sum().backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_buffer_gradients_equal_autograd_and_each_step_starts_fresh(fuse: bool):
+    reference, model = _mlp(), _mlp()
+    buffer = ParamAndGradBuffer.build(model, Topology())
+    for param in buffer.params:
+        param.fuse_wgrad = fuse
+    torch.manual_seed(1)
+    steps = [[torch.randn(5, 3, 8) for _ in range(3)] for _ in range(2)]
+    for batches in steps:  # step 2 must not see step 1's gradients: nothing zeroes the buffer
+        buffer.start_step(len(batches))
+        for x in batches:
+            model(x).square().sum().backward()
+        buffer.finish_grad_sync()
+        expected = _autograd_grads(reference, batches)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-5, atol=1e-6)
+            assert param.grad is None
+
+
+def test_a_parameter_without_gradient_this_step_reads_zero():
+    model = _mlp()
+    buffer = ParamAndGradBuffer.build(model, Topology())
+    for param in buffer.params:
+        param.fuse_wgrad = True
+    buffer.start_step(1)
+    model(torch.randn(2, 8)).sum().backward()
+    buffer.finish_grad_sync()
+    buffer.start_step(1)  # this step skips the last layer (its norm) entirely
+    model[:3](torch.randn(2, 8)).sum().backward()
+    buffer.finish_grad_sync()
+    assert model[3].weight.main_grad.abs().sum() == 0
+    assert model[0].weight.main_grad.abs().sum() > 0
+
+
+def test_fused_weight_gradient_of_bf16_linear_is_accumulated_in_fp32():
+    torch.manual_seed(0)
+    layer = Linear(64, 32).to(torch.bfloat16)
+    buffer = ParamAndGradBuffer.build(layer, Topology())
+    layer.weight.fuse_wgrad = True
+    xs = [torch.randn(16, 64, dtype=torch.bfloat16) for _ in range(4)]
+    buffer.start_step(len(xs))
+    for x in xs:
+        layer(x).float().sum().backward()
+    buffer.finish_grad_sync()
+    # d(sum)/dW = sum over tokens of x: the exact fp32 sum of the bf16 inputs
+    expected = torch.stack([x.float().sum(0) for x in xs]).sum(0).expand(32, 64)
+    torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-6, atol=1e-5)
+
+
+def _losses(args: list[str], tmp_path: Path) -> list[float]:
+    plugins = make_plugins()
+    config = resolve_config([*args, "--run-dir", str(tmp_path)], plugins)
+    Engine(config, plugins, Display(rich_output=False)).train()
+    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(r)["lm_loss"] for r in rows if "lm_loss" in r]
+
+
+RUN = [*TINY, "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [["--no-gradient-accumulation-fusion"], ["--compile"], ["--attention-backend", "unfused"]],
+    ids=lambda v: v[-1].lstrip("-"),
+)
+def test_a_fast_path_trains_like_the_plain_one(variant: list[str], tmp_path: Path):
+    base = _losses(RUN, tmp_path / "base")
+    other = _losses([*RUN, *variant], tmp_path / "other")
+    torch.testing.assert_close(other, base, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_clipping_folded_into_adamw_matches_clip_then_step(clip: float):
+    """MixedPrecisionAdamW (clip as the fused kernel's grad_scale) against
+    ``clip_grad_norm_`` followed by ``torch.optim.AdamW``, over three steps."""
+    from mega.core.config import OptimizerConfig, PrecisionConfig
+    from mega.core.optimizer import MixedPrecisionAdamW
+
+    model, reference = _mlp(), _mlp()
+    buffer = ParamAndGradBuffer.build(model, Topology())
+    optimizer = MixedPrecisionAdamW(buffer, OptimizerConfig(clip_grad=clip), PrecisionConfig())
+    params = list(reference.parameters())
+    adam = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+        fused=True,
+    )
+    torch.manual_seed(2)
+    for iteration in (1, 2, 3):
+        x = torch.randn(4, 8)
+        buffer.start_step(1)
+        model(x).square().sum().backward()
+        buffer.finish_grad_sync()
+        norm = optimizer.step(1e-2, iteration).grad_norm
+        reference.zero_grad()
+        reference(x).square().sum().backward()
+        expected = torch.nn.utils.clip_grad_norm_(params, clip) if clip else None
+        if expected is not None:
+            assert norm > 2 * clip  # the clip acts
+            torch.testing.assert_close(norm, expected)
+        adam.step()
+        for got, want in zip(model.parameters(), params, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_non_finite_gradients_skip_the_update_on_the_device():
+    from mega.core.config import OptimizerConfig, PrecisionConfig
+    from mega.core.optimizer import MixedPrecisionAdamW
+
+    model = _mlp()
+    buffer = ParamAndGradBuffer.build(model, Topology())
+    optimizer = MixedPrecisionAdamW(buffer, OptimizerConfig(), PrecisionConfig())
+    before = [p.detach().clone() for p in model.parameters()]
+    buffer.start_step(1)
+    (model(torch.randn(4, 8)).sum() * float("nan")).backward()
+    buffer.finish_grad_sync()
+    optimizer.step(1e-2, iteration=7)
+    assert optimizer.first_nonfinite()[0] == 7
+    for got, want in zip(model.parameters(), before, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_fused_attention_on_the_cpu_is_a_usage_error(tmp_path: Path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mega", "train", *RUN, "--attention-backend", "fused",
+         "--device", "cpu", "--run-dir", str(tmp_path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "--attention-backend fused" in proc.stderr and "CUDA" in proc.stderr
