@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,9 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
         "--nproc-per-node", str(world),
         "--global-batch-size", str(args.gbs),
         "--train-iters", str(args.iters), "--run-dir", str(run_dir),
+        *args.model_flags.split(),
     ]  # fmt: skip
+    shutil.rmtree(run_dir, ignore_errors=True)  # mega appends to an existing metrics.jsonl
     timing = run_dir / "pipeline_timing"
     env = {**os.environ, "MEGA_PIPELINE_TIMING": str(timing)} if "--parallel" in flags else None
     started = time.perf_counter()
@@ -153,22 +156,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
     parser.add_argument("--name", default="parallel_layouts", help="result file name prefix")
+    parser.add_argument("--base", default="tp1dp1", help="the layout the others are compared to")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--gbs", type=int, default=16)
+    parser.add_argument(
+        "--model-flags",
+        default="",
+        help="mega train flags appended to every layout's command (they override the 1.3B "
+        "model's, e.g. a small model with --device cpu for a gloo run)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [run_layout(name, args, out) for name in args.layouts.split(",")]
-    base = next((r for r in rows if r["layout"] == "tp1dp1" and "lm_loss" in r), None)
+    base = next((r for r in rows if r["layout"] == args.base and "lm_loss" in r), None)
     for row in rows:
         if base is not None and "lm_loss" in row and row is not base:
-            row["max_rel_loss_diff_vs_tp1dp1"] = max(
+            row[f"max_rel_loss_diff_vs_{args.base}"] = max(
                 abs(a - b) / abs(b) for a, b in zip(row["lm_loss"], base["lm_loss"], strict=True)
             )
-            row["per_gpu_vs_tp1dp1"] = round(
+            row[f"per_gpu_vs_{args.base}"] = round(
                 row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 4
             )
     import torch

@@ -31,7 +31,8 @@ class TrainingConfig:
     compile: bool | None = option(
         None,
         "torch.compile each transformer layer and the output head (fuses norms, element-wise "
-        "ops and the loss). Default: on with CUDA, off on the CPU.",
+        "ops and the loss). Default: on with CUDA without tensor parallelism (not supported with it "
+        "yet), off on the CPU.",
     )
     gradient_accumulation_fusion: bool = option(
         True,

@@ -186,8 +186,8 @@ class Engine:
         model, chunks = parallelize(model, plan, cfg.parallel, self.topology, layout)
         dtype = DTYPES[cfg.precision.params_dtype]
         self.model = model.to(device=self.device, dtype=dtype)  # the chunks share its modules
-        if t.compile if t.compile is not None else self.device.type == "cuda":
-            compile_model(self.model, plan, self.topology.tensor_model_parallel_size)
+        if t.compile if t.compile is not None else self._compile_by_default():
+            compile_model(self.model, plan)
         p = cfg.parallel
         self.buffer = ParamAndGradBuffer.build(
             self.model,
@@ -235,6 +235,11 @@ class Engine:
                 f"run directory {self.run_dir}",
             ],
         )
+
+    def _compile_by_default(self) -> bool:
+        """--compile's default: on a GPU without tensor parallelism, where it was measured to
+        win (1.3B GPT on one H100: 55.7k against 50.8k tokens/s)."""
+        return self.device.type == "cuda" and self.topology.tensor_model_parallel_size == 1
 
     def _pipeline_executor(
         self, pipeline: PipelineSetup, chunks: list, plan: Any, dtype: torch.dtype

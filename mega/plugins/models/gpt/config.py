@@ -51,7 +51,7 @@ class GPTConfig:
     attention_backend: str = option(
         "auto",
         "Attention kernels: flash (FlashAttention), fused (cuDNN), unfused (plain math), or auto "
-        "(cuDNN first on Hopper GPUs, else PyTorch's choice).",
+        "(PyTorch's choice: cuDNN on Hopper GPUs with torch 2.11).",
         choices=ATTENTION_BACKENDS,
     )
     init_method_std: float = option(0.02, "Std of the normal distribution initialising weights.")

@@ -12,7 +12,6 @@ loss: swapped for a vocab-parallel head).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 
 import torch
@@ -88,35 +87,21 @@ class Embedding(nn.Module):
         return self.embedding_dropout(hidden)
 
 
-# --attention-backend (Megatron's names) -> SDPA kernels, in order of preference. "fused" is
-# cuDNN's fused attention (what Megatron reaches through Transformer Engine), "unfused" the plain
-# math of softmax(QK^T)V.
+# --attention-backend (Megatron's names) -> the SDPA kernels allowed. "fused" is cuDNN's fused
+# attention (what Megatron reaches through Transformer Engine), "unfused" the plain math of
+# softmax(QK^T)V; "auto" leaves the choice to PyTorch, which on Hopper picks cuDNN (torch 2.11).
 SDPA_KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
     "fused": [SDPBackend.CUDNN_ATTENTION],
     "unfused": [SDPBackend.MATH],
 }
-# auto on a GPU of compute capability 9.0+ (Hopper): cuDNN first, it is the fastest there
-AUTO_HOPPER = [
-    SDPBackend.CUDNN_ATTENTION,
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-]
 
 
-def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
+def sdpa_backends(backend: str) -> contextlib.AbstractContextManager:
     """The context that makes SDPA use the kernels ``--attention-backend`` names."""
     if backend in SDPA_KERNELS:
         return sdpa_kernel(SDPA_KERNELS[backend])
-    if device.type == "cuda" and _is_hopper_or_newer(device.index):
-        return sdpa_kernel(AUTO_HOPPER, set_priority=True)
-    return contextlib.nullcontext()  # PyTorch's own choice
-
-
-@functools.cache
-def _is_hopper_or_newer(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return contextlib.nullcontext()
 
 
 class CoreAttention(nn.Module):
@@ -140,7 +125,7 @@ class CoreAttention(nn.Module):
     ) -> torch.Tensor:
         """``query [b, s, np, d]``, ``key``/``value [b, s, ng, d]`` -> context ``[b, s, np*d]``."""
         b, s, heads, _ = query.shape
-        with sdpa_backends(self.backend, query.device):
+        with sdpa_backends(self.backend):
             context = self._sdpa(query, key, value, attention_mask)
         return context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
 

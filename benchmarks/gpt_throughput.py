@@ -1,0 +1,444 @@
+"""Single-GPU training throughput of a ~1.3B GPT: mega against a plain-PyTorch + torch.compile GPT.
+
+    python benchmarks/gpt_throughput.py                       # all three systems, defaults
+    python benchmarks/gpt_throughput.py --systems mega --mega-flags "--no-compile" --profile
+
+Three systems train the same model (24 layers, hidden 2048, 16 heads, seq 2048, vocab 50304,
+learned positions, LayerNorm, GeLU, biases, tied embeddings, no dropout) from the same initial
+weights on the same mock batches, one after the other, in this one process on one GPU:
+
+* ``mega``: ``Engine(resolve_config(argv)).train()``, the code path of ``mega train``, with bf16
+  parameters, fp32 master weights and fp32 gradient accumulation (Megatron's mixed precision);
+* ``reference-bf16``: a plain PyTorch GPT written below (SDPA attention), bf16 parameters,
+  ``torch.optim.AdamW(fused=True)``, ``torch.compile`` on the whole model;
+* ``reference-fp32-master``: the same GPT with fp32 parameters under ``torch.autocast(bf16)``: fp32
+  master weights and gradients, the fair comparison.
+
+All use AdamW (lr 2e-4 after a 5-step linear warm-up from 0, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on 2-D weights) and
+gradient clipping at 1.0. Per system: the median step time over ``--iters`` steps after
+``--warmup`` (CUDA events at step boundaries, no host sync inside the timed steps), tokens/s, model
+TFLOP/s and MFU against 989 TFLOP/s with Megatron's 6·N + 12·L·h·s FLOPs per token, peak memory,
+and the mean loss over the timed steps. For mega it also records the TFLOP/s that its own
+iteration lines printed over the same steps. ``--profile`` adds a torch-profiler table of each
+system's kernels (3 steps after the timed ones), grouped into GEMM / attention / optimizer / other.
+
+Writes ``benchmarks/results/gpt_throughput_<date>.json`` (or ``--out``) with the command, device,
+versions and numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PEAK_TFLOPS = 989.0  # H100 SXM dense bf16, the issue's MFU denominator
+# the references run first, so that nothing mega sets (SDPA backend choices, compiled-code caches)
+# can touch them
+SYSTEMS = ("reference-bf16", "reference-fp32-master", "mega")
+LR, WARMUP, BETAS, EPS, WEIGHT_DECAY, CLIP = 2e-4, 5, (0.9, 0.999), 1e-8, 0.01, 1.0
+
+
+def mega_argv(
+    args: argparse.Namespace, train_iters: int, log_interval: int, flags: str = ""
+) -> list[str]:
+    """The ``mega train`` flags of the benchmark model (the library API takes the same list)."""
+    return [
+        "--model", "gpt", "--num-layers", str(args.layers), "--hidden-size", "2048",
+        "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50303",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
+        "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
+        "--lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", str(WARMUP),
+        "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
+        "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP),
+        "--train-iters", str(train_iters), "--log-interval", str(log_interval),
+        "--eval-iters", "0", "--run-dir", args.run_dir,
+        *shlex.split(flags),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the reference GPT
+# Plain PyTorch. Parameter names follow mega's GPT so that both start from the same weights.
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.linear_qkv = nn.Linear(hidden, 3 * hidden)  # rows per head: [q, k, v]
+        self.linear_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.linear_qkv(x).view(b, s, self.heads, 3, self.head_dim).unbind(3)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.linear_proj(y.transpose(1, 2).reshape(b, s, h))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(hidden, 4 * hidden)
+        self.linear_fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(hidden)
+        self.self_attention = Attention(hidden, heads)
+        self.pre_mlp_layernorm = nn.LayerNorm(hidden)
+        self.mlp = MLP(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attention(self.input_layernorm(x))
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(hidden, heads) for _ in range(layers))
+        self.final_layernorm = nn.LayerNorm(hidden)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, positions: int, hidden: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+        self.position_embeddings = nn.Embedding(positions, hidden)
+
+
+class ReferenceGPT(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int, vocab: int, seq: int) -> None:
+        super().__init__()
+        self.embedding = Embedding(vocab, seq, hidden)
+        self.decoder = Decoder(layers, hidden, heads)
+
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
+    ) -> torch.Tensor:
+        x = self.embedding.word_embeddings(tokens) + self.embedding.position_embeddings.weight
+        for layer in self.decoder.layers:
+            x = layer(x)
+        logits = F.linear(self.decoder.final_layernorm(x), self.embedding.word_embeddings.weight)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        return (loss * loss_mask.flatten()).sum() / loss_mask.sum()
+
+
+# ---------------------------------------------------------------------------- timing helpers
+
+
+class StepClock:
+    """CUDA events at step boundaries (no sync), plus a profiler over a few chosen steps."""
+
+    def __init__(self, first_timed: int, last_timed: int, profile_steps: int) -> None:
+        self.first_timed, self.last_timed = first_timed, last_timed
+        self.events: dict[int, torch.cuda.Event] = {}
+        self.profile_steps = profile_steps
+        self.profiler: torch.profiler.profile | None = None
+        self.table = ""
+
+    def step_done(self, iteration: int) -> None:
+        if self.first_timed - 1 <= iteration <= self.last_timed:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.events[iteration] = event
+        if not self.profile_steps:
+            return
+        if iteration == self.last_timed:
+            self.profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CUDA]
+            )
+            self.profiler.start()
+        elif iteration == self.last_timed + self.profile_steps and self.profiler is not None:
+            torch.cuda.synchronize()
+            self.profiler.stop()
+            self.table = kernel_table(self.profiler, self.profile_steps)
+
+    def step_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [
+            self.events[i - 1].elapsed_time(self.events[i])
+            for i in range(self.first_timed, self.last_timed + 1)
+        ]
+
+
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm")),
+)
+
+
+def kernel_table(prof: torch.profiler.profile, steps: int) -> str:
+    """Per-step device time by category, then the 30 most expensive kernels."""
+    rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_category: dict[str, float] = {}
+    for event in rows:
+        name = event.key.lower()
+        category = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        by_category[category] = by_category.get(category, 0.0) + event.self_device_time_total
+    lines = [
+        "per step, ms: " + ", ".join(f"{c} {us / 1e3 / steps:.2f}" for c, us in by_category.items())
+    ]
+    lines.append(f"total {sum(by_category.values()) / 1e3 / steps:.2f}")
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    for event in rows[:30]:
+        lines.append(
+            f"{event.self_device_time_total / 1e3 / steps:9.3f} ms/step {event.count // steps:6d}x  "
+            f"{event.key[:150]}"
+        )
+    return "\n".join(lines)
+
+
+def fresh_gpu() -> None:
+    gc.collect()
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+# ---------------------------------------------------------------------------- the systems
+
+
+def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags: str) -> dict:
+    from mega import hookimpl
+    from mega.core.engine import Engine
+    from mega.core.plugins import make_plugins
+    from mega.core.resolve import resolve_config
+
+    log_interval = math.gcd(args.warmup, args.iters)
+    lines: list[dict] = []
+
+    class Clock:
+        @hookimpl
+        def step_end(self, engine, iteration, metrics):  # noqa: ANN001
+            clock.step_done(iteration)
+            if "tflops_per_gpu" in metrics:
+                lines.append(dict(metrics))
+
+    plugins = make_plugins()
+    plugins.pm.register(Clock(), name="benchmark-clock")
+    argv = mega_argv(args, total_iters, log_interval, flags)
+    config = resolve_config(argv, plugins)
+    engine = Engine(config, plugins)
+    engine.train()
+    timed = [m for m in lines if args.warmup < m["iteration"] <= args.warmup + args.iters]
+    result = {
+        "argv": argv,
+        "iteration_line_tflops": statistics.mean(m["tflops_per_gpu"] for m in timed),
+        "iteration_line_tokens_per_s": statistics.mean(m["tokens_per_s"] for m in timed),
+        "loss": statistics.mean(m["lm_loss"] for m in timed),
+        "first_loss": lines[0]["lm_loss"],
+        "flops_per_token": engine.flops_per_token,
+    }
+    del engine
+    return result
+
+
+def reference_batches(args: argparse.Namespace, step: int) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches mega trains on at ``step`` (0-based): its mock data, in its order."""
+    from mega.core.batches import global_batch
+    from mega.plugins.datasets.mock import ArithmeticSamples
+
+    samples = ArithmeticSamples(10**9, 2048, 50304, seed=1234, split_index=0)
+    return global_batch(samples, step * args.gbs, args.gbs, args.mbs, torch.device("cuda"))
+
+
+def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """mega's seeded GPT initialisation (fp32, CPU), for the reference to start from."""
+    from mega import BuildContext
+    from mega.core.plugins import make_plugins
+    from mega.core.resolve import resolve_config
+
+    plugins = make_plugins()
+    config = resolve_config(mega_argv(args, 100, 1), plugins)
+    ctx = BuildContext(
+        seed=config.training.seed, device="cpu", params_dtype="float32", seq_length=2048,
+        padded_vocab_size=50304, tokenizer=None, topology=None,
+    )  # fmt: skip
+    model = plugins.models.get("gpt").build(config.model, ctx)
+    return model.state_dict()
+
+
+def run_reference(
+    args: argparse.Namespace, clock: StepClock, total_iters: int, fp32_master: bool
+) -> dict:
+    from mega.core.lr_schedule import LRSchedule
+
+    model = ReferenceGPT(args.layers, 2048, 16, 50304, 2048)
+    model.load_state_dict(initial_weights(args))
+    model = model.to("cuda", torch.float32 if fp32_master else torch.bfloat16)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=LR, betas=BETAS, eps=EPS, fused=True,
+    )  # fmt: skip
+    compiled = torch.compile(model)
+    autocast = torch.autocast("cuda", torch.bfloat16, enabled=fp32_master)
+    schedule = LRSchedule(
+        max_lr=LR, min_lr=0.0, decay_style="constant", decay_iters=total_iters, warmup_iters=WARMUP
+    )  # mega's, step for step
+    losses = []
+    for step in range(total_iters):
+        for group in optimizer.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        microbatches = reference_batches(args, step)
+        total = torch.zeros((), device="cuda")
+        for mb in microbatches:
+            with autocast:
+                loss = compiled(mb["tokens"], mb["labels"], mb["loss_mask"])
+            (loss / len(microbatches)).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / len(microbatches))
+        clock.step_done(step + 1)
+    timed = torch.stack(losses[args.warmup : args.warmup + args.iters]).mean()
+    return {"loss": float(timed), "first_loss": float(losses[0])}
+
+
+def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
+    fresh_gpu()
+    # memory a previous system left allocated (the caching allocator's live blocks) is not this one's
+    baseline = torch.cuda.memory_allocated()
+    total_iters = args.warmup + args.iters + (args.profile_steps if args.profile else 0)
+    clock = StepClock(args.warmup + 1, args.warmup + args.iters, args.profile_steps * args.profile)
+    started = time.perf_counter()
+    if name == "mega":
+        row = run_mega(args, clock, total_iters, flags)
+    else:
+        row = run_reference(args, clock, total_iters, fp32_master=name.endswith("fp32-master"))
+    label = f"{name} {flags}".strip()
+    row = {"system": label, **row, "wall_s": round(time.perf_counter() - started, 1)}
+    step_ms = statistics.median(clock.step_ms())
+    tokens_per_s = args.gbs * 2048 / (step_ms / 1e3)
+    flops = row.pop("flops_per_token", None) or megatron_flops_per_token(args)
+    tflops = tokens_per_s * flops / 1e12
+    row.update(
+        step_ms=round(step_ms, 2),
+        tokens_per_s=round(tokens_per_s),
+        tflops=round(tflops, 1),
+        mfu=round(tflops / PEAK_TFLOPS, 4),
+        peak_memory_gib=round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2),
+        memory_left_by_earlier_systems_gib=round(baseline / 2**30, 2),
+        loss=round(row["loss"], 5),
+    )
+    if clock.table:
+        row["profile"] = clock.table
+    return row
+
+
+def megatron_flops_per_token(args: argparse.Namespace) -> float:
+    from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
+
+    cfg = GPTConfig(num_layers=args.layers, hidden_size=2048, num_attention_heads=16)
+    return flops_per_token(cfg, 2048, 50304)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gbs", type=int, default=4, help="global batch (samples per step)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=20, help="timed steps")
+    parser.add_argument(
+        "--mega-flags",
+        action="append",
+        help="extra mega train flags, quoted; repeat to run mega once per set",
+    )
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--name", default="gpt_throughput", help="result file name prefix")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    args.run_dir = tempfile.mkdtemp(prefix="gpt_throughput_")  # mega's run files, not kept
+    if not torch.cuda.is_available():
+        raise SystemExit("gpt_throughput.py needs a CUDA GPU")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.systems.split(","):
+        if name not in SYSTEMS:
+            raise SystemExit(f"unknown system '{name}': choose from {', '.join(SYSTEMS)}")
+        for flags in (args.mega_flags or [""]) if name == "mega" else [""]:
+            rows.append(run_system(name, args, flags))
+            print(json.dumps({k: v for k, v in rows[-1].items() if k not in ("argv", "profile")}))
+    by_name = {r["system"]: r for r in rows}
+    summary = {}
+    for mega in rows:
+        if not mega["system"].startswith("mega"):
+            continue
+        mega["iteration_line_tflops_vs_benchmark"] = round(
+            mega["iteration_line_tflops"] / mega["tflops"], 4
+        )
+        for ref in ("reference-bf16", "reference-fp32-master"):
+            if ref in by_name:
+                other = by_name[ref]
+                summary[f"{mega['system']} vs {ref}"] = {
+                    "tokens_per_s": round(mega["tokens_per_s"] / other["tokens_per_s"], 4),
+                    "loss_rel_diff": round(abs(mega["loss"] - other["loss"]) / other["loss"], 5),
+                    "peak_memory": round(mega["peak_memory_gib"] / other["peak_memory_gib"], 4),
+                }
+    from mega import __version__
+
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": torch.cuda.get_device_name(0),
+        "versions": {"mega": __version__, "torch": torch.__version__},
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "settings": {
+            "layers": args.layers,
+            "hidden": 2048,
+            "heads": 16,
+            "seq": 2048,
+            "vocab": 50304,
+            "micro_batch": args.mbs,
+            "global_batch": args.gbs,
+            "warmup": args.warmup,
+            "timed_steps": args.iters,
+            "peak_tflops": PEAK_TFLOPS,
+        },  # fmt: skip
+        "summary": summary,
+        "results": rows,
+    }
+    path = Path(args.out) / f"{args.name}_{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    for row in rows:
+        if "profile" in row:
+            print(f"--- {row['system']}\n{row['profile']}")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
