@@ -598,3 +598,21 @@ def test_lines_longer_than_a_chunk_are_read_whole_and_numbered(tmp_path: Path):
     for chunk in chunks:  # every chunk holds whole lines and knows where it starts
         first = chunk.first_line - 1
         assert chunk.data.startswith(lines[first][:10])
+
+
+def test_a_swallowed_ctrl_c_is_raised_again_by_the_chunk_loop():
+    """Python can lose a signal handler's exception (raised inside a __del__ or a weakref
+    callback, it is printed and dropped); the chunk loop's check raises the stop again."""
+    from mega.plugins.datasets.preprocess.stopping import Terminated, check, stop_on_signals
+
+    for signum, expected in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)):
+        with stop_on_signals():
+            check()  # nothing asked yet
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(1)  # the handler raises here
+            except expected:
+                pass  # lost, as in a __del__
+            with pytest.raises(expected):
+                check()
+        check()  # the request ends with the block

@@ -6,7 +6,6 @@ The tokenizer is chosen with ``--tokenizer-type`` and takes its own flags exactl
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import click
@@ -61,14 +60,6 @@ def _help_text(args: list[str]) -> str:
     return "\n".join(lines)
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived; a BaseException so that no ``except Exception`` swallows it."""
-
-
-def _terminated(signum, frame):
-    raise Terminated()
-
-
 def build_tokenizer(name: str, spec, config):
     """The tokenizer, or one ``error:`` line when it does not load (bad file, wrong format)."""
     from mega.core.errors import MegaUsageError
@@ -98,6 +89,7 @@ def preprocess_command(args: tuple[str, ...]) -> None:
     from mega.core.resolve import parse_sections, tokenizer_choice
     from mega.plugins.datasets.preprocess import PreprocessConfig, preprocess
     from mega.plugins.datasets.preprocess.progress import summary_lines
+    from mega.plugins.datasets.preprocess.stopping import Terminated, stop_on_signals
 
     plugins = current_plugins()
     plugins.check()
@@ -113,17 +105,15 @@ def preprocess_command(args: tuple[str, ...]) -> None:
     )
     tokenizer = build_tokenizer(name, spec, sections["tokenizer"])
     # SIGTERM (a cancelled SLURM job, `kill`) unwinds like Ctrl-C, so the temporary files go too.
-    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        result = preprocess(sections["preprocess"], tokenizer)
+        with stop_on_signals():
+            result = preprocess(sections["preprocess"], tokenizer)
     except KeyboardInterrupt:
         click.echo("interrupted: no output was written", err=True)
         raise
     except Terminated:
         click.echo("terminated: no output was written", err=True)
         sys.exit(143)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     for line in summary_lines(result.totals, result.outputs, result.dtype):
         click.echo(line)
 

@@ -39,6 +39,7 @@ import numpy as np
 
 from mega.core.errors import MegaUsageError
 from mega.plugins.datasets.indexed import IndexedDatasetBuilder, optimal_dtype
+from mega.plugins.datasets.preprocess import stopping
 from mega.plugins.datasets.preprocess.config import PreprocessConfig, available_cores
 from mega.plugins.datasets.preprocess.encode import (
     EncodeOptions,
@@ -208,6 +209,7 @@ class _Run:
             self._consume(*inflight.popleft(), builders)
 
     def _consume(self, chunk: Chunk, future: Future | None, builders) -> None:
+        stopping.check()  # a Ctrl-C or SIGTERM whose first raise was swallowed
         totals = self.totals
         totals.disk_bytes += chunk.disk_bytes
         if future is None:
