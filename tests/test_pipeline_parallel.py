@@ -27,6 +27,7 @@ def pp(size: int, schedule: str, *more: str) -> list[str]:
 
 
 VPP2 = ["--virtual-pipeline-model-parallel-size", "2"]
+OVERLAP = "--overlap-p2p-communication"
 
 
 @pytest.mark.parametrize(
@@ -42,10 +43,13 @@ VPP2 = ["--virtual-pipeline-model-parallel-size", "2"]
         (2, pp(2, "1f1b", "--decoder-first-pipeline-num-layers", "3")),
         (4, pp(4, "interleaved", *VPP2, "--untie-embeddings-and-output-weights")),
         (2, pp(2, "interleaved", "--pipeline-model-parallel-layout", "Et*3|t*2|(t*2|)*1,tL")),
+        (4, pp(4, "1f1b", OVERLAP)),
+        (4, pp(4, "interleaved", *VPP2, OVERLAP)),
     ],
     ids=[
         "pp1-gpipe", "pp2-gpipe", "pp2-1f1b", "pp4-gpipe", "pp4-1f1b", "pp2-interleaved",
         "pp4-interleaved", "pp2-uneven", "pp4-interleaved-untied", "pp2-layout",
+        "pp4-1f1b-overlap-p2p", "pp4-interleaved-overlap-p2p",
     ],
 )  # fmt: skip
 def test_pipeline_matches_one_process(single, tmp_path: Path, world_size, flags):
@@ -57,9 +61,10 @@ def test_pipeline_matches_one_process(single, tmp_path: Path, world_size, flags)
 
 
 def test_pipeline_with_tensor_and_data_parallel(single, tmp_path: Path):
-    """PP2 x TP2 x DP2 on 8 processes, interleaved, sequence parallel, distributed optimizer."""
+    """PP2 x TP2 x DP2 on 8 processes, interleaved, sequence parallel, distributed optimizer,
+    p2p overlapped with compute."""
     flags = [
-        *pp(2, "interleaved", *VPP2), "--tensor-model-parallel-size", "2",
+        *pp(2, "interleaved", *VPP2, OVERLAP), "--tensor-model-parallel-size", "2",
         "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce",
     ]  # fmt: skip
     results = layout_run([*PIPELINE, *flags], 8, str(tmp_path))
@@ -78,6 +83,9 @@ def test_bad_pipeline_layouts_are_refused_before_launch():
         *pp(3, "1f1b"), world="3"
     )
     assert "needs virtual stages" in problems(*pp(4, "interleaved"))
+    assert "--overlap-p2p-communication needs --pipeline-model-parallel-size > 1" in problems(
+        OVERLAP, world="1"
+    )
     assert "x virtual stages per rank (4 x 4 = 16" in problems(
         *pp(4, "interleaved", "--virtual-pipeline-model-parallel-size", "4")
     )

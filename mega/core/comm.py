@@ -50,9 +50,14 @@ def reduce_scatter_into(
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Any
-) -> None:
-    """Post every send and receive (``(tensor, global peer rank)``) as one batch and wait for all.
+    sends: list[tuple[torch.Tensor, int]],
+    recvs: list[tuple[torch.Tensor, int]],
+    group: Any,
+    wait: bool = True,
+) -> list[Any]:
+    """Post every send and receive (``(tensor, global peer rank)``) as one batch; wait for all of
+    it, or with ``wait=False`` return its handles. Wait for each handle once: a second ``wait``
+    on a gloo receive blocks for a message that never comes.
 
     One batch is one NCCL group: its sends and receives progress together, so two ranks that send
     to each other in the same batch do not wait on one another. Messages between a pair of ranks
@@ -61,6 +66,10 @@ def exchange(
     ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
     if not ops:
-        return
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+        return []
+    works = dist.batch_isend_irecv(ops)
+    if wait:
+        for work in works:
+            work.wait()
+        return []
+    return works

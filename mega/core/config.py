@@ -233,6 +233,11 @@ class ParallelConfig:
         "Layers of every virtual stage, e.g. 'Et*7|t*6|t*6|t*5L' (E embedding, t layer, L loss,"
         " | between stages in virtual-stage order, t*N and (...)*N repeat).",
     )
+    overlap_p2p_communication: bool = option(
+        False,
+        "Overlap pipeline sends and receives with compute: wait for a received tensor only "
+        "when a chunk needs it, and for sends at the end of the step.",
+    )
     context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
     expert_model_parallel_size: int = option(1, "Expert-parallel size.")
     sequence_parallel: bool = option(
@@ -279,6 +284,8 @@ class ParallelConfig:
 
     def validate(self) -> list[str]:
         errors = []
+        if self.overlap_p2p_communication and self.pipeline_model_parallel_size == 1:
+            errors.append("--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")
         if self.recompute_granularity == "full" and self.recompute_method is None:
             errors.append("--recompute-granularity full needs --recompute-method uniform or block")
         if self.recompute_method is not None and self.recompute_granularity != "full":

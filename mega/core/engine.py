@@ -259,6 +259,7 @@ class Engine:
             device=self.device,
             forward_fn=model_forward,
             loss_fn=masked_mean,
+            overlap_p2p=p.overlap_p2p_communication,
         )
 
     def _open_run_files(self) -> None:

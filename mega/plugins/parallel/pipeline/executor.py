@@ -3,8 +3,13 @@
 Each rank walks its own list. ``Forward``/``Backward`` run a local model chunk; every maximal run
 of consecutive sends and receives is posted as one batch (``comm.exchange``: one NCCL group, so
 two ranks sending to each other in the same step cannot wait on each other) and waited for
-before the next compute. Tensors between stages have one static shape (``activation_shape``), as
-in Megatron, so nothing but the payload crosses the wire.
+before the next compute. With ``overlap_p2p`` (``--overlap-p2p-communication``) a batch is only
+posted: a compute waits for the batch that received its input, and the rest is waited for at the
+end of the step, so transfers run while other chunks compute. Every rank still posts the same
+batches in the same order, only earlier, and waits for nothing the eager order did not wait for
+already, so a table the simulator passes cannot hang this way either. Tensors between stages
+have one static shape (``activation_shape``), as in Megatron, so nothing but the payload crosses
+the wire.
 
 Timing (benchmarks): with ``MEGA_PIPELINE_TIMING=DIR`` every rank appends one JSON line per
 training step to ``DIR/rank<R>.jsonl``: the time its forwards and backwards kept the GPU busy and
@@ -12,7 +17,8 @@ the span from the first compute's start to the last one's end (CUDA events; one 
 step, so leave it off for real runs). ``1 - busy / span`` is the rank's measured bubble.
 
 Memory: a stage's output is needed after its send only for its ``grad_fn``, so its storage is
-released as soon as the send completed (Megatron's ``deallocate_output_tensor``); backward then
+released once the send is posted (Megatron's ``deallocate_output_tensor``; a send in flight holds
+its own reference to the payload until it is waited for); backward then
 goes straight to the autograd engine, which checks the gradient against the shape recorded in the
 graph, not against the (now empty) tensor.
 """
@@ -67,6 +73,19 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 
 
 TIMING_ENV = "MEGA_PIPELINE_TIMING"
+
+
+class _PostedBatch:
+    """The handles of one posted batch, waited for at most once: a gloo handle's ``wait`` is not
+    idempotent (a second wait on a receive blocks for a message that never comes)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
 
 
 class StepTimer:
@@ -132,8 +151,10 @@ class PipelineExecutor:
         device: torch.device,
         forward_fn: ForwardFn,
         loss_fn: LossFn,
+        overlap_p2p: bool = False,
     ) -> None:
         self.name = name
+        self.overlap_p2p = overlap_p2p
         self.chunks = chunks
         self.table = table
         self.layout = layout
@@ -201,6 +222,9 @@ class PipelineExecutor:
         self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # forward outputs (or losses)
         self._output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}  # gradients to send
+        # overlap_p2p: the posted batch that receives each (kind, micro-batch, chunk)
+        self._pending: dict[tuple[str, int, int], _PostedBatch] = {}
+        self._in_flight: list[_PostedBatch] = []
         scale = grad_scale / len(microbatches)
         losses = []
         timer = self.timing if train else None
@@ -208,6 +232,7 @@ class PipelineExecutor:
             if isinstance(step, tuple):
                 self._communicate(step, train)
                 continue
+            self._wait_for_input(step)
             if timer:
                 timer.start(step)
             if isinstance(step, Forward):
@@ -220,12 +245,21 @@ class PipelineExecutor:
                 raise TypeError(f"unknown pipeline action {step!r}")
             if timer:
                 timer.stop()
+        for batch in self._in_flight:  # the sends (and any receive not waited for yet)
+            batch.wait()
         if timer:
             timer.write_step()
         leftover = [d for d in (self._inputs, self._outputs, self._output_grads) if d]
         if train and leftover:
             raise RuntimeError(f"the schedule left tensors behind: {leftover}")
         return losses
+
+    def _wait_for_input(self, action: Any) -> None:
+        """overlap_p2p: wait for the batch that received what this compute reads."""
+        kind = "activation" if isinstance(action, Forward) else "grad"
+        batch = self._pending.pop((kind, action.microbatch, action.chunk), None)
+        if batch is not None:
+            batch.wait()
 
     def _forward(self, action: Forward, microbatch: Microbatch, scale: float) -> Any:
         key = (action.microbatch, action.chunk)
@@ -267,7 +301,14 @@ class PipelineExecutor:
                     self._inputs[key] = buffer
                 elif isinstance(op, RecvGrad):
                     self._output_grads[key] = buffer
-        comm.exchange(sends, recvs, self.group)
+        works = comm.exchange(sends, recvs, self.group, wait=not self.overlap_p2p)
+        if works:
+            posted = _PostedBatch(works)
+            self._in_flight.append(posted)
+            for op in batch:
+                if isinstance(op, RecvActivation | RecvGrad):
+                    kind = "activation" if isinstance(op, RecvActivation) else "grad"
+                    self._pending[kind, op.microbatch, op.chunk] = posted
         if train:  # after the receive wrote them: the chunk's backward fills their .grad
             for op in batch:
                 if isinstance(op, RecvActivation):
