@@ -180,3 +180,23 @@ def test_compile_with_tensor_parallelism_is_refused():
     args = [*RUN, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2", "--compile"]
     with pytest.raises(MegaUsageError, match="--compile with --tensor-model-parallel-size 2"):
         resolve_config(args, make_plugins())
+
+
+def test_a_finished_engine_frees_its_parameters(tmp_path: Path):
+    """Nothing keeps a run's model alive once its engine is dropped (several runs in one
+    process, e.g. a benchmark or a notebook, must not pile up GPU memory)."""
+    import gc
+    import weakref
+
+    plugins = make_plugins()
+    engine = Engine(
+        resolve_config([*RUN, "--run-dir", str(tmp_path)], plugins),
+        plugins,
+        Display(rich_output=False),
+    )
+    engine.train()
+    param = weakref.ref(next(engine.model.parameters()))
+    grads = weakref.ref(engine.buffer.main_grad)
+    del engine
+    gc.collect()
+    assert param() is None and grads() is None

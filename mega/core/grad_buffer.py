@@ -24,6 +24,7 @@ optimizer and the two copies get the same update.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,21 @@ from mega.core.topology import Topology
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
 # Bucket ends are padded so each rank's shard starts on a 128-byte boundary (and splits evenly).
 _ALIGN = 64
+
+
+def _weak_hook(buffer: ParamAndGradBuffer) -> Any:
+    """The buffer's gradient hook through a weak reference. A parameter's hooks live on its C++
+    side, where Python's garbage collector cannot see the cycle parameter -> hook -> buffer ->
+    parameter: a bound method there kept every finished run's parameters and gradients alive
+    (on a GPU, gigabytes per engine in one process)."""
+    ref = weakref.ref(buffer)
+
+    def hook(param: torch.nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._on_grad(param)
+
+    return hook
 
 
 @dataclass
@@ -131,7 +147,7 @@ class ParamAndGradBuffer:
                 view.copy_(param.data)
                 param.data = view  # the parameter now lives in the flat buffer
                 param.main_grad = main_grad[lo:hi].view_as(param)
-                param.register_post_accumulate_grad_hook(buffer._on_grad)
+                param.register_post_accumulate_grad_hook(_weak_hook(buffer))
         for bucket in buckets:
             for param in bucket.params:
                 buffer.bucket_of[param] = bucket
