@@ -26,7 +26,7 @@ def compile_model(model: torch.nn.Module, plan: ParallelPlan | None) -> int:
         return 1
     modules = list(model.get_submodule(plan.layers).children())
     heads = [path for path, style in plan.tensor.items() if style == LM_HEAD]
-    modules += [m for m in map(lambda p: _find(model, p), heads) if m is not None]
+    modules += [m for m in (_find(model, path) for path in heads) if m is not None]
     for module in modules:
         module.compile()
     return len(modules)

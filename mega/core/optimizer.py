@@ -89,8 +89,8 @@ class MixedPrecisionAdamW:
             fused=True,  # one kernel per group of tensors, with grad_scale and found_inf
         )
         device = buffer.main_grad.device
-        # (iteration, gradient norm) of the first step whose norm was not finite; 0: none yet
-        self._first_bad_iteration = torch.zeros((), dtype=torch.int64, device=device)
+        # (iteration, gradient norm) of the first step whose norm was not finite; -1: none yet
+        self._first_bad_iteration = torch.full((), -1, dtype=torch.int64, device=device)
         self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
 
     @property
@@ -138,7 +138,7 @@ class MixedPrecisionAdamW:
         if self.scaler is None:
             # Megatron's --check-for-nan-in-loss-and-grad, without its per-step host sync: the
             # update is skipped on the device (found_inf) and the engine stops at its next sync
-            first = bad & (self._first_bad_iteration == 0)
+            first = bad & (self._first_bad_iteration < 0)
             self._first_bad_iteration = torch.where(first, iteration, self._first_bad_iteration)
             self._first_bad_norm = torch.where(first, grad_norm, self._first_bad_norm)
         self.adam.found_inf = bad.float()
@@ -163,7 +163,7 @@ class MixedPrecisionAdamW:
         """(iteration, gradient norm) of the first step skipped for a NaN or inf gradient norm
         without a loss scaler, or None. Waits for the GPU: call it where the engine syncs anyway."""
         iteration = int(self._first_bad_iteration)
-        return (iteration, float(self._first_bad_norm)) if iteration else None
+        return (iteration, float(self._first_bad_norm)) if iteration >= 0 else None
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
