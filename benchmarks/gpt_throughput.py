@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,9 +59,10 @@ def mega_argv(
 ) -> list[str]:
     """The ``mega train`` flags of the benchmark model (the library API takes the same list)."""
     return [
-        "--model", "gpt", "--num-layers", str(args.layers), "--hidden-size", "2048",
-        "--num-attention-heads", "16", "--seq-length", "2048", "--max-position-embeddings", "2048",
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50303",
+        "--model", "gpt", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
+        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
+        "--max-position-embeddings", str(args.seq), "--device", args.device,
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab - 1),
         "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
         "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
         "--lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", str(WARMUP),
@@ -152,18 +154,22 @@ class ReferenceGPT(nn.Module):
 class StepClock:
     """CUDA events at step boundaries (no sync), plus a profiler over a few chosen steps."""
 
-    def __init__(self, first_timed: int, last_timed: int, profile_steps: int) -> None:
+    def __init__(self, first_timed: int, last_timed: int, profile_steps: int, cuda: bool) -> None:
         self.first_timed, self.last_timed = first_timed, last_timed
-        self.events: dict[int, torch.cuda.Event] = {}
+        self.cuda = cuda  # else (the CPU smoke run) the host clock
+        self.events: dict[int, Any] = {}
         self.profile_steps = profile_steps
         self.profiler: torch.profiler.profile | None = None
         self.table = ""
 
     def step_done(self, iteration: int) -> None:
         if self.first_timed - 1 <= iteration <= self.last_timed:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.events[iteration] = event
+            if self.cuda:
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.events[iteration] = event
+            else:
+                self.events[iteration] = time.perf_counter()
         if not self.profile_steps:
             return
         if iteration == self.last_timed:
@@ -177,6 +183,9 @@ class StepClock:
             self.table = kernel_table(self.profiler, self.profile_steps)
 
     def step_ms(self) -> list[float]:
+        if not self.cuda:
+            e = self.events
+            return [(e[i] - e[i - 1]) * 1e3 for i in range(self.first_timed, self.last_timed + 1)]
         torch.cuda.synchronize()
         return [
             self.events[i - 1].elapsed_time(self.events[i])
@@ -215,8 +224,9 @@ def kernel_table(prof: torch.profiler.profile, steps: int) -> str:
 def fresh_gpu() -> None:
     gc.collect()
     torch._dynamo.reset()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
 
 
 # ---------------------------------------------------------------------------- the systems
@@ -262,8 +272,8 @@ def reference_batches(args: argparse.Namespace, step: int) -> list[dict[str, tor
     from mega.core.batches import global_batch
     from mega.plugins.datasets.mock import ArithmeticSamples
 
-    samples = ArithmeticSamples(10**9, 2048, 50304, seed=1234, split_index=0)
-    return global_batch(samples, step * args.gbs, args.gbs, args.mbs, torch.device("cuda"))
+    samples = ArithmeticSamples(10**9, args.seq, args.vocab, seed=1234, split_index=0)
+    return global_batch(samples, step * args.gbs, args.gbs, args.mbs, torch.device(args.device))
 
 
 def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -275,8 +285,8 @@ def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     plugins = make_plugins()
     config = resolve_config(mega_argv(args, 100, 1), plugins)
     ctx = BuildContext(
-        seed=config.training.seed, device="cpu", params_dtype="float32", seq_length=2048,
-        padded_vocab_size=50304, tokenizer=None, topology=None,
+        seed=config.training.seed, device="cpu", params_dtype="float32", seq_length=args.seq,
+        padded_vocab_size=args.vocab, tokenizer=None, topology=None,
     )  # fmt: skip
     model = plugins.models.get("gpt").build(config.model, ctx)
     return model.state_dict()
@@ -287,9 +297,9 @@ def run_reference(
 ) -> dict:
     from mega.core.lr_schedule import LRSchedule
 
-    model = ReferenceGPT(args.layers, 2048, 16, 50304, 2048)
+    model = ReferenceGPT(args.layers, args.hidden, args.heads, args.vocab, args.seq)
     model.load_state_dict(initial_weights(args))
-    model = model.to("cuda", torch.float32 if fp32_master else torch.bfloat16)
+    model = model.to(args.device, torch.float32 if fp32_master else torch.bfloat16)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
         [
@@ -299,7 +309,7 @@ def run_reference(
         lr=LR, betas=BETAS, eps=EPS, fused=True,
     )  # fmt: skip
     compiled = torch.compile(model)
-    autocast = torch.autocast("cuda", torch.bfloat16, enabled=fp32_master)
+    autocast = torch.autocast(args.device, torch.bfloat16, enabled=fp32_master)
     schedule = LRSchedule(
         max_lr=LR, min_lr=0.0, decay_style="constant", decay_iters=total_iters, warmup_iters=WARMUP
     )  # mega's, step for step
@@ -308,7 +318,7 @@ def run_reference(
         for group in optimizer.param_groups:
             group["lr"] = schedule.lr_at(step)
         microbatches = reference_batches(args, step)
-        total = torch.zeros((), device="cuda")
+        total = torch.zeros((), device=args.device)
         for mb in microbatches:
             with autocast:
                 loss = compiled(mb["tokens"], mb["labels"], mb["loss_mask"])
@@ -326,9 +336,11 @@ def run_reference(
 def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
     fresh_gpu()
     # memory a previous system left allocated (the caching allocator's live blocks) is not this one's
-    baseline = torch.cuda.memory_allocated()
+    cuda = args.device == "cuda"
+    baseline = torch.cuda.memory_allocated() if cuda else 0
     total_iters = args.warmup + args.iters + (args.profile_steps if args.profile else 0)
-    clock = StepClock(args.warmup + 1, args.warmup + args.iters, args.profile_steps * args.profile)
+    profile_steps = args.profile_steps if args.profile and cuda else 0
+    clock = StepClock(args.warmup + 1, args.warmup + args.iters, profile_steps, cuda)
     started = time.perf_counter()
     if name == "mega":
         row = run_mega(args, clock, total_iters, flags)
@@ -337,7 +349,7 @@ def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
     label = f"{name} {flags}".strip()
     row = {"system": label, **row, "wall_s": round(time.perf_counter() - started, 1)}
     step_ms = statistics.median(clock.step_ms())
-    tokens_per_s = args.gbs * 2048 / (step_ms / 1e3)
+    tokens_per_s = args.gbs * args.seq / (step_ms / 1e3)
     flops = row.pop("flops_per_token", None) or megatron_flops_per_token(args)
     tflops = tokens_per_s * flops / 1e12
     row.update(
@@ -345,7 +357,9 @@ def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
         tokens_per_s=round(tokens_per_s),
         tflops=round(tflops, 1),
         mfu=round(tflops / PEAK_TFLOPS, 4),
-        peak_memory_gib=round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2),
+        peak_memory_gib=round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2)
+        if cuda
+        else None,
         memory_left_by_earlier_systems_gib=round(baseline / 2**30, 2),
         loss=round(row["loss"], 5),
     )
@@ -357,14 +371,21 @@ def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
 def megatron_flops_per_token(args: argparse.Namespace) -> float:
     from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
 
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=2048, num_attention_heads=16)
-    return flops_per_token(cfg, 2048, 50304)
+    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads)
+    return flops_per_token(cfg, args.seq, args.vocab)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=50304, help="padded vocabulary")
+    parser.add_argument(
+        "--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of the script"
+    )
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--gbs", type=int, default=4, help="global batch (samples per step)")
     parser.add_argument("--warmup", type=int, default=10)
@@ -380,8 +401,10 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
     args.run_dir = tempfile.mkdtemp(prefix="gpt_throughput_")  # mega's run files, not kept
-    if not torch.cuda.is_available():
-        raise SystemExit("gpt_throughput.py needs a CUDA GPU")
+    if args.warmup + args.iters <= WARMUP:
+        raise SystemExit(f"--warmup + --iters must exceed the {WARMUP} LR warm-up steps")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpt_throughput.py needs a CUDA GPU (--device cpu: a smoke run only)")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     rows = []
     for name in args.systems.split(","):
@@ -395,8 +418,9 @@ def main() -> None:
     for mega in rows:
         if not mega["system"].startswith("mega"):
             continue
+        # the same FLOPs per token on both sides: the tokens/s ratio, unrounded
         mega["iteration_line_tflops_vs_benchmark"] = round(
-            mega["iteration_line_tflops"] / mega["tflops"], 4
+            mega["iteration_line_tokens_per_s"] / mega["tokens_per_s"], 4
         )
         for ref in ("reference-bf16", "reference-fp32-master"):
             if ref in by_name:
@@ -404,24 +428,26 @@ def main() -> None:
                 summary[f"{mega['system']} vs {ref}"] = {
                     "tokens_per_s": round(mega["tokens_per_s"] / other["tokens_per_s"], 4),
                     "loss_rel_diff": round(abs(mega["loss"] - other["loss"]) / other["loss"], 5),
-                    "peak_memory": round(mega["peak_memory_gib"] / other["peak_memory_gib"], 4),
+                    "peak_memory": round(mega["peak_memory_gib"] / other["peak_memory_gib"], 4)
+                    if mega["peak_memory_gib"]
+                    else None,
                 }
     from mega import __version__
 
     result = {
         "date": datetime.date.today().isoformat(),
         "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0),
+        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
         "versions": {"mega": __version__, "torch": torch.__version__},
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
         "settings": {
             "layers": args.layers,
-            "hidden": 2048,
-            "heads": 16,
-            "seq": 2048,
-            "vocab": 50304,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "seq": args.seq,
+            "vocab": args.vocab,
             "micro_batch": args.mbs,
             "global_batch": args.gbs,
             "warmup": args.warmup,
