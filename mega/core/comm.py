@@ -49,15 +49,28 @@ def reduce_scatter_into(
     return _REDUCE_SCATTER(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+class PostedBatch:
+    """The handles of a batch posted without waiting. ``wait`` may be called any number of
+    times: a second ``wait`` on a gloo receive handle itself blocks for a message that never
+    comes (found as a hang of the interleaved schedule)."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def wait(self) -> None:
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+
 def exchange(
     sends: list[tuple[torch.Tensor, int]],
     recvs: list[tuple[torch.Tensor, int]],
     group: Any,
     wait: bool = True,
-) -> list[Any]:
+) -> PostedBatch | None:
     """Post every send and receive (``(tensor, global peer rank)``) as one batch; wait for all of
-    it, or with ``wait=False`` return its handles. Wait for each handle once: a second ``wait``
-    on a gloo receive blocks for a message that never comes.
+    it, or with ``wait=False`` return it to wait for later.
 
     One batch is one NCCL group: its sends and receives progress together, so two ranks that send
     to each other in the same batch do not wait on one another. Messages between a pair of ranks
@@ -65,11 +78,8 @@ def exchange(
     """
     ops = [dist.P2POp(dist.isend, tensor, peer, group) for tensor, peer in sends]
     ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor, peer in recvs]
-    if not ops:
-        return []
-    works = dist.batch_isend_irecv(ops)
-    if wait:
-        for work in works:
-            work.wait()
-        return []
-    return works
+    posted = PostedBatch(dist.batch_isend_irecv(ops) if ops else [])
+    if not wait:
+        return posted
+    posted.wait()
+    return None

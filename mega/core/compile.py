@@ -25,18 +25,8 @@ def compile_model(model: torch.nn.Module, plan: ParallelPlan | None) -> int:
         model.compile()
         return 1
     modules = list(model.get_submodule(plan.layers).children())
-    heads = [path for path, style in plan.tensor.items() if style == LM_HEAD]
-    modules += [m for m in (_find(model, path) for path in heads) if m is not None]
+    present = dict(model.named_modules())  # a pipeline stage without the head lacks it
+    modules += [present[p] for p, style in plan.tensor.items() if style == LM_HEAD and p in present]
     for module in modules:
         module.compile()
     return len(modules)
-
-
-def _find(model: torch.nn.Module, path: str) -> torch.nn.Module | None:
-    """The submodule at ``path``, or None where a pipeline stage does not hold it."""
-    module: torch.nn.Module | None = model
-    for name in path.split("."):
-        module = getattr(module, name, None)
-        if module is None:
-            return None
-    return module

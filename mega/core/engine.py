@@ -186,7 +186,8 @@ class Engine:
         model, chunks = parallelize(model, plan, cfg.parallel, self.topology, layout)
         dtype = DTYPES[cfg.precision.params_dtype]
         self.model = model.to(device=self.device, dtype=dtype)  # the chunks share its modules
-        if t.compile if t.compile is not None else self._compile_by_default():
+        compile_layers = self._compile_by_default() if t.compile is None else t.compile
+        if compile_layers:
             compile_model(self.model, plan)
         p = cfg.parallel
         self.buffer = ParamAndGradBuffer.build(

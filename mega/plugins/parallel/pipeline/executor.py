@@ -75,19 +75,6 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 TIMING_ENV = "MEGA_PIPELINE_TIMING"
 
 
-class _PostedBatch:
-    """The handles of one posted batch, waited for at most once: a gloo handle's ``wait`` is not
-    idempotent (a second wait on a receive blocks for a message that never comes)."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self) -> None:
-        works, self.works = self.works, []
-        for work in works:
-            work.wait()
-
-
 class StepTimer:
     """CUDA events around every compute of a step (wall clock on the CPU); one JSON line each."""
 
@@ -223,8 +210,8 @@ class PipelineExecutor:
         self._output_grads: dict[tuple[int, int], torch.Tensor] = {}  # received gradients
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}  # gradients to send
         # overlap_p2p: the posted batch that receives each (kind, micro-batch, chunk)
-        self._pending: dict[tuple[str, int, int], _PostedBatch] = {}
-        self._in_flight: list[_PostedBatch] = []
+        self._pending: dict[tuple[str, int, int], comm.PostedBatch] = {}
+        self._in_flight: list[comm.PostedBatch] = []
         scale = grad_scale / len(microbatches)
         losses = []
         timer = self.timing if train else None
@@ -301,9 +288,8 @@ class PipelineExecutor:
                     self._inputs[key] = buffer
                 elif isinstance(op, RecvGrad):
                     self._output_grads[key] = buffer
-        works = comm.exchange(sends, recvs, self.group, wait=not self.overlap_p2p)
-        if works:
-            posted = _PostedBatch(works)
+        posted = comm.exchange(sends, recvs, self.group, wait=not self.overlap_p2p)
+        if posted is not None:
             self._in_flight.append(posted)
             for op in batch:
                 if isinstance(op, RecvActivation | RecvGrad):
