@@ -40,7 +40,9 @@ MODEL = [
 ]  # fmt: skip
 
 
-TOKEN = re.compile(r"-?(?:(tp|dp|pp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b|interleaved))")
+TOKEN = re.compile(
+    r"-?(?:(tp|dp|pp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b-zb|1f1b|interleaved-zb|interleaved))"
+)
 FLAGS = {
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
@@ -53,7 +55,7 @@ FLAGS = {
 
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``v<N>``
-    (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``), ``sp``
+    (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
     (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
     same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
     ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
@@ -123,7 +125,9 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
     ranks = []
     for path in sorted(timing.glob("rank*.jsonl")):
         steps = [json.loads(line) for line in path.read_text().splitlines()][args.warmup :]
-        busy = [s["forward_ms"] + s["backward_ms"] for s in steps]
+        # a split-off weight gradient counts as part of its backward
+        backward = [s["backward_ms"] + s.get("weight_grad_ms", 0.0) for s in steps]
+        busy = [s["forward_ms"] + b for s, b in zip(steps, backward, strict=True)]
         ranks.append(
             {
                 "span_ms": statistics.median(s["span_ms"] for s in steps),
@@ -132,7 +136,12 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
                     1 - b / s["span_ms"] for b, s in zip(busy, steps, strict=True)
                 ),
                 "forward_ms": statistics.median(s["forward_ms"] / s["forwards"] for s in steps),
-                "backward_ms": statistics.median(s["backward_ms"] / s["backwards"] for s in steps),
+                "backward_ms": statistics.median(
+                    b / s["backwards"] for s, b in zip(steps, backward, strict=True)
+                ),
+                "weight_grad_share": statistics.median(
+                    s.get("weight_grad_ms", 0.0) / b for s, b in zip(steps, backward, strict=True)
+                ),
             }
         )
     value = dict(zip(flags, flags[1:], strict=False))  # flag -> the token after it
@@ -143,7 +152,10 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
     forward = statistics.mean(r["forward_ms"] for r in ranks)
     backward = statistics.mean(r["backward_ms"] for r in ranks)
     spec = schedule_spec(make_plugins(), value["--parallel"])
-    simulated = simulate(spec.table(pp, vpp, m), pp, vpp, m, forward, backward, p2p="rendezvous")
+    share = statistics.mean(r["weight_grad_share"] for r in ranks) or 0.5  # used only if split
+    simulated = simulate(
+        spec.table(pp, vpp, m), pp, vpp, m, forward, backward, "rendezvous", min(share, 0.99)
+    )
     return {
         "ranks": [{k: round(v, 4) for k, v in r.items()} for r in ranks],
         "measured_bubble_mean": round(statistics.mean(r["bubble"] for r in ranks), 4),

@@ -16,7 +16,7 @@ from torch import nn
 from mega.core.console import Display
 from mega.core.engine import Engine
 from mega.core.grad_buffer import ParamAndGradBuffer
-from mega.core.linear import Linear
+from mega.core.linear import Linear, deferring_weight_grads
 from mega.core.plugins import make_plugins
 from mega.core.resolve import resolve_config
 from mega.core.topology import Topology
@@ -201,3 +201,33 @@ def test_a_finished_engine_frees_its_parameters(tmp_path: Path):
     del engine
     gc.collect()
     assert param() is None and grads() is None
+
+
+def test_deferred_weight_gradients_wait_for_the_queue_then_equal_autograd():
+    """The zero-bubble schedules' split backward: inside ``deferring_weight_grads`` the fused
+    weights' GEMMs are queued (their main_grad untouched, their bucket not ready for overlapped
+    reduction); running the queue gives autograd's gradients and reports them to the buffer."""
+    reference, model = _mlp(), _mlp()
+    buffer = ParamAndGradBuffer.build(model, Topology(), overlap=True, bucket_size=1)
+    for param in buffer.params:
+        param.fuse_wgrad = True
+    weights = [model[0].weight, model[2].weight]
+    torch.manual_seed(1)
+    batches = [torch.randn(5, 3, 8) for _ in range(2)]
+    buffer.start_step(len(batches))
+    queues = []
+    for x in batches:
+        with deferring_weight_grads() as queue:
+            model(x).square().sum().backward()
+        queues.append(queue)
+    assert [len(q) for q in queues] == [2, 2]  # both linears' weights, per micro-batch
+    assert all(w.main_grad_fresh for w in weights)  # nothing written yet
+    assert not any(buffer.bucket_of[w].started for w in weights)
+    assert buffer.bucket_of[model[0].bias].waiting == 0  # not deferred: counted in backward
+    for queue in queues:
+        queue.run()
+    assert all(buffer.bucket_of[w].started for w in weights)
+    buffer.finish_grad_sync()
+    expected = _autograd_grads(reference, batches)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.main_grad, expected[name], rtol=1e-5, atol=1e-6)

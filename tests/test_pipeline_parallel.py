@@ -45,11 +45,16 @@ OVERLAP = "--overlap-p2p-communication"
         (2, pp(2, "interleaved", "--pipeline-model-parallel-layout", "Et*3|t*2|(t*2|)*1,tL")),
         (4, pp(4, "1f1b", OVERLAP)),
         (4, pp(4, "interleaved", *VPP2, OVERLAP)),
+        (2, pp(2, "1f1b-zb")),
+        (4, pp(4, "interleaved-zb", *VPP2)),
+        (4, pp(2, "interleaved-zb", *VPP2, "--use-distributed-optimizer", "--overlap-grad-reduce")),
+        (4, pp(4, "interleaved-zb", *VPP2, OVERLAP)),
     ],
     ids=[
         "pp1-gpipe", "pp2-gpipe", "pp2-1f1b", "pp4-gpipe", "pp4-1f1b", "pp2-interleaved",
         "pp4-interleaved", "pp2-uneven", "pp4-interleaved-untied", "pp2-layout",
-        "pp4-1f1b-overlap-p2p", "pp4-interleaved-overlap-p2p",
+        "pp4-1f1b-overlap-p2p", "pp4-interleaved-overlap-p2p", "pp2-1f1b-zb",
+        "pp4-interleaved-zb", "pp2dp2-interleaved-zb-distopt", "pp4-interleaved-zb-overlap-p2p",
     ],
 )  # fmt: skip
 def test_pipeline_matches_one_process(single, tmp_path: Path, world_size, flags):

@@ -23,6 +23,7 @@ from mega.plugins.parallel.pipeline import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    WeightGrad,
     build_table,
     check_table,
     fifo_problems,
@@ -39,6 +40,7 @@ from mega.plugins.parallel.pipeline.tables import interleaved_order, microbatch_
 from conftest import run_mega
 
 SPECS = {spec.name: spec for spec in BUILTIN_SCHEDULES}
+ZERO_BUBBLE = {"1f1b-zb": "1f1b", "interleaved-zb": "interleaved"}  # -> the schedule they split
 BUILT_IN = list(SPECS)
 MODES = ("eager", "rendezvous")
 
@@ -48,22 +50,27 @@ def table(name, pp, vpp, m):
 
 
 def forward_before_backward(result) -> None:
+    """F before B, and a split-off W after its B, on every rank."""
     for rank, slots in result.timelines.items():
-        forward_end = {}
+        forward_end, backward_end = {}, {}
         for slot in slots:
             key = (slot.action.microbatch, slot.action.chunk)
             if isinstance(slot.action, Forward):
                 forward_end[key] = slot.end
+            elif isinstance(slot.action, WeightGrad):
+                assert backward_end[key] <= slot.start, f"rank {rank}: {slot.action} early"
             else:
                 assert key in forward_end, f"rank {rank}: {slot.action} before its forward"
                 assert forward_end[key] <= slot.start
+                backward_end[key] = slot.end
 
 
 def acceptance_grid(name, pp):
     """(vpp, m) of the acceptance grid for one schedule and PP: VPP > 1 only for interleaved
     (VPP = 1 is 1F1B), M from PP to 4 PP, and M < PP too for GPipe and 1F1B."""
-    for vpp in (2, 4) if name == "interleaved" else (1,):
-        for m in range(pp if name == "interleaved" else 1, 4 * pp + 1):
+    interleaved = SPECS[name].interleaved
+    for vpp in (2, 4) if interleaved else (1,):
+        for m in range(pp if interleaved else 1, 4 * pp + 1):
             yield vpp, m
 
 
@@ -89,12 +96,17 @@ def test_simulation_acceptance(name, pp):
             assert result.p2p == mode
             forward_before_backward(result)
             assert math.isfinite(result.bubble_fraction) and 0 <= result.bubble_fraction < 1
-            if m % pp == 0:
+            if name in ZERO_BUBBLE:  # no closed form: never worse than the schedule it splits
+                plain = build_table(SPECS[ZERO_BUBBLE[name]], pp, vpp, m)
+                base = simulate(plain, pp, vpp, m, p2p=mode)
+                assert result.bubble_fraction <= base.bubble_fraction, (mode, vpp, m)
+                assert spec.analytic_bubble(pp, vpp, m) is None
+            elif m % pp == 0:
                 v = vpp if name == "interleaved" else 1
                 expected = (pp - 1) / (v * m + pp - 1)
                 assert result.bubble_fraction == expected, (mode, vpp, m, result.bubble_fraction)
                 assert result.total_time == 2 * (vpp * m + pp - 1)  # exact: unit cost per chunk
-            if mode == "eager":
+            if mode == "eager" and name not in ZERO_BUBBLE:
                 assert result.bubble_fraction == spec.analytic_bubble(pp, vpp, m), (vpp, m)
 
 
@@ -185,7 +197,9 @@ def test_table_problems_are_actionable():
 def test_schedules_are_parallel_plugins(plugins):
     """The built-ins come in through the ``mega`` entry points as ``PipelineScheduleSpec``s in
     the parallel registry, next to ``no-pipelining``; ``schedule_spec`` finds only those."""
-    assert sorted(pipeline_schedules(plugins)) == ["1f1b", "gpipe", "interleaved"]
+    assert sorted(pipeline_schedules(plugins)) == [
+        "1f1b", "1f1b-zb", "gpipe", "interleaved", "interleaved-zb"
+    ]  # fmt: skip
     assert plugins.parallel.provider("1f1b") == "pipeline_schedules"
     assert schedule_spec(plugins, "interleaved") is plugins.parallel.get("interleaved")
     with pytest.raises(MegaUsageError) as info:
@@ -197,7 +211,7 @@ def test_schedules_are_parallel_plugins(plugins):
         schedule_spec(plugins, "no-pipelining")
     (message,) = info.value.messages
     assert message.startswith("'no-pipelining' is not a pipeline schedule")
-    assert "1f1b, gpipe, interleaved" in message
+    assert "1f1b, 1f1b-zb, gpipe, interleaved, interleaved-zb" in message
 
 
 def test_import_is_torch_free_and_cheap():
@@ -502,3 +516,40 @@ def test_schedule_command_does_not_import_torch(tmp_path: Path):
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path
     )
     assert result.stderr.strip().endswith("TORCH=False"), result.stderr
+
+
+def test_split_weight_grads_places_each_w_after_the_transfers_that_follow_its_backward():
+    built = table("1f1b-zb", 2, 1, 4)
+    rank0 = built[0]
+    for index, action in enumerate(rank0):
+        if isinstance(action, WeightGrad):
+            before = rank0[:index]
+            assert Backward(action.microbatch) in before
+            # between its backward and it: only transfers and other weight gradients
+            back = before.index(Backward(action.microbatch))
+            assert not any(isinstance(a, Forward | Backward) for a in rank0[back + 1 : index])
+    # one W per backward, and the batches are the plain schedule's, in the same order
+    plain = table("1f1b", 2, 1, 4)
+    for rank in (0, 1):
+        assert sum(isinstance(a, WeightGrad) for a in built[rank]) == 4
+        assert [a for a in built[rank] if not isinstance(a, WeightGrad)] == plain[rank]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_bubble_split_finishes_sooner_when_backward_dominates(mode):
+    """With backward twice the forward, the input gradient reaches the previous stage a
+    weight-gradient GEMM sooner and the weight gradients fill waits: the step is shorter."""
+    for name, plain_name, vpp in (("1f1b-zb", "1f1b", 1), ("interleaved-zb", "interleaved", 2)):
+        split = simulate(table(name, 4, vpp, 8), 4, vpp, 8, 1, 2, p2p=mode)
+        plain = simulate(table(plain_name, 4, vpp, 8), 4, vpp, 8, 1, 2, p2p=mode)
+        assert split.total_time < plain.total_time
+        busy = sum(s.end - s.start for slots in split.timelines.values() for s in slots)
+        assert busy == pytest.approx(4 * 8 * vpp * 3)  # the same work, only moved
+
+
+def test_misplaced_weight_grads_are_reported():
+    built = table("1f1b-zb", 2, 1, 2)
+    early = {0: [WeightGrad(0), *(a for a in built[0] if a != WeightGrad(0))], 1: built[1]}
+    twice = {0: [*built[0], WeightGrad(1)], 1: built[1]}
+    assert any("WeightGrad comes before its backward" in p for p in check_table(early, 2, 1, 2))
+    assert any("2 WeightGrad, expected at most one" in p for p in check_table(twice, 2, 1, 2))

@@ -147,7 +147,10 @@ class ParamAndGradBuffer:
                 view.copy_(param.data)
                 param.data = view  # the parameter now lives in the flat buffer
                 param.main_grad = main_grad[lo:hi].view_as(param)
-                param.register_post_accumulate_grad_hook(_weak_hook(buffer))
+                hook = _weak_hook(buffer)
+                param.register_post_accumulate_grad_hook(hook)
+                # for gradients written outside autograd (deferred weight gradients, linear.py)
+                param.notify_main_grad = hook
         for bucket in buckets:
             for param in bucket.params:
                 buffer.bucket_of[param] = bucket
@@ -166,7 +169,12 @@ class ParamAndGradBuffer:
             param.main_grad_fresh = True
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        if getattr(param, "grad_added_to_main_grad", False):  # the fused wgrad GEMM wrote it
+        added = getattr(param, "grad_added_to_main_grad", False)
+        if param.grad is None and not added:
+            # autograd runs the hook even when backward gave no gradient (a deferred weight
+            # gradient, mega.core.linear): the queue that computes it reports it later
+            return
+        if added:  # the fused wgrad GEMM wrote it
             param.grad_added_to_main_grad = False
         elif getattr(param, "main_grad_fresh", False):
             param.main_grad.copy_(param.grad)  # first micro-batch: fp32 <- model dtype

@@ -12,9 +12,18 @@ A weight opts in by carrying ``fuse_wgrad = True`` and a ``main_grad`` (the engi
 Autograd still sees a gradient for it, an uninitialised placeholder, so that the buffer's
 post-accumulate hook runs as usual and counts the gradient for overlapped reduction; the
 ``grad_added_to_main_grad`` flag tells the hook not to add it (Megatron's mechanism).
+
+Inside :func:`deferring_weight_grads` a fused weight's GEMM is not run by backward but queued, with
+the tensors it reads, for :meth:`WeightGradQueue.run`: the zero-bubble pipeline schedules compute a
+chunk's input gradient first, send it, and do the weight gradients while the transfer is in flight.
+Autograd then sees no gradient for the weight; the queue tells the buffer when ``main_grad`` is
+written (``notify_main_grad``, set by the buffer), so overlapped reduction still counts it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +48,52 @@ def accumulate_wgrad(
         main_grad.addmm_(grad_output.t().float(), inputs.float(), beta=beta)
 
 
+class WeightGradQueue:
+    """Weight-gradient GEMMs that backward left for later, in the order backward reached them."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, weight: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+        self._items.append((weight, grad_output, inputs))
+
+    @torch.no_grad()  # as inside backward: main_grad is a view made without autograd
+    def run(self) -> None:
+        """Accumulate every queued GEMM into its weight's ``main_grad``, then tell the buffer."""
+        items, self._items = self._items, []
+        for weight, grad_output, inputs in items:
+            _accumulate_into(weight, grad_output, inputs)
+            notify = getattr(weight, "notify_main_grad", None)
+            if notify is not None:
+                notify(weight)
+
+
+_queue: WeightGradQueue | None = None  # set while a backward defers its weight gradients
+
+
+@contextmanager
+def deferring_weight_grads() -> Iterator[WeightGradQueue]:
+    """Inside, fused linears queue their weight-gradient GEMMs (with the activation and output
+    gradient they read, kept alive until then) instead of running them; run the queue later."""
+    global _queue
+    outer, _queue = _queue, WeightGradQueue()
+    try:
+        yield _queue
+    finally:
+        _queue = outer
+
+
+def _accumulate_into(weight: torch.Tensor, grad_output: torch.Tensor, inputs: torch.Tensor) -> None:
+    accumulate_wgrad(
+        weight.main_grad, grad_output, inputs, overwrite=getattr(weight, "main_grad_fresh", False)
+    )
+    weight.main_grad_fresh = False
+    weight.grad_added_to_main_grad = True
+
+
 class _LinearAccumulatingWgrad(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -57,17 +112,13 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         weight = ctx.weight
         grad_input = grad_output.matmul(weight)
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
-        accumulate_wgrad(
-            weight.main_grad,
-            grad_2d,
-            x.reshape(-1, x.shape[-1]),
-            overwrite=getattr(weight, "main_grad_fresh", False),
-        )
-        weight.main_grad_fresh = False
-        weight.grad_added_to_main_grad = True
+        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
+        if _queue is not None and hasattr(weight, "notify_main_grad"):
+            _queue.add(weight, grad_2d, x.reshape(-1, x.shape[-1]))
+            return grad_input, None, grad_bias  # no gradient now: the queue reports it later
+        _accumulate_into(weight, grad_2d, x.reshape(-1, x.shape[-1]))
         # a placeholder, so that AccumulateGrad runs the buffer's hook for this weight
         grad_weight = torch.empty_like(weight)
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
         return grad_input, grad_weight, grad_bias
 
 

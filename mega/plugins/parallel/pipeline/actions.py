@@ -12,6 +12,11 @@ stage. A rank executes its list strictly in order, one action at a time:
 - ``Backward(mb, c)`` back-propagates chunk ``c`` for ``mb``; its ``Forward`` must come earlier in
   the list. Its output gradient comes from an earlier ``RecvGrad(mb, c, peer)``, except on the
   last virtual stage, whose forward computed the loss (nothing is received there).
+- ``WeightGrad(mb, c)`` (optional, at most one, after ``Backward(mb, c)``) computes the weight
+  gradients of that backward, which then computes only what the previous stage waits for (the
+  input gradient): split off, they can run where the rank would otherwise wait (zero-bubble
+  schedules, Qi et al. 2023). Weight gradients directly after a batch of transfers run while the
+  batch is in flight: they need nothing from it.
 - ``SendActivation(mb, c, peer)`` comes after ``Forward(mb, c)`` on every stage but the last and
   hands chunk ``c``'s output to ``peer``, the rank of the next virtual stage, where it is matched by
   exactly one ``RecvActivation(mb, c', this rank)`` (``c'`` is the receiver's chunk).
@@ -45,6 +50,15 @@ class Forward:
 @dataclass(frozen=True)
 class Backward:
     """Backward of local chunk ``chunk`` on micro-batch ``microbatch`` (after its forward)."""
+
+    microbatch: int
+    chunk: int = 0
+
+
+@dataclass(frozen=True)
+class WeightGrad:
+    """The weight gradients of ``Backward(microbatch, chunk)``, computed later than its input
+    gradient (the table's ``Backward`` of that pair then defers them)."""
 
     microbatch: int
     chunk: int = 0
@@ -86,10 +100,10 @@ class RecvGrad:
     peer: int
 
 
-Compute = Forward | Backward
+Compute = Forward | Backward | WeightGrad
 Send = SendActivation | SendGrad
 Recv = RecvActivation | RecvGrad
-Action = Forward | Backward | SendActivation | RecvActivation | SendGrad | RecvGrad
+Action = Forward | Backward | WeightGrad | SendActivation | RecvActivation | SendGrad | RecvGrad
 Table = dict[int, list[Action]]
 P2PBatch = tuple[Send | Recv, ...]
 
@@ -105,8 +119,9 @@ def stage_place(stage: int, pp: int) -> tuple[int, int]:
 
 
 def label(action: Compute, vpp: int = 1) -> str:
-    """``F3`` / ``B3``, or ``F3.1`` (micro-batch 3, chunk 1) when there are several chunks."""
-    kind = "F" if isinstance(action, Forward) else "B"
+    """``F3`` / ``B3`` / ``W3``, or ``F3.1`` (micro-batch 3, chunk 1) when there are several
+    chunks."""
+    kind = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(action)]
     return f"{kind}{action.microbatch}" + (f".{action.chunk}" if vpp > 1 else "")
 
 
@@ -325,7 +340,7 @@ def p2p_batches(actions: list[Action]) -> list[Compute | P2PBatch]:
     items: list[Compute | P2PBatch] = []
     run: list[Send | Recv] = []
     for action in actions:
-        if isinstance(action, Forward | Backward):
+        if isinstance(action, Forward | Backward | WeightGrad):
             if run:
                 items.append(tuple(run))
                 run = []
@@ -335,3 +350,25 @@ def p2p_batches(actions: list[Action]) -> list[Compute | P2PBatch]:
     if run:
         items.append(tuple(run))
     return items
+
+
+def split_weight_grads(table: Table) -> Table:
+    """``table`` with every backward's weight gradients split off: each ``Backward`` gets its
+    ``WeightGrad`` just before the rank's next forward or backward, after the transfers that
+    follow the backward. So the input gradient is sent as soon as it exists, and the weight
+    gradients run while that batch of transfers is in flight, filling time the rank would
+    otherwise spend waiting. The batches and their order are unchanged, so a table that runs
+    with rendezvous transfers still does."""
+    split: Table = {}
+    for rank, actions in table.items():
+        result: list[Action] = []
+        pending: list[WeightGrad] = []
+        for action in actions:
+            if isinstance(action, Forward | Backward) and pending:
+                result += pending
+                pending = []
+            result.append(action)
+            if isinstance(action, Backward):
+                pending.append(WeightGrad(action.microbatch, action.chunk))
+        split[rank] = result + pending
+    return split

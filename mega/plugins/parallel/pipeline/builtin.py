@@ -1,5 +1,5 @@
-"""The built-in pipeline schedules, registered like any plugin's: ``gpipe``, ``1f1b`` and
-``interleaved`` (the tables are in ``tables.py``). Pure Python and cheap to import: no torch."""
+"""The built-in pipeline schedules, registered like any plugin's: ``gpipe``, ``1f1b``,
+``interleaved``, ``1f1b-zb`` and ``interleaved-zb`` (the tables are in ``tables.py``). Pure Python and cheap to import: no torch."""
 
 from __future__ import annotations
 
@@ -39,7 +39,24 @@ INTERLEAVED = PipelineScheduleSpec(
     min_pp=2,
     analytic_bubble=interleaved_bubble,
 )
-BUILTIN_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED)
+ZB_NOTE = (
+    ": each backward's weight gradients are split off and run while the next transfers are in"
+    " flight, so the previous stage gets its gradient sooner (zero-bubble style; needs"
+    " --gradient-accumulation-fusion, else it runs as the plain schedule)"
+)
+ONE_F_ONE_B_ZB = PipelineScheduleSpec(
+    name="1f1b-zb",
+    table=tables.one_f_one_b_zero_bubble,
+    description="1f1b" + ZB_NOTE,
+)
+INTERLEAVED_ZB = PipelineScheduleSpec(
+    name="interleaved-zb",
+    table=tables.interleaved_zero_bubble,
+    description="interleaved" + ZB_NOTE,
+    interleaved=True,
+    min_pp=2,
+)
+BUILTIN_SCHEDULES = (GPIPE, ONE_F_ONE_B, INTERLEAVED, ONE_F_ONE_B_ZB, INTERLEAVED_ZB)
 
 
 @hookimpl

@@ -7,14 +7,18 @@ before the next compute. With ``overlap_p2p`` (``--overlap-p2p-communication``) 
 posted: a compute waits for the batch that received its input, and the rest is waited for at the
 end of the step, so transfers run while other chunks compute. Every rank still posts the same
 batches in the same order, only earlier, and waits for nothing the eager order did not wait for
-already, so a table the simulator passes cannot hang this way either. Tensors between stages
+already, so a table the simulator passes cannot hang this way either. ``WeightGrad`` actions
+(the ``-zb`` schedules) need nothing from any transfer: the ones right after a batch run before
+it is waited for, while it is in flight, and the ``Backward`` they belong to queues its weight
+gradients (``mega.core.linear.deferring_weight_grads``) for them. Tensors between stages
 have one static shape (``activation_shape``), as in Megatron, so nothing but the payload crosses
 the wire.
 
 Timing (benchmarks): with ``MEGA_PIPELINE_TIMING=DIR`` every rank appends one JSON line per
 training step to ``DIR/rank<R>.jsonl``: the time its forwards and backwards kept the GPU busy and
 the span from the first compute's start to the last one's end (CUDA events; one host sync per
-step, so leave it off for real runs). ``1 - busy / span`` is the rank's measured bubble.
+step, so leave it off for real runs). ``1 - busy / span`` is the rank's measured bubble; weight
+gradients run apart from their backward count in ``weight_grad_ms``.
 
 Memory: a stage's output is needed after its send only for its ``grad_fn``, so its storage is
 released once the send is posted (Megatron's ``deallocate_output_tensor``; a send in flight holds
@@ -37,6 +41,7 @@ from torch.autograd.variable import Variable
 
 from mega.core import comm
 from mega.core.errors import MegaRunError
+from mega.core.linear import WeightGradQueue, deferring_weight_grads
 from mega.core.pipeline_layout import PipelineLayout
 from mega.core.topology import Topology
 from mega.plugins.parallel.pipeline import (
@@ -48,6 +53,7 @@ from mega.plugins.parallel.pipeline import (
     ScheduleError,
     SendActivation,
     SendGrad,
+    WeightGrad,
     p2p_batches,
     simulate,
 )
@@ -93,7 +99,8 @@ class StepTimer:
         return event
 
     def start(self, action: Any) -> None:
-        self.marks.append(("F" if isinstance(action, Forward) else "B", self._now(), None))
+        kind = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(action)]
+        self.marks.append((kind, self._now(), None))
 
     def stop(self) -> None:
         kind, began, _ = self.marks[-1]
@@ -105,7 +112,7 @@ class StepTimer:
     def write_step(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-        busy = {"F": 0.0, "B": 0.0}
+        busy = {"F": 0.0, "B": 0.0, "W": 0.0}
         for kind, began, ended in self.marks:
             busy[kind] += self._ms(began, ended)
         self.step += 1
@@ -114,6 +121,7 @@ class StepTimer:
             "span_ms": self._ms(self.marks[0][1], self.marks[-1][2]),
             "forward_ms": busy["F"],
             "backward_ms": busy["B"],
+            "weight_grad_ms": busy["W"],
             "forwards": sum(k == "F" for k, _, _ in self.marks),
             "backwards": sum(k == "B" for k, _, _ in self.marks),
         }
@@ -212,13 +220,23 @@ class PipelineExecutor:
         # overlap_p2p: the posted batch that receives each (kind, micro-batch, chunk)
         self._pending: dict[tuple[str, int, int], comm.PostedBatch] = {}
         self._in_flight: list[comm.PostedBatch] = []
+        # the Backwards whose weight gradients a later WeightGrad runs, and their queues
+        self._split = {(s.microbatch, s.chunk) for s in steps if isinstance(s, WeightGrad)}
+        self._weight_grads: dict[tuple[int, int], WeightGradQueue] = {}
+        unwaited: comm.PostedBatch | None = None  # a batch the weight gradients after it overlap
         scale = grad_scale / len(microbatches)
         losses = []
         timer = self.timing if train else None
-        for step in steps:
+        for index, step in enumerate(steps):
             if isinstance(step, tuple):
-                self._communicate(step, train)
+                following = steps[index + 1] if index + 1 < len(steps) else None
+                unwaited = self._communicate(
+                    step, train, wait=not isinstance(following, WeightGrad)
+                )
                 continue
+            if unwaited is not None and not isinstance(step, WeightGrad):
+                unwaited.wait()
+                unwaited = None
             self._wait_for_input(step)
             if timer:
                 timer.start(step)
@@ -228,15 +246,21 @@ class PipelineExecutor:
                     losses.append(loss)
             elif isinstance(step, Backward):
                 self._backward(step)
+            elif isinstance(step, WeightGrad):
+                self._weight_grads.pop((step.microbatch, step.chunk)).run()
             else:
                 raise TypeError(f"unknown pipeline action {step!r}")
             if timer:
                 timer.stop()
+        if unwaited is not None:
+            unwaited.wait()
         for batch in self._in_flight:  # the sends (and any receive not waited for yet)
             batch.wait()
         if timer:
             timer.write_step()
-        leftover = [d for d in (self._inputs, self._outputs, self._output_grads) if d]
+        leftover = [
+            d for d in (self._inputs, self._outputs, self._output_grads, self._weight_grads) if d
+        ]
         if train and leftover:
             raise RuntimeError(f"the schedule left tensors behind: {leftover}")
         return losses
@@ -266,13 +290,22 @@ class PipelineExecutor:
     def _backward(self, action: Backward) -> None:
         key = (action.microbatch, action.chunk)
         output = self._outputs.pop(key)
-        _backward(output, self._output_grads.pop(key, None))
+        if key in self._split:
+            with deferring_weight_grads() as queue:
+                _backward(output, self._output_grads.pop(key, None))
+            self._weight_grads[key] = queue
+        else:
+            _backward(output, self._output_grads.pop(key, None))
         received = self._inputs.pop(key, None)
         if received is not None:
             grad = received.grad
             self._input_grads[key] = grad if grad is not None else torch.zeros_like(received)
 
-    def _communicate(self, batch: tuple[Any, ...], train: bool) -> None:
+    def _communicate(
+        self, batch: tuple[Any, ...], train: bool, wait: bool = True
+    ) -> comm.PostedBatch | None:
+        """Post one batch. Waited for here unless ``overlap_p2p`` or ``wait=False``: then returns
+        it (overlap_p2p keeps track of it itself and returns None)."""
         sends, recvs, sent = [], [], []
         for op in batch:
             key, peer = (op.microbatch, op.chunk), self.peers[op.peer]
@@ -288,8 +321,9 @@ class PipelineExecutor:
                     self._inputs[key] = buffer
                 elif isinstance(op, RecvGrad):
                     self._output_grads[key] = buffer
-        posted = comm.exchange(sends, recvs, self.group, wait=not self.overlap_p2p)
-        if posted is not None:
+        posted = comm.exchange(sends, recvs, self.group, wait=wait and not self.overlap_p2p)
+        unwaited = posted if posted is not None and not self.overlap_p2p else None
+        if posted is not None and self.overlap_p2p:
             self._in_flight.append(posted)
             for op in batch:
                 if isinstance(op, RecvActivation | RecvGrad):
@@ -304,3 +338,4 @@ class PipelineExecutor:
                 _release(self._outputs[key])
             else:
                 del self._outputs[key]
+        return unwaited

@@ -14,7 +14,7 @@ import struct
 import zlib
 from pathlib import Path
 
-from mega.plugins.parallel.pipeline.actions import Forward
+from mega.plugins.parallel.pipeline.actions import label
 from mega.plugins.parallel.pipeline.simulate import SimulationResult
 
 Colour = tuple[int, int, int]
@@ -48,10 +48,11 @@ def encode_png(width: int, height: int, rgb: bytes) -> bytes:
     )
 
 
-def action_colour(microbatch: int, forward: bool) -> Colour:
-    """Light for a forward, dark for a backward, the hue set by the micro-batch."""
+def action_colour(microbatch: int, kind: str) -> Colour:
+    """Light for a forward (``"F"``), dark for a backward (``"B"``), between for its split-off
+    weight gradients (``"W"``); the hue set by the micro-batch."""
     hue = (microbatch * GOLDEN) % 1.0
-    saturation, value = (0.35, 0.97) if forward else (0.85, 0.62)
+    saturation, value = {"F": (0.35, 0.97), "B": (0.85, 0.62), "W": (0.6, 0.8)}[kind]
     return tuple(round(c * 255) for c in colorsys.hsv_to_rgb(hue, saturation, value))
 
 
@@ -75,8 +76,8 @@ def timeline_image(result: SimulationResult) -> tuple[int, int, bytes]:
         for slot in result.timelines.get(rank, []):
             x0 = MARGIN + int(round(slot.start * scale))
             x1 = MARGIN + int(round(slot.end * scale))
-            forward = isinstance(slot.action, Forward)
-            fill(x0, x1, top, top + LANE, action_colour(slot.action.microbatch, forward))
+            kind = label(slot.action)[0]
+            fill(x0, x1, top, top + LANE, action_colour(slot.action.microbatch, kind))
             if result.vpp > 1:
                 shade = 200 - round(160 * slot.action.chunk / (result.vpp - 1))
                 fill(x0, x1, top, top + 5, (shade, shade, shade))

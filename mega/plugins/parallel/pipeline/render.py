@@ -1,6 +1,7 @@
 """A simulated schedule as a text timeline: one row per rank, one cell per time slot.
 
-A slot is the largest time step that divides both costs (1 with the default unit costs). A compute
+A slot is the largest time step that divides every compute's duration (1 with the default unit
+costs and no split-off weight gradients). A compute
 action shows its label (``F3``, or ``F3.1`` for micro-batch 3 of chunk 1 when ``vpp > 1``) padded
 with ``-`` over its slots; ``.`` is an idle slot. Rows wider than ``width`` are wrapped into blocks
 of about equal length, each under a time ruler; past ``max_blocks`` blocks the rest is left out with a note.
@@ -11,19 +12,22 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
-from mega.plugins.parallel.pipeline.actions import label
+from mega.plugins.parallel.pipeline.actions import WeightGrad, label
 from mega.plugins.parallel.pipeline.simulate import SimulationResult
 
 MAX_SLOTS = 20_000  # beyond this many slots the time step is coarsened (labels may overlap)
 
 
 def time_step(result: SimulationResult) -> float:
-    """The slot length: the greatest common divisor of the two costs (as fractions)."""
-    f = Fraction(result.forward_cost).limit_denominator(1000)
-    b = Fraction(result.backward_cost).limit_denominator(1000)
-    step = Fraction(math.gcd(f.numerator * b.denominator, b.numerator * f.denominator))
-    step /= f.denominator * b.denominator
-    step = float(step)
+    """The slot length: the greatest common divisor of the compute durations (as fractions): the
+    two costs, and a backward's two parts where weight gradients are split off."""
+    b = result.backward_cost
+    durations = [result.forward_cost, b]
+    if any(isinstance(s.action, WeightGrad) for slots in result.timelines.values() for s in slots):
+        durations += [b * result.weight_grad_share, b * (1 - result.weight_grad_share)]
+    fractions = [Fraction(d).limit_denominator(1000) for d in durations]
+    denominator = math.lcm(*(f.denominator for f in fractions))
+    step = float(Fraction(math.gcd(*(int(f * denominator) for f in fractions)), denominator))
     if result.total_time / step > MAX_SLOTS:
         step = result.total_time / MAX_SLOTS
     return step

@@ -6,7 +6,10 @@ Model of execution (see ``actions.py`` for what each action means):
 - ``Forward`` takes ``forward_cost`` and ``Backward`` ``backward_cost`` time units; costs are *per
   action*, i.e. per model chunk. With ``vpp`` chunks a chunk is 1/vpp of a rank's layers, so "unit
   costs" here mean a whole stage costs ``vpp`` units. The bubble fraction does not depend on that
-  scale, which is why the analytic ``(p-1)/(v m + p-1)`` holds exactly with the default 1 and 1;
+  scale, which is why the analytic ``(p-1)/(v m + p-1)`` holds exactly with the default 1 and 1.
+  A backward whose ``WeightGrad`` is split off costs ``(1 - weight_grad_share) * backward_cost``
+  and the ``WeightGrad`` the rest; ``WeightGrad`` actions right after a batch of transfers start
+  when the batch is issued (they need nothing from it), and the next compute waits for both;
 - point-to-point transfers take no time. How they wait depends on ``p2p``:
 
   - ``"eager"`` (default): a send never blocks (it is posted at the rank's current time). A
@@ -43,6 +46,7 @@ from mega.plugins.parallel.pipeline.actions import (
     SendActivation,
     SendGrad,
     Table,
+    WeightGrad,
     p2p_batches,
     stage_place,
     transfer_of,
@@ -85,6 +89,7 @@ class SimulationResult:
     total_time: float
     bubble_fraction: float  # idle compute time / (pp * total_time)
     p2p: str = "eager"  # the transfer model it ran under (one of P2P_MODES)
+    weight_grad_share: float = 0.5  # of a backward, taken by its split-off WeightGrad
 
 
 def _key(kind: str, microbatch: int, src_stage: int, dst_stage: int) -> tuple[str, int, int, int]:
@@ -114,7 +119,8 @@ def _describe(rank: int, action: Action) -> str:
 def _check_action(rank: int, action: Action, pp: int, vpp: int, m: int) -> str | None:
     """Why one action is malformed (out-of-range ids, wrong peer, transfer past an end stage)."""
     if not isinstance(
-        action, Forward | Backward | SendActivation | RecvActivation | SendGrad | RecvGrad
+        action,
+        Forward | Backward | WeightGrad | SendActivation | RecvActivation | SendGrad | RecvGrad,
     ):
         return f"rank {rank}: {action!r} is not a pipeline action"
     if not 0 <= action.microbatch < m:
@@ -177,6 +183,11 @@ def check_table(table: Table, pp: int, vpp: int, m: int) -> list[str]:
                     continue
                 if bwd[0] < fwd[0]:
                     problems.append(f"{name}: backward comes before its forward")
+                weight = where(WeightGrad, mb, chunk)
+                if len(weight) > 1:
+                    problems.append(f"{name}: {len(weight)} WeightGrad, expected at most one")
+                elif weight and weight[0] < bwd[0]:
+                    problems.append(f"{name}: WeightGrad comes before its backward")
                 # (transfer, the compute it serves, whether it must come before, is it needed);
                 # a transfer past an end stage (not needed) was reported by _check_action
                 transfers = [
@@ -247,11 +258,56 @@ def fifo_problems(table: Table, pp: int) -> list[str]:
     return problems
 
 
-def _run_eager(
-    table: Table, pp: int, forward_cost: float, backward_cost: float
-) -> tuple[dict[int, list[Slot]], list[str]]:
+Costs = dict[tuple[int, type, int, int], float]  # (rank, action type, micro-batch, chunk) -> cost
+
+
+def _costs(table: Table, forward: float, backward: float, weight_share: float) -> Costs:
+    """Every compute's duration; a backward with a split-off WeightGrad keeps only its share."""
+    costs: Costs = {}
+    for rank, actions in table.items():
+        split = {(a.microbatch, a.chunk) for a in actions if isinstance(a, WeightGrad)}
+        for a in actions:
+            if isinstance(a, Forward):
+                costs[rank, Forward, a.microbatch, a.chunk] = forward
+            elif isinstance(a, Backward):
+                share = 1.0 - weight_share if (a.microbatch, a.chunk) in split else 1.0
+                costs[rank, Backward, a.microbatch, a.chunk] = backward * share
+            elif isinstance(a, WeightGrad):
+                costs[rank, WeightGrad, a.microbatch, a.chunk] = backward * weight_share
+    return costs
+
+
+def _cost(costs: Costs, rank: int, action: Compute) -> float:
+    return costs[rank, type(action), action.microbatch, action.chunk]
+
+
+def _weight_grads_before_receives(actions: list[Action]) -> list[Action]:
+    """Eager model of weight gradients that follow a run of transfers: they start when the run is
+    entered, i.e. after its sends are posted and before its receives wait."""
+    result: list[Action] = []
+    index = 0
+    while index < len(actions):
+        if isinstance(actions[index], Forward | Backward | WeightGrad):
+            result.append(actions[index])
+            index += 1
+            continue
+        end = index
+        while end < len(actions) and not isinstance(actions[end], Forward | Backward | WeightGrad):
+            end += 1
+        after = end
+        while after < len(actions) and isinstance(actions[after], WeightGrad):
+            after += 1
+        run = actions[index:end]
+        sends = [a for a in run if isinstance(a, SendActivation | SendGrad)]
+        result += sends + actions[end:after] + [a for a in run if a not in sends]
+        index = after
+    return result
+
+
+def _run_eager(table: Table, pp: int, costs: Costs) -> tuple[dict[int, list[Slot]], list[str]]:
     """Execute the table with eager sends; per-rank timelines and the deadlock report (empty
     when it finished)."""
+    table = {rank: _weight_grads_before_receives(actions) for rank, actions in table.items()}
     clock = dict.fromkeys(range(pp), 0.0)
     cursor = dict.fromkeys(range(pp), 0)
     posted: dict[tuple, float] = {}
@@ -263,10 +319,9 @@ def _run_eager(
             actions = table[rank]
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
-                if isinstance(action, Forward | Backward):
-                    cost = forward_cost if isinstance(action, Forward) else backward_cost
+                if isinstance(action, Forward | Backward | WeightGrad):
                     start = clock[rank]
-                    clock[rank] = start + cost
+                    clock[rank] = start + _cost(costs, rank, action)
                     timelines[rank].append(Slot(start, clock[rank], action))
                 elif isinstance(action, SendActivation | SendGrad):
                     posted[_p2p_key(rank, action, pp)] = clock[rank]
@@ -288,9 +343,7 @@ def _batch_text(batch: tuple) -> str:
     return "[" + ", ".join(str(op) for op in batch) + "]"
 
 
-def _run_rendezvous(
-    table: Table, pp: int, forward_cost: float, backward_cost: float
-) -> tuple[dict[int, list[Slot]], list[str]]:
+def _run_rendezvous(table: Table, pp: int, costs: Costs) -> tuple[dict[int, list[Slot]], list[str]]:
     """Execute the table batch by batch (``p2p_batches``) with in-order matched, rendezvous
     transfers; per-rank timelines and the deadlock report (empty when it finished)."""
     items = {rank: p2p_batches(table[rank]) for rank in range(pp)}
@@ -310,6 +363,8 @@ def _run_rendezvous(
     cursor = dict.fromkeys(range(pp), 0)
     started: dict[int, float | None] = dict.fromkeys(range(pp))  # start of the active batch
     done: dict[tuple[int, int, int], float] = {}  # completed op -> time
+    # per rank: when the weight gradients run inside its active batch end, and how many they are
+    overlapped: dict[int, tuple[float, int]] = {}
     timelines: dict[int, list[Slot]] = {rank: [] for rank in range(pp)}
     progress = True
     while progress:
@@ -318,9 +373,8 @@ def _run_rendezvous(
             while cursor[rank] < len(items[rank]):
                 item = items[rank][cursor[rank]]
                 if not isinstance(item, tuple):
-                    cost = forward_cost if isinstance(item, Forward) else backward_cost
                     start = clock[rank]
-                    clock[rank] = start + cost
+                    clock[rank] = start + _cost(costs, rank, item)
                     timelines[rank].append(Slot(start, clock[rank], item))
                     cursor[rank] += 1
                     progress = True
@@ -328,6 +382,14 @@ def _run_rendezvous(
                 if started[rank] is None:
                     started[rank] = clock[rank]
                     progress = True
+                    # the weight gradients right after the batch run while it is in flight
+                    after, end = cursor[rank] + 1, clock[rank]
+                    while after < len(items[rank]) and isinstance(items[rank][after], WeightGrad):
+                        weight = items[rank][after]
+                        begin, end = end, end + _cost(costs, rank, weight)
+                        timelines[rank].append(Slot(begin, end, weight))
+                        after += 1
+                    overlapped[rank] = (end, after - cursor[rank] - 1)
                 for op_index in range(len(item)):
                     me = (rank, cursor[rank], op_index)
                     other = partner.get(me)
@@ -340,9 +402,10 @@ def _run_rendezvous(
                 ends = [done.get((rank, cursor[rank], i)) for i in range(len(item))]
                 if any(end is None for end in ends):
                     break  # the batch stays active until every op in it has completed
-                clock[rank] = max(started[rank], *ends)
+                computed, skip = overlapped[rank]
+                clock[rank] = max(computed, *ends)
                 started[rank] = None
-                cursor[rank] += 1
+                cursor[rank] += 1 + skip
                 progress = True
     stuck = [rank for rank in range(pp) if cursor[rank] < len(items[rank])]
     if not stuck:
@@ -382,10 +445,11 @@ def rendezvous_delay(table: Table, pp: int) -> float | None:
     Expects a well-formed table (``check_table``)."""
     if fifo_problems(table, pp):
         return None
-    timelines, problems = _run_rendezvous(table, pp, 1.0, 1.0)
+    costs = _costs(table, 1.0, 1.0, 0.5)
+    timelines, problems = _run_rendezvous(table, pp, costs)
     if problems:
         return None
-    return _makespan(timelines) - _makespan(_run_eager(table, pp, 1.0, 1.0)[0])
+    return _makespan(timelines) - _makespan(_run_eager(table, pp, costs)[0])
 
 
 def _check_timeline(timelines: dict[int, list[Slot]], pp: int, vpp: int) -> list[str]:
@@ -395,7 +459,7 @@ def _check_timeline(timelines: dict[int, list[Slot]], pp: int, vpp: int) -> list
     start: dict[tuple[str, int, int], float] = {}
     for rank, slots in timelines.items():
         for slot in slots:
-            kind = "F" if isinstance(slot.action, Forward) else "B"
+            kind = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(slot.action)]
             key = (kind, slot.action.microbatch, virtual_stage(rank, slot.action.chunk, pp))
             start[key], end[key] = slot.start, slot.end
     problems = []
@@ -404,6 +468,8 @@ def _check_timeline(timelines: dict[int, list[Slot]], pp: int, vpp: int) -> list
         before = ("F", mb, stage - 1) if kind == "F" else ("B", mb, stage + 1)
         if kind == "B" and stage == last:
             before = ("F", mb, stage)
+        if kind == "W":
+            before = ("B", mb, stage)
         if before in end and begin < end[before]:
             problems.append(
                 f"{kind}{mb} of virtual stage {stage} starts at {begin:g}, before"
@@ -420,20 +486,25 @@ def simulate(
     forward_cost: float = 1.0,
     backward_cost: float = 1.0,
     p2p: str = "eager",
+    weight_grad_share: float = 0.5,
 ) -> SimulationResult:
     """Check and execute ``table`` under the transfer model ``p2p`` (``"eager"`` or
     ``"rendezvous"``, see the module docstring); raise ``ScheduleError`` if it is malformed,
     pairs sends and receives wrongly, deadlocks or breaks a data dependency.
-    ``bubble_fraction`` = idle compute time / (pp * total time)."""
+    ``bubble_fraction`` = idle compute time / (pp * total time). ``weight_grad_share`` is the part
+    of a backward that a split-off ``WeightGrad`` takes (tables without one ignore it)."""
     if forward_cost <= 0 or backward_cost <= 0:
         raise ValueError("forward and backward costs must be > 0")
+    if not 0 < weight_grad_share < 1:
+        raise ValueError(f"weight_grad_share must lie in (0, 1) (got {weight_grad_share})")
     if p2p not in P2P_MODES:
         raise ValueError(f"p2p must be one of {', '.join(P2P_MODES)} (got {p2p!r})")
     problems = check_table(table, pp, vpp, m)
     if problems:
         raise ScheduleError(problems)
     run = _run_eager if p2p == "eager" else _run_rendezvous
-    timelines, problems = run(table, pp, forward_cost, backward_cost)
+    costs = _costs(table, forward_cost, backward_cost, weight_grad_share)
+    timelines, problems = run(table, pp, costs)
     if problems:
         raise ScheduleError(problems)
     problems = _check_timeline(timelines, pp, vpp)
@@ -454,4 +525,5 @@ def simulate(
         total_time=total,
         bubble_fraction=bubble,
         p2p=p2p,
+        weight_grad_share=weight_grad_share,
     )

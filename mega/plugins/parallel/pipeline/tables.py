@@ -1,4 +1,5 @@
-"""The built-in schedule tables: GPipe, 1F1B and interleaved 1F1B.
+"""The built-in schedule tables: GPipe, 1F1B and interleaved 1F1B, and the last two with their
+weight gradients split off (``-zb``, zero-bubble style).
 
 Each builder takes ``(pp, vpp, m)`` and returns a complete table (``actions.Table``): the compute
 order of every rank with its sends and receives placed by ``actions.with_p2p``. The registry that
@@ -7,7 +8,14 @@ names them, and the checks on their arguments, are in ``registry.py``.
 
 from __future__ import annotations
 
-from mega.plugins.parallel.pipeline.actions import Backward, Compute, Forward, Table, with_p2p
+from mega.plugins.parallel.pipeline.actions import (
+    Backward,
+    Compute,
+    Forward,
+    Table,
+    split_weight_grads,
+    with_p2p,
+)
 
 
 def gpipe(pp: int, vpp: int, m: int) -> Table:
@@ -94,3 +102,14 @@ def interleaved(pp: int, vpp: int, m: int) -> Table:
         # a steady (forward, backward) pair runs back to back: one batch of transfers per pair
         steps[rank] = [1] * warmup + [2] * steady + [1] * warmup
     return with_p2p(orders, pp, vpp, steps)
+
+
+def one_f_one_b_zero_bubble(pp: int, vpp: int, m: int) -> Table:
+    """``one_f_one_b`` with each backward's weight gradients split off (``split_weight_grads``):
+    the input gradient goes to the previous stage a weight-gradient GEMM earlier."""
+    return split_weight_grads(one_f_one_b(pp, vpp, m))
+
+
+def interleaved_zero_bubble(pp: int, vpp: int, m: int) -> Table:
+    """``interleaved`` with each backward's weight gradients split off (``split_weight_grads``)."""
+    return split_weight_grads(interleaved(pp, vpp, m))
