@@ -54,6 +54,7 @@ from mega.plugins.parallel.pipeline import (
     SendActivation,
     SendGrad,
     WeightGrad,
+    label,
     p2p_batches,
     simulate,
 )
@@ -99,8 +100,7 @@ class StepTimer:
         return event
 
     def start(self, action: Any) -> None:
-        kind = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(action)]
-        self.marks.append((kind, self._now(), None))
+        self.marks.append((label(action)[0], self._now(), None))  # F, B or W
 
     def stop(self) -> None:
         kind, began, _ = self.marks[-1]

@@ -47,6 +47,7 @@ from mega.plugins.parallel.pipeline.actions import (
     SendGrad,
     Table,
     WeightGrad,
+    label,
     p2p_batches,
     stage_place,
     transfer_of,
@@ -459,7 +460,7 @@ def _check_timeline(timelines: dict[int, list[Slot]], pp: int, vpp: int) -> list
     start: dict[tuple[str, int, int], float] = {}
     for rank, slots in timelines.items():
         for slot in slots:
-            kind = {Forward: "F", Backward: "B", WeightGrad: "W"}[type(slot.action)]
+            kind = label(slot.action)[0]  # F, B or W
             key = (kind, slot.action.microbatch, virtual_stage(rank, slot.action.chunk, pp))
             start[key], end[key] = slot.start, slot.end
     problems = []
