@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mega.core import comm
+from mega.core.linear import register_fused_weight
 from mega.core.topology import Topology
 
 # Megatron's default: max(40M, 1M x DP) elements per bucket.
@@ -147,6 +148,7 @@ class ParamAndGradBuffer:
                 view.copy_(param.data)
                 param.data = view  # the parameter now lives in the flat buffer
                 param.main_grad = main_grad[lo:hi].view_as(param)
+                register_fused_weight(param)  # found by the fused linear's weight-gradient op
                 hook = _weak_hook(buffer)
                 param.register_post_accumulate_grad_hook(hook)
                 # for gradients written outside autograd (deferred weight gradients, linear.py)
@@ -169,11 +171,13 @@ class ParamAndGradBuffer:
             param.main_grad_fresh = True
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
-        added = getattr(param, "grad_added_to_main_grad", False)
-        if param.grad is None and not added:
-            # autograd runs the hook even when backward gave no gradient (a deferred weight
-            # gradient, mega.core.linear): the queue that computes it reports it later
+        if getattr(param, "wgrad_deferred", False):
+            # a deferred weight gradient (mega.core.linear): backward gave a placeholder, and
+            # the queue that computes the gradient reports it later
+            param.wgrad_deferred = False
+            param.grad = None
             return
+        added = getattr(param, "grad_added_to_main_grad", False)
         if added:  # the fused wgrad GEMM wrote it
             param.grad_added_to_main_grad = False
         elif getattr(param, "main_grad_fresh", False):
