@@ -297,3 +297,36 @@ def test_a_compiled_layer_defers_its_weight_gradients_at_run_time():
     buffer.finish_grad_sync()
     eager_buffer.finish_grad_sync()
     torch.testing.assert_close(buffer.main_grad, eager_buffer.main_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_flat_adamw_on_bf16_parameters_matches_torch_adamw_on_fp32_masters():
+    """bf16 parameters: the flat update of the fp32 masters equals torch.optim.AdamW on fp32
+    copies given the same gradients, and the bf16 parameters are those masters rounded."""
+    from mega.core.config import OptimizerConfig, PrecisionConfig
+    from mega.core.optimizer import MixedPrecisionAdamW
+
+    model = _mlp().to(torch.bfloat16)
+    reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    buffer = ParamAndGradBuffer.build(model, Topology())
+    optim = OptimizerConfig(clip_grad=0.0, weight_decay=0.1)
+    optimizer = MixedPrecisionAdamW(buffer, optim, PrecisionConfig(bf16=True))
+    adam = torch.optim.AdamW(
+        [
+            {"params": [p for p in reference if p.ndim >= 2], "weight_decay": 0.1},
+            {"params": [p for p in reference if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    torch.manual_seed(2)
+    for iteration in (1, 2, 3):
+        buffer.start_step(1)
+        model(torch.randn(4, 8, dtype=torch.bfloat16)).float().square().sum().backward()
+        buffer.finish_grad_sync()
+        for param, ref in zip(model.parameters(), reference, strict=True):
+            ref.grad = param.main_grad.clone()
+        optimizer.step(1e-2, iteration)
+        adam.step()
+        for param, ref in zip(model.parameters(), reference, strict=True):
+            master = optimizer.master_of(param).view_as(ref)
+            torch.testing.assert_close(master, ref.detach(), rtol=1e-5, atol=1e-6)
+            assert torch.equal(param, master.to(torch.bfloat16))

@@ -76,10 +76,9 @@ def test_bf16_keeps_fp32_masters_and_tracks_fp32_run(tmp_path: Path):
     fp32 = train(common, tmp_path=tmp_path / "b")
     assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
     assert all(m.dtype == torch.float32 for m in bf16.optimizer.masters)
-    # the model's bf16 weights are the rounded fp32 masters (one flat master per parameter)
-    for (p, lo, hi), m in zip(bf16.optimizer.pieces, bf16.optimizer.masters, strict=True):
-        assert (lo, hi) == (0, p.numel())
-        assert torch.equal(p.reshape(-1), m.to(torch.bfloat16))
+    # the model's bf16 weights are the rounded fp32 masters
+    for p in bf16.model.parameters():
+        assert torch.equal(p.reshape(-1), bf16.optimizer.master_of(p).to(torch.bfloat16))
     assert records(bf16)[-1]["lm_loss"] == pytest.approx(records(fp32)[-1]["lm_loss"], rel=0.02)
 
 
@@ -87,19 +86,18 @@ def test_no_weight_decay_on_biases_and_norms(plugins):
     config = resolve_config([*TINY, "--train-iters", "1"], plugins)
     engine = Engine(config, plugins, Display(enabled=False))
     engine.setup()
-    decay, no_decay = engine.optimizer.adam.param_groups
-    assert decay["weight_decay"] == 0.01 and no_decay["weight_decay"] == 0.0
-    # Adam sees flat masters; map each back to the parameter it updates
+    optimizer, ranges = engine.optimizer, engine.buffer.ranges
+    assert optimizer.optim.weight_decay == 0.01
+    # each parameter lies inside one segment, which decays exactly when the parameter is a matrix
     names = {id(p): n for n, p in engine.model.named_parameters()}
-    owner = {
-        id(m): p
-        for (p, _, _), m in zip(engine.optimizer.pieces, engine.optimizer.masters, strict=True)
-    }
-    decayed = [owner[id(m)] for m in decay["params"]]
-    not_decayed = [owner[id(m)] for m in no_decay["params"]]
-    assert all(names[id(p)].endswith("weight") and p.ndim == 2 for p in decayed)
-    assert {names[id(p)].rsplit(".", 1)[-1] for p in not_decayed} == {"weight", "bias"}
-    assert all(p.ndim == 1 for p in not_decayed)
+    decayed = set()
+    for param, (lo, hi) in ranges.items():
+        (segment,) = [s for s in optimizer.segments if s.lo <= lo and hi <= s.hi]
+        assert segment.decay == (param.ndim == 2), names[id(param)]
+        if segment.decay:
+            decayed.add(names[id(param)].rsplit(".", 1)[-1])
+    assert decayed == {"weight"}
+    assert len(optimizer.segments) <= 2 * len(engine.buffer.buckets)  # matrices first per bucket
 
 
 class PoisonedGPT:

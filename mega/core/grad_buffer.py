@@ -3,7 +3,9 @@
 Megatron's ``param_and_grad_buffer``, simplified. Every trainable parameter becomes a view into one
 flat buffer of the model's dtype (``param_data``) and gets a ``main_grad`` view into one flat fp32
 buffer. Parameters are laid out in reverse order, the order backward produces their gradients, and
-cut into buckets of about ``bucket_size`` elements. A post-accumulate hook adds each micro-batch's
+cut into buckets of about ``bucket_size`` elements; inside a bucket the matrices come before the
+vectors, so that the optimizer updates each bucket in two runs, one with weight decay and one
+without (:mod:`mega.core.optimizer`). A post-accumulate hook adds each micro-batch's
 low-precision ``.grad`` into ``main_grad`` (fp32 accumulation) and frees it; the first gradient of
 a step is copied rather than added, so the buffer is never zeroed between steps. Linear weights
 under gradient accumulation fusion (:mod:`mega.core.linear`) write ``main_grad`` themselves, inside
@@ -109,26 +111,33 @@ class ParamAndGradBuffer:
         dp = topology.data_parallel_size
         limit = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp)
         pad = _ALIGN * dp
-        ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
-        buckets: list[Bucket] = []
-        offset, members = 0, []
-        bucket_start = 0
         tied_ids = {id(p) for p in tied or ()}
         # backward produces the last layers' gradients first; tied weights go last, alone
         ordered = [p for _, p in reversed(named) if id(p) not in tied_ids]
         ordered += [p for _, p in reversed(named) if id(p) in tied_ids]
+        groups: list[list[torch.nn.Parameter]] = [[]]
+        size = 0
         for i, param in enumerate(ordered):
-            ranges[param] = (offset, offset + param.numel())
-            offset += param.numel()
-            members.append(param)
+            groups[-1].append(param)
+            size += param.numel()
             last = i == len(ordered) - 1
             next_tied = not last and id(ordered[i + 1]) in tied_ids and id(param) not in tied_ids
-            if offset - bucket_start >= limit or last or next_tied:
-                end = -(-offset // pad) * pad
-                is_tied = id(param) in tied_ids
-                buckets.append(Bucket(members, bucket_start, end, tied=is_tied))
-                offset = bucket_start = end
-                members = []
+            if not last and (size >= limit or next_tied):
+                groups.append([])
+                size = 0
+        ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        buckets: list[Bucket] = []
+        offset = 0
+        for members in groups:
+            # Inside a bucket the order is free (it is ready when all of it is): matrices first,
+            # then vectors, so that the optimizer sees one weight-decay run and one without.
+            members = sorted(members, key=lambda p: p.ndim < 2)
+            start = offset
+            for param in members:
+                ranges[param] = (offset, offset + param.numel())
+                offset += param.numel()
+            offset = -(-offset // pad) * pad
+            buckets.append(Bucket(members, start, offset, tied=id(members[0]) in tied_ids))
         device, dtype = named[0][1].device, named[0][1].dtype
         param_data = torch.zeros(offset, dtype=dtype, device=device)
         main_grad = torch.zeros(offset, dtype=torch.float32, device=device)
