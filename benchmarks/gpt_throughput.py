@@ -196,7 +196,8 @@ class StepClock:
 CATEGORIES = (
     ("attention", ("flash", "fmha", "cudnn", "attention", "sdpa")),
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm")),
+    # mega's compiled flat AdamW is a Triton kernel named after its ops (beta**step, sqrt, ...)
+    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm", "pow_rsub_sqrt")),
 )
 
 
