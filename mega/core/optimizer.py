@@ -128,7 +128,7 @@ class MixedPrecisionAdamW:
         self.master = None  # fp32 runs update the parameters in place
         if self.mixed:
             self.master = torch.cat([buffer.param_data[s.lo : s.hi].float() for s in segments])
-        self._step = torch.zeros((), dtype=torch.float32, device=device)
+        self._step = torch.zeros((), dtype=torch.float32, device=device)  # exact to 2**24 steps
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
         # (master, grad, exp_avg, exp_avg_sq, bf16 parameter or None) of each segment, made once
