@@ -1,5 +1,5 @@
 """The speed features change no number: gradient accumulation fusion, the gradient buffer's
-overwrite-on-first-gradient (no zeroing between steps), clipping folded into the fused AdamW,
+overwrite-on-first-gradient (no zeroing between steps), clipping folded into the AdamW update,
 ``--compile`` and ``--attention-backend``. Each is checked against the plain path on the CPU."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ kernel that reads master, gradient and moments once and writes them once, 30 byt
 
 Every scalar that changes between steps (learning rate, step count, clip factor, skip flag) is a
 0-d device tensor, so that neither the compiled kernel recompiles nor the step waits for the host.
-Its arithmetic is ``torch.optim.AdamW``'s, operation for operation.
+Its formulas are those of ``torch.optim.AdamW``'s fused kernel (agreement to rounding: tests).
 """
 
 from __future__ import annotations

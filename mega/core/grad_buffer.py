@@ -187,6 +187,8 @@ class ParamAndGradBuffer:
             param.grad = None
             return
         added = getattr(param, "grad_added_to_main_grad", False)
+        if param.grad is None and not added:  # autograd gave no gradient: nothing to count
+            return
         if added:  # the fused wgrad GEMM wrote it
             param.grad_added_to_main_grad = False
         elif getattr(param, "main_grad_fresh", False):
@@ -267,20 +269,13 @@ class ParamAndGradBuffer:
 
     # ------------------------------------------------------------------ after the step
 
-    def owned_ranges(self) -> list[tuple[torch.nn.Parameter, int, int]]:
-        """(param, lo, hi): the slices of each parameter, in its own flat numbering, that this rank
-        updates. Everything without the distributed optimizer; this rank's shards with it."""
+    def owned_flat_ranges(self) -> list[tuple[int, int]]:
+        """The flat ranges ``[lo, hi)`` of the buffers that this rank updates: all of them
+        without the distributed optimizer; this rank's shard of each bucket with it."""
         if not self.distributed:
-            return [(p, 0, p.numel()) for p in self.params]
+            return [(0, self.main_grad.numel())]
         dp, rank = self.topology.data_parallel_size, self.topology.dp_rank
-        pieces = []
-        for param in self.params:
-            lo, hi = self.ranges[param]
-            shard_lo, shard_hi = self.bucket_of[param].shard(rank, dp)
-            a, b = max(lo, shard_lo), min(hi, shard_hi)
-            if a < b:
-                pieces.append((param, a - lo, b - lo))
-        return pieces
+        return [bucket.shard(rank, dp) for bucket in self.buckets]
 
     def gather_params(self) -> None:
         """Distributed optimizer: every rank's updated shard of every bucket, to every rank."""

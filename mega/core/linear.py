@@ -109,7 +109,13 @@ def register_fused_weight(param: torch.nn.Parameter) -> None:
     """Let the weight-gradient op find ``param`` (its ``main_grad`` and flags) from its data.
     Inside a compiled graph the op is handed the weight's tensor, not the Parameter object that
     carries the attributes. Call it once the parameter's data has its final place (the buffer)."""
-    _owners[param.data_ptr()] = weakref.ref(param)
+    key = param.data_ptr()
+
+    def forget(ref: weakref.ref) -> None:  # unless a newer parameter took the address
+        if _owners.get(key) is ref:
+            del _owners[key]
+
+    _owners[key] = weakref.ref(param, forget)
 
 
 def _owner(weight: torch.Tensor) -> torch.nn.Parameter:

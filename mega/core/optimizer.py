@@ -102,10 +102,14 @@ class MixedPrecisionAdamW:
         self.clip_grad = optim.clip_grad
         self.scaler = build_loss_scaler(precision)
         self.mixed = buffer.param_data.dtype != torch.float32
-        # (parameter, lo, hi): the flat slice of each parameter that this rank updates
-        self.pieces = pieces = buffer.owned_ranges()
-        flat = [(buffer.ranges[p][0] + lo, buffer.ranges[p][0] + hi, p) for p, lo, hi in pieces]
-        owned = self._owned_flat_ranges()
+        owned = buffer.owned_flat_ranges()
+        # (lo, hi, parameter): the flat slices of the parameters that this rank updates
+        flat = [
+            (max(lo, a), min(hi, b), p)
+            for p, (lo, hi) in buffer.ranges.items()
+            for a, b in owned
+            if max(lo, a) < min(hi, b)
+        ]
         # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm,
         # and so does a tied weight two pipeline stages hold (on the first stage).
         tp_rank = self.topology.tp_rank
@@ -132,16 +136,13 @@ class MixedPrecisionAdamW:
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
         # (master, grad, exp_avg, exp_avg_sq, bf16 parameter or None) of each segment, made once
-        self._operands = [
-            (
-                master,
-                grad,
-                self.exp_avg[s.offset : s.offset + s.hi - s.lo],
-                self.exp_avg_sq[s.offset : s.offset + s.hi - s.lo],
-                buffer.param_data[s.lo : s.hi] if self.mixed else None,
-            )
-            for s, master, grad in zip(segments, self.masters, self.grads, strict=True)
-        ]
+        self._operands = []
+        for s, grad in zip(segments, self.grads, strict=True):
+            state = slice(s.offset, s.offset + s.hi - s.lo)
+            params = buffer.param_data[s.lo : s.hi]
+            master = self.master[state] if self.mixed else params
+            lowp = params if self.mixed else None
+            self._operands.append((master, grad, self.exp_avg[state], self.exp_avg_sq[state], lowp))
         # one kernel per segment on a GPU; the CPU runs the same expression eagerly
         self._update = (
             torch.compile(adamw_flat_, dynamic=True) if device.type == "cuda" else adamw_flat_
@@ -150,21 +151,10 @@ class MixedPrecisionAdamW:
         self._first_bad_iteration = torch.full((), -1, dtype=torch.int64, device=device)
         self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
 
-    def _owned_flat_ranges(self) -> list[tuple[int, int]]:
-        """The flat ranges of the buffer this rank updates: all of it, or its shard of each
-        bucket under the distributed optimizer."""
-        buffer = self.buffer
-        if not buffer.distributed:
-            return [(0, buffer.main_grad.numel())]
-        dp, rank = self.topology.data_parallel_size, self.topology.dp_rank
-        return [bucket.shard(rank, dp) for bucket in buffer.buckets]
-
     @property
     def masters(self) -> list[torch.Tensor]:
         """The fp32 weights each segment updates (views of the parameters in fp32 runs)."""
-        if self.master is None:
-            return [self.buffer.param_data[s.lo : s.hi] for s in self.segments]
-        return [self.master[s.offset : s.offset + s.hi - s.lo] for s in self.segments]
+        return [operands[0] for operands in self._operands]
 
     def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 master of ``param`` (flat), when this rank owns all of it."""
@@ -276,9 +266,7 @@ class MixedPrecisionAdamW:
             self._step.copy_(state["step"])
             for name in names:
                 getattr(self, name).copy_(state[name])
-            if self.mixed:
-                torch._foreach_copy_(
-                    [self.buffer.param_data[s.lo : s.hi] for s in self.segments], self.masters
-                )
+            if self.mixed:  # the bf16 parameters from the loaded masters
+                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
