@@ -235,9 +235,9 @@ def fresh_gpu() -> None:
 
 def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags: str) -> dict:
     from mega import hookimpl
-    from mega.core.engine import Engine
-    from mega.core.plugins import make_plugins
-    from mega.core.resolve import resolve_config
+    from mega.core.config.resolve import resolve_config
+    from mega.core.plugins.manager import make_plugins
+    from mega.core.training.engine import Engine
 
     log_interval = math.gcd(args.warmup, args.iters)
     lines: list[dict] = []
@@ -270,7 +270,7 @@ def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags
 
 def reference_batches(args: argparse.Namespace, step: int) -> list[dict[str, torch.Tensor]]:
     """The micro-batches mega trains on at ``step`` (0-based): its mock data, in its order."""
-    from mega.core.batches import global_batch
+    from mega.core.training.batches import global_batch
     from mega.plugins.datasets.mock import ArithmeticSamples
 
     samples = ArithmeticSamples(10**9, args.seq, args.vocab, seed=1234, split_index=0)
@@ -280,8 +280,8 @@ def reference_batches(args: argparse.Namespace, step: int) -> list[dict[str, tor
 def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """mega's seeded GPT initialisation (fp32, CPU), for the reference to start from."""
     from mega import BuildContext
-    from mega.core.plugins import make_plugins
-    from mega.core.resolve import resolve_config
+    from mega.core.config.resolve import resolve_config
+    from mega.core.plugins.manager import make_plugins
 
     plugins = make_plugins()
     config = resolve_config(mega_argv(args, 100, 1), plugins)
@@ -296,7 +296,7 @@ def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 def run_reference(
     args: argparse.Namespace, clock: StepClock, total_iters: int, fp32_master: bool
 ) -> dict:
-    from mega.core.lr_schedule import LRSchedule
+    from mega.core.training.lr_schedule import LRSchedule
 
     model = ReferenceGPT(args.layers, args.hidden, args.heads, args.vocab, args.seq)
     model.load_state_dict(initial_weights(args))

@@ -118,9 +118,9 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
     """Measured bubble per rank (1 - compute busy time / span of the schedule, medians over the
     timed steps) against the simulator's bubble for the same table with the measured mean
     forward and backward time per chunk."""
-    from mega.core.plugins import make_plugins
-    from mega.plugins.parallel.pipeline.registry import schedule_spec
-    from mega.plugins.parallel.pipeline.simulate import simulate
+    from mega.core.plugins.manager import make_plugins
+    from mega.parallel.pipeline.schedules import schedule_spec
+    from mega.parallel.pipeline.simulate import simulate
 
     ranks = []
     for path in sorted(timing.glob("rank*.jsonl")):

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import pluggy
 
-from mega.core.specs import (
+from mega.core.plugins.specs import (
     BuildContext,
     CheckpointBackendSpec,
     DataRequest,
     DatasetSpec,
     DatasetSplits,
     ModelSpec,
-    ParallelSpec,
     PipelineScheduleSpec,
     TokenizerSpec,
 )
@@ -30,7 +29,6 @@ __all__ = [
     "DatasetSpec",
     "DatasetSplits",
     "ModelSpec",
-    "ParallelSpec",
     "PipelineScheduleSpec",
     "TokenizerSpec",
     "__version__",

@@ -61,7 +61,7 @@ def _isolated(monkeypatch, tmp_path):
 
 @pytest.fixture
 def plugins():
-    from mega.core.plugins import make_plugins
+    from mega.core.plugins.manager import make_plugins
 
     return make_plugins()
 

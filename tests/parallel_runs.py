@@ -11,10 +11,10 @@ from typing import Any
 import torch
 
 from mega import hookimpl
-from mega.core.console import Display
-from mega.core.engine import Engine
-from mega.core.plugins import make_plugins
-from mega.core.resolve import resolve_config
+from mega.core.config.resolve import resolve_config
+from mega.core.console.display import Display
+from mega.core.plugins.manager import make_plugins
+from mega.core.training.engine import Engine
 
 from conftest import TINY
 from multiproc import run_ranks
@@ -53,7 +53,7 @@ def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
     """Every parameter as its global fp32 tensor: gathered over tensor-parallel ranks, then
     collected from every pipeline stage (a weight two stages hold must be the same on both)."""
     if engine.topology.tensor_model_parallel_size > 1:
-        from mega.plugins.parallel.tensor import gather_full_parameters
+        from mega.parallel.tensor import gather_full_parameters
 
         params = gather_full_parameters(engine.model, engine.topology)
         params = {name: value.cpu() for name, value in params.items()}

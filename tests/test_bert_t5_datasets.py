@@ -489,7 +489,7 @@ def test_tokenizer_without_vocabulary_strings(corpus):
 def test_plugins_take_megatron_flags(plugins, corpus):
     from pathlib import Path
 
-    from mega.core.resolve import resolve_config
+    from mega.core.config.resolve import resolve_config
 
     prefix, _ = corpus
     common = ["--model", "gpt", "--data-path", prefix, "--tokenizer-type", "BertWordPieceLowerCase",

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mega import BuildContext, DataRequest
-from mega.core.plugins import make_plugins
+from mega.core.plugins.manager import make_plugins
 from mega.plugins.datasets.embedded_text import EmbeddedTextConfig, build_embedded, load_documents
 from mega.plugins.datasets.mock import MockDataConfig, build_mock
 from mega.plugins.datasets.splits import ShuffledWindows, parse_split, split_ranges

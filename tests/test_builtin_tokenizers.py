@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mega.core.plugins import make_plugins
+from mega.core.plugins.manager import make_plugins
 from mega.plugins.tokenizers.byte import ByteTokenizer, ByteTokenizerConfig
 from mega.plugins.tokenizers.null import NullTokenizer, NullTokenizerConfig, build_null_tokenizer
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mega.core.config.flags import FlagTable
+from mega.core.config.resolve import resolve_config
 from mega.core.errors import MegaUsageError
-from mega.core.flags import FlagTable
-from mega.core.resolve import resolve_config
 
 
 def test_defaults_are_the_quickstart(plugins):
@@ -105,7 +105,7 @@ def test_two_sections_with_one_field_name_conflict():
 def test_default_on_switch_has_a_no_form():
     from dataclasses import dataclass
 
-    from mega.core.fields import option
+    from mega.core.config.fields import option
 
     @dataclass
     class C:
@@ -129,7 +129,7 @@ MEGATRON_FLAGS = """
 
 
 def test_megatron_flags_are_all_accepted(plugins):
-    from mega.core.config import CORE_SECTIONS
+    from mega.core.config.sections import CORE_SECTIONS
 
     sections = {"model": plugins.models.get("gpt").config_cls, **CORE_SECTIONS}
     known = set(FlagTable(sections).by_flag)

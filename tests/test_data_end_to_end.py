@@ -67,7 +67,7 @@ def test_sentence_level_preprocess_feeds_the_bert_dataset(tmp_path: Path, corpus
     assert done.returncode == 0, done.stderr
 
     from mega import BuildContext, DataRequest
-    from mega.core.plugins import make_plugins
+    from mega.core.plugins.manager import make_plugins
     from mega.plugins.datasets.indexed import IndexedDataset
 
     data = f"{prefix}_text_sentence"

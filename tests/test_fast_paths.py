@@ -13,13 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from mega.core.console import Display
-from mega.core.engine import Engine
-from mega.core.grad_buffer import ParamAndGradBuffer
-from mega.core.linear import Linear, deferring_weight_grads
-from mega.core.plugins import make_plugins
-from mega.core.resolve import resolve_config
-from mega.core.topology import Topology
+from mega.core.config.resolve import resolve_config
+from mega.core.console.display import Display
+from mega.core.plugins.manager import make_plugins
+from mega.core.training.engine import Engine
+from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+from mega.parallel.linear import Linear, deferring_weight_grads
+from mega.parallel.topology import Topology
 
 from conftest import TINY
 
@@ -112,8 +112,8 @@ def test_a_fast_path_trains_like_the_plain_one(variant: list[str], tmp_path: Pat
 def test_clipping_folded_into_adamw_matches_clip_then_step(clip: float):
     """MixedPrecisionAdamW (the clip factor folded into the update) against
     ``clip_grad_norm_`` followed by ``torch.optim.AdamW``, over three steps."""
-    from mega.core.config import OptimizerConfig, PrecisionConfig
-    from mega.core.optimizer import MixedPrecisionAdamW
+    from mega.core.config.sections import OptimizerConfig, PrecisionConfig
+    from mega.parallel.data.optimizer import MixedPrecisionAdamW
 
     model, reference = _mlp(), _mlp()
     buffer = ParamAndGradBuffer.build(model, Topology())
@@ -147,8 +147,8 @@ def test_clipping_folded_into_adamw_matches_clip_then_step(clip: float):
 
 
 def test_non_finite_gradients_skip_the_update_on_the_device():
-    from mega.core.config import OptimizerConfig, PrecisionConfig
-    from mega.core.optimizer import MixedPrecisionAdamW
+    from mega.core.config.sections import OptimizerConfig, PrecisionConfig
+    from mega.parallel.data.optimizer import MixedPrecisionAdamW
 
     model = _mlp()
     buffer = ParamAndGradBuffer.build(model, Topology())
@@ -302,8 +302,8 @@ def test_a_compiled_layer_defers_its_weight_gradients_at_run_time():
 def test_flat_adamw_on_bf16_parameters_matches_torch_adamw_on_fp32_masters():
     """bf16 parameters: the flat update of the fp32 masters equals torch.optim.AdamW on fp32
     copies given the same gradients, and the bf16 parameters are those masters rounded."""
-    from mega.core.config import OptimizerConfig, PrecisionConfig
-    from mega.core.optimizer import MixedPrecisionAdamW
+    from mega.core.config.sections import OptimizerConfig, PrecisionConfig
+    from mega.parallel.data.optimizer import MixedPrecisionAdamW
 
     model = _mlp().to(torch.bfloat16)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]

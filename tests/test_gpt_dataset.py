@@ -439,7 +439,7 @@ def test_plugin_builds_splits_from_a_data_request(corpora, tmp_path, plugins):
 
 
 def test_data_path_selects_gpt_and_its_flags(corpora, plugins):
-    from mega.core.resolve import resolve_config
+    from mega.core.config.resolve import resolve_config
 
     config = resolve_config(
         [*TINY, "--data-path", corpora["a"], "--tokenizer-type", "NullTokenizer",

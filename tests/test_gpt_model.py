@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mega import BuildContext, ModelSpec
-from mega.core.init import normal_
+from mega.core.training.init import normal_
 from mega.plugins.models.gpt import register_models
 from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
 from mega.plugins.models.gpt.model import GPTModel, rotary_cos_sin

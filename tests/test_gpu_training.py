@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega.core.console import Display
-from mega.core.engine import Engine
-from mega.core.plugins import make_plugins
-from mega.core.resolve import resolve_config
+from mega.core.config.resolve import resolve_config
+from mega.core.console.display import Display
+from mega.core.plugins.manager import make_plugins
+from mega.core.training.engine import Engine
 
 from conftest import TINY
 
@@ -43,9 +43,9 @@ def test_trains_on_cuda(tmp_path: Path, precision: list[str]):
 def test_fused_weight_gradient_accumulates_in_fp32_on_cuda():
     """The CUDA path of gradient accumulation fusion (addmm with an fp32 output into main_grad,
     beta 0 on a step's first micro-batch) against fp32 autograd on the same bf16 inputs."""
-    from mega.core.grad_buffer import ParamAndGradBuffer
-    from mega.core.linear import Linear
-    from mega.core.topology import Topology
+    from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+    from mega.parallel.linear import Linear
+    from mega.parallel.topology import Topology
 
     torch.manual_seed(0)
     layer = Linear(256, 128).to("cuda", torch.bfloat16)

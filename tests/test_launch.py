@@ -247,13 +247,13 @@ def test_srun_style_tasks_train_together(tmp_path: Path, reference):
     ],
 )
 def test_first_host_of_slurm_node_lists(nodelist: str, host: str):
-    from mega.core.distributed import first_host
+    from mega.parallel.distributed import first_host
 
     assert first_host(nodelist) == host
 
 
 def test_process_place_from_slurm_variables():
-    from mega.core.distributed import process_place
+    from mega.parallel.distributed import process_place
 
     env = {
         "SLURM_PROCID": "11",
@@ -272,7 +272,7 @@ def test_process_place_from_slurm_variables():
 
 
 def test_process_place_single_task_slurm_and_torchrun_precedence():
-    from mega.core.distributed import process_place
+    from mega.parallel.distributed import process_place
 
     one_task = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_NODELIST": "n1"}
     assert process_place(one_task).source == "single"
@@ -291,7 +291,7 @@ def test_process_place_single_task_slurm_and_torchrun_precedence():
 
 
 def test_display_warnings_carry_the_rank(capsys):
-    from mega.core.console import Display
+    from mega.core.console.display import Display
 
     Display(enabled=False, rank=3).warn("slow data loader")
     Display(rich_output=False, rank=0).warn("slow data loader")
@@ -331,7 +331,7 @@ def test_main_prefixes_errors_of_other_ranks(monkeypatch, capsys, env, prefix):
 
 
 def test_threads_are_shared_out_among_workers(monkeypatch):
-    from mega.core import launch
+    from mega.cli import launch
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert launch.threads_per_worker(4) == 4

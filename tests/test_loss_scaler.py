@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mega.core.errors import MegaUsageError
-from mega.core.loss_scaler import (
+from mega.core.training.loss_scaler import (
     ConstantLossScaler,
     DynamicLossScaler,
     found_inf_or_nan,

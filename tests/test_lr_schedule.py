@@ -5,7 +5,7 @@ import math
 import pytest
 
 from mega.core.errors import MegaUsageError
-from mega.core.lr_schedule import LRSchedule, resolve_warmup_iters, validate_schedule_args
+from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters, validate_schedule_args
 
 SQRT2 = math.sqrt(2.0)
 

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from mega import PipelineScheduleSpec, hookimpl
 from mega.core.errors import MegaUsageError
-from mega.core.plugins import make_plugins
-from mega.plugins.parallel.pipeline import (
+from mega.core.plugins.manager import make_plugins
+from mega.parallel.pipeline import (
     Backward,
     Forward,
     RecvActivation,
@@ -33,13 +33,14 @@ from mega.plugins.parallel.pipeline import (
     simulate,
     table_problems,
 )
-from mega.plugins.parallel.pipeline.actions import _assemble, _place, with_p2p
-from mega.plugins.parallel.pipeline.builtin import BUILTIN_SCHEDULES
-from mega.plugins.parallel.pipeline.tables import interleaved_order, microbatch_groups
+from mega.parallel.pipeline.placement import _assemble, _place, with_p2p
+from mega.parallel.pipeline.tables import interleaved_order, microbatch_groups
+from mega.plugins.parallel.schedules import BUILTIN_SCHEDULES
 
 from conftest import run_mega
 
-SPECS = {spec.name: spec for spec in BUILTIN_SCHEDULES}
+# the schedules that split a model over pipeline ranks (no-pipelining runs one stage)
+SPECS = {spec.name: spec for spec in BUILTIN_SCHEDULES if spec.max_pp != 1}
 ZERO_BUBBLE = {"1f1b-zb": "1f1b", "interleaved-zb": "interleaved"}  # -> the schedule they split
 BUILT_IN = list(SPECS)
 MODES = ("eager", "rendezvous")
@@ -194,6 +195,18 @@ def test_table_problems_are_actionable():
         build_table(SPECS["interleaved"], 1, 2, 4)
 
 
+def test_no_pipelining_is_the_one_stage_table(plugins):
+    """One schedule contract: ``no-pipelining`` is a table too, ``F0 B0 F1 B1 ...`` on one rank,
+    with no transfers and no bubble; it refuses a second pipeline rank."""
+    spec = plugins.parallel.get("no-pipelining")
+    assert spec.table(1, 1, 3) == {
+        0: [Forward(0), Backward(0), Forward(1), Backward(1), Forward(2), Backward(2)]
+    }
+    assert simulate(spec.table(1, 1, 3), 1, 1, 3).bubble_fraction == 0
+    (message,) = table_problems(spec, 2, 1, 4)
+    assert "--pipeline-model-parallel-size must be at most 1 for 'no-pipelining'" in message
+
+
 def test_schedules_are_parallel_plugins(plugins):
     """The built-ins come in through the ``mega`` entry points as ``PipelineScheduleSpec``s in
     the parallel registry, next to ``no-pipelining``; ``schedule_spec`` finds only those."""
@@ -217,7 +230,7 @@ def test_schedules_are_parallel_plugins(plugins):
 def test_import_is_torch_free_and_cheap():
     code = (
         "import sys, time\nstart = time.perf_counter()\n"
-        "import mega.plugins.parallel.pipeline.builtin\n"
+        "import mega.plugins.parallel.schedules\n"
         "print(time.perf_counter() - start, 'torch' in sys.modules)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

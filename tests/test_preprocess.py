@@ -43,7 +43,7 @@ FAILING_TOKENIZER = """
 from dataclasses import dataclass
 from mega import TokenizerSpec, hookimpl
 from mega.core.errors import MegaUsageError
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 @dataclass(kw_only=True)
 class Cfg:
@@ -66,7 +66,7 @@ import time
 from dataclasses import dataclass
 import numpy as np
 from mega import TokenizerSpec, hookimpl
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 @dataclass(kw_only=True)
 class Cfg:

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega.core.console import Display
-from mega.core.engine import Engine, masked_lm_loss
-from mega.core.plugins import make_plugins
-from mega.core.resolve import resolve_config
+from mega.core.config.resolve import resolve_config
+from mega.core.console.display import Display
+from mega.core.plugins.manager import make_plugins
+from mega.core.training.engine import Engine, masked_lm_loss
 
 from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
 

@@ -101,7 +101,7 @@ def test_resume_with_a_different_schedule_is_refused_unless_told(tmp_path: Path)
 
 
 def test_changed_data_order_settings_are_reported():
-    from mega.core.resume_checks import data_changes
+    from mega.core.checkpoint.resume_checks import data_changes
 
     saved = {"training": {"seed": 1234, "seq_length": 128}, "data": {"split": "969,30,1"}}
     now = {"training": {"seed": 7, "seq_length": 128}, "data": {"split": "969,30,1"}}

@@ -15,20 +15,20 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mega import BuildContext
-from mega.core.comm import all_reduce
-from mega.core.shard import ShardSpec, full_tensor, local_shard
-from mega.core.topology import build_topology
-from mega.plugins.models.gpt.config import GPTConfig
-from mega.plugins.models.gpt.model import GPTModel
-from mega.plugins.models.gpt.plan import gpt_parallel_plan
-from mega.plugins.parallel.tensor import (
+from mega.parallel.comm import all_reduce
+from mega.parallel.shard import ShardSpec, full_tensor, local_shard
+from mega.parallel.tensor import (
     apply_tensor_parallel,
     gather_full_parameters,
     gather_full_tensor,
     sequence_parallel_problems,
 )
-from mega.plugins.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
-from mega.plugins.parallel.tensor.rng import TensorParallelRNG
+from mega.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from mega.parallel.tensor.rng import TensorParallelRNG
+from mega.parallel.topology import build_topology
+from mega.plugins.models.gpt.config import GPTConfig
+from mega.plugins.models.gpt.model import GPTModel
+from mega.plugins.models.gpt.plan import gpt_parallel_plan
 
 from multiproc import run_ranks
 
@@ -363,7 +363,7 @@ def test_plan_problems_name_the_flags():
 
 
 def test_plan_paths_exist_in_the_model():
-    from mega.plugins.parallel.tensor.apply import matching_paths
+    from mega.parallel.tensor.apply import matching_paths
 
     for variant in VARIANTS:
         cfg = tiny(variant)

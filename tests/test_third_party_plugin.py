@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from mega.core.config.resolve import resolve_config
 from mega.core.errors import MegaUsageError
-from mega.core.plugins import make_plugins
-from mega.core.resolve import resolve_config
+from mega.core.plugins.manager import make_plugins
 
 from conftest import LAUNCHER_VARS, TINY, lm_losses
 from multiproc import free_port
@@ -169,7 +169,7 @@ def test_plugins_table_shows_distribution_and_version(venv, tmp_path):
 def test_plugin_import_stays_cheap(venv):
     # Discovery imports every plugin on every command and rank: no torch or numpy at import time.
     code = (
-        "import sys; from mega.core.plugins import make_plugins; p = make_plugins();"
+        "import sys; from mega.core.plugins.manager import make_plugins; p = make_plugins();"
         "print('bigram' in p.models, sorted({'torch', 'numpy'} & set(sys.modules)))"
     )
     assert _check([str(venv / "bin" / "python"), "-c", code]).strip() == "True []"
@@ -335,8 +335,8 @@ def test_in_process_registration(example):
 
 @pytest.mark.parametrize("p2p", ["eager", "rendezvous"])
 def test_toy_schedule_runs_and_its_bubble_is_analytic(example, p2p):
-    from mega.plugins.parallel.pipeline import schedule_spec, simulate, table_problems
-    from mega.plugins.parallel.pipeline.actions import Backward, Forward
+    from mega.parallel.pipeline import schedule_spec, simulate, table_problems
+    from mega.parallel.pipeline.actions import Backward, Forward
 
     plugins = make_plugins(extra=[("example", example)])
     spec = schedule_spec(plugins, "toy-sequential")
@@ -416,7 +416,7 @@ def test_bigram_model_contract(example):
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
     torch.testing.assert_close(loss, expected.view(2, 16))
     assert loss.mean().item() == pytest.approx(math.log(128), abs=0.01)
-    # Initialisation depends on the seed only (mega.core.init.normal_ per parameter name).
+    # Initialisation depends on the seed only (mega.core.training.init.normal_ per parameter name).
     same, other = build(seed=7).state_dict(), build(seed=8).state_dict()
     for name, value in model.state_dict().items():
         torch.testing.assert_close(same[name], value, rtol=0, atol=0)

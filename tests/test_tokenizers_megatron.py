@@ -22,7 +22,7 @@ from tokenizer_files import (
 )
 
 from mega.core.errors import MegaUsageError
-from mega.core.plugins import make_plugins
+from mega.core.plugins.manager import make_plugins
 from mega.plugins.tokenizers.bert_wordpiece import BertWordPieceTokenizer
 from mega.plugins.tokenizers.gpt2_bpe import GPT2BPEConfig, GPT2BPETokenizer
 from mega.plugins.tokenizers.huggingface import HuggingFaceTokenizer, HuggingFaceTokenizerConfig

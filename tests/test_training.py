@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mega import ModelSpec, hookimpl
-from mega.core.console import Display
-from mega.core.engine import Engine
-from mega.core.plugins import make_plugins
-from mega.core.resolve import load_config_file, resolve_config
+from mega.core.config.resolve import load_config_file, resolve_config
+from mega.core.console.display import Display
+from mega.core.plugins.manager import make_plugins
+from mega.core.training.engine import Engine
 
 from conftest import TINY
 
@@ -49,8 +49,8 @@ def test_loss_falls_and_run_files_are_written(tmp_path: Path):
 
 def test_resolved_config_file_reproduces_the_config(tmp_path: Path, plugins):
     config = resolve_config([*TINY, "--train-iters", "3", "--swiglu", "--bf16"], plugins)
-    from mega.core.resolve import resolved_as_dict
-    from mega.core.run_files import to_toml
+    from mega.core.config.resolve import resolved_as_dict
+    from mega.core.config.run_files import to_toml
 
     path = tmp_path / "config.toml"
     path.write_text(to_toml(resolved_as_dict(config)))

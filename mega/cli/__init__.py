@@ -23,7 +23,7 @@ class MegaGroup(click.Group):
 
     def plugins(self):
         if self._plugins is None:
-            from mega.core.plugins import make_plugins
+            from mega.core.plugins.manager import make_plugins
 
             self._plugins = make_plugins()
         return self._plugins
@@ -69,8 +69,8 @@ def current_plugins():
 def _rank_prefix() -> str:
     """``"[rank N] "`` in a worker of a multi-process job whose rank is not 0 (RANK or
     SLURM_PROCID says so); rank 0 and a one-process run print unprefixed."""
-    from mega.core.console import rank_prefix
-    from mega.core.distributed import process_place
+    from mega.core.console.display import rank_prefix
+    from mega.parallel.distributed import process_place
 
     try:
         place = process_place()
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         sys.exit(130)
     except Exception as exc:
-        from mega.core.launch import lost_peer, wait_for_launcher
+        from mega.cli.launch import lost_peer, wait_for_launcher
 
         if not lost_peer(exc):
             raise  # a bug: its traceback is what helps

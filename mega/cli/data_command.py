@@ -18,9 +18,9 @@ from typing import Any
 import click
 
 from mega import hookimpl
-from mega.core.config import TrainingConfig
+from mega.core.config.fields import default_of, option
+from mega.core.config.sections import TrainingConfig
 from mega.core.errors import MegaUsageError
-from mega.core.fields import default_of, option
 
 DEFAULT_SAMPLES = "0:3"
 
@@ -72,7 +72,7 @@ def parse_sample_range(text: str, length: int) -> range:
 
 
 def _help_text(sections: dict[str, type]) -> str:
-    from mega.core.flags import FlagTable
+    from mega.core.config.flags import FlagTable
 
     lines = [
         "Usage: mega data inspect --data-path PREFIX [FLAGS...]",
@@ -147,7 +147,7 @@ def _print_summary(rows: list, footer: list[str], to_stderr: bool) -> None:
 
 def run_inspect(args: list[str]) -> None:
     from mega.cli import current_plugins
-    from mega.core.resolve import parse_sections, tokenizer_choice
+    from mega.core.config.resolve import parse_sections, tokenizer_choice
     from mega.plugins.datasets.gpt import GPTDatasetConfig, sample_options
 
     plugins = current_plugins()

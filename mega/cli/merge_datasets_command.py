@@ -26,7 +26,7 @@ def merge_datasets_command(args: tuple[str, ...]) -> None:
     if "--help" in args_list or "-h" in args_list:
         click.echo(USAGE)
         return
-    from mega.core.resolve import parse_sections
+    from mega.core.config.resolve import parse_sections
     from mega.plugins.datasets.preprocess import MergeConfig, merge_datasets
 
     config = parse_sections(args_list, {"merge": MergeConfig})["merge"]

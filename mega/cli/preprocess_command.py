@@ -1,7 +1,7 @@
 """``mega preprocess``: JSONL -> Megatron ``.bin/.idx``, with Megatron-LM's flags.
 
 The tokenizer is chosen with ``--tokenizer-type`` and takes its own flags exactly as in
-``mega train`` (``mega.core.resolve.parse_sections``), so flags are parsed by mega, not click.
+``mega train`` (``mega.core.config.resolve.parse_sections``), so flags are parsed by mega, not click.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ The tokenizer's flags appear once it is chosen: mega preprocess --tokenizer-type
 
 def _help_text(args: list[str]) -> str:
     from mega.cli import current_plugins
-    from mega.core.flags import FlagTable
-    from mega.core.resolve import _scan_selectors
+    from mega.core.config.flags import FlagTable
+    from mega.core.config.resolve import _scan_selectors
     from mega.plugins.datasets.preprocess.config import PreprocessConfig
 
     plugins = current_plugins()
@@ -86,7 +86,7 @@ def preprocess_command(args: tuple[str, ...]) -> None:
         click.echo(_help_text(args_list))
         return
     from mega.cli import current_plugins
-    from mega.core.resolve import parse_sections, tokenizer_choice
+    from mega.core.config.resolve import parse_sections, tokenizer_choice
     from mega.plugins.datasets.preprocess import PreprocessConfig, preprocess
     from mega.plugins.datasets.preprocess.progress import summary_lines
     from mega.plugins.datasets.preprocess.stopping import Terminated, stop_on_signals

@@ -129,14 +129,14 @@ def schedule_command(
       mega schedule --pp 4 --vpp 2 --microbatches 8 --schedule interleaved --png sched.png
     """
     from mega.cli import current_plugins
-    from mega.plugins.parallel.pipeline import (
+    from mega.parallel.pipeline import (
         ScheduleError,
         build_table,
         schedule_spec,
         simulate,
         table_problems,
     )
-    from mega.plugins.parallel.pipeline.render import render_text
+    from mega.parallel.pipeline.render import render_text
 
     spec = schedule_spec(current_plugins(), name or ("interleaved" if vpp > 1 else "1f1b"))
     name = spec.name
@@ -169,7 +169,7 @@ def schedule_command(
         line += f"; analytic {analytic}"
     click.echo(line)
     if png_path:
-        from mega.plugins.parallel.pipeline.png import write_timeline_png
+        from mega.parallel.pipeline.png import write_timeline_png
 
         try:
             write_timeline_png(result, png_path)

@@ -1,6 +1,6 @@
 """``mega train``: Megatron-LM's flags, generated from the config sections of the chosen plugins.
 
-The flags are parsed by ``mega.core.resolve`` (not click) because which flags exist depends on the
+The flags are parsed by ``mega.core.config.resolve`` (not click) because which flags exist depends on the
 model, tokenizer and dataset chosen on the same command line.
 """
 
@@ -12,9 +12,9 @@ import click
 def _help_text(args: list[str]) -> str:
     """Every flag of ``mega train`` for the model/tokenizer/dataset these args select."""
     from mega.cli import current_plugins
-    from mega.core.config import CORE_SECTIONS
-    from mega.core.flags import FlagTable
-    from mega.core.resolve import DEFAULT_MODEL, _scan_selectors
+    from mega.core.config.flags import FlagTable
+    from mega.core.config.resolve import DEFAULT_MODEL, _scan_selectors
+    from mega.core.config.sections import CORE_SECTIONS
 
     plugins = current_plugins()
     selected = _scan_selectors(args)
@@ -78,11 +78,10 @@ def train_command(args: tuple[str, ...]) -> None:
     if "--help" in args_list or "-h" in args_list:
         click.echo(_help_text(args_list))
         return
-    from mega.cli import current_plugins
-    from mega.core import launch
-    from mega.core.distributed import process_place
+    from mega.cli import current_plugins, launch
+    from mega.core.config.resolve import resolve_config
     from mega.core.errors import MegaUsageError
-    from mega.core.resolve import resolve_config
+    from mega.parallel.distributed import process_place
 
     plugins = current_plugins()
     try:
@@ -112,8 +111,8 @@ def train_command(args: tuple[str, ...]) -> None:
         launch.launch_workers(config, args_list)
         return
 
-    from mega.core.distributed import leave_job
-    from mega.core.engine import Engine
+    from mega.core.training.engine import Engine
+    from mega.parallel.distributed import leave_job
 
     try:
         Engine(config, plugins).train()

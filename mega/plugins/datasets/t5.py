@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mega import BuildContext, DataRequest, DatasetSpec, DatasetSplits, hookimpl
-from mega.core.fields import option
+from mega.core.config.fields import option
 from mega.plugins.datasets.masking import (
     WordPieceVocabulary,
     mask_ngrams,

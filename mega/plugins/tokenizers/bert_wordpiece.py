@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega import TokenizerSpec, hookimpl
+from mega.core.config.fields import option
 from mega.core.errors import MegaUsageError
-from mega.core.fields import option
 from mega.plugins.tokenizers._common import (
     BatchEncodingMixin,
     as_ids,

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from mega import TokenizerSpec, hookimpl
+from mega.core.config.fields import option
 from mega.core.errors import MegaUsageError
-from mega.core.fields import option
 from mega.plugins.tokenizers._common import (
     SENTINEL_FORMAT,
     BatchEncodingMixin,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega import TokenizerSpec, hookimpl
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 
 @dataclass(kw_only=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega import BuildContext, DataRequest, DatasetSpec, DatasetSplits, hookimpl
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 
 @dataclass(kw_only=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 
 def available_cores() -> int:

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mega.core.init import normal_
-from mega.core.linear import Linear
-from mega.core.specs import BuildContext
+from mega.core.plugins.specs import BuildContext
+from mega.core.training.init import normal_
+from mega.parallel.linear import Linear
 from mega.plugins.models.gpt.config import GPTConfig
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from mega.core.parallel_plan import (
+from mega.parallel.plan import (
     COLUMN,
     LM_HEAD,
     ROW,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mega.core.fields import option
+from mega.core.config.fields import option
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega import BuildContext
-from mega.core.init import normal_
+from mega.core.training.init import normal_
 from mega_plugin_example.config import BigramConfig
 
 

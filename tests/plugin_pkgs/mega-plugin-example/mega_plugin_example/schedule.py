@@ -14,7 +14,7 @@ Pure Python, like every table builder: mega imports this module on every command
 from __future__ import annotations
 
 from mega import PipelineScheduleSpec
-from mega.plugins.parallel.pipeline.actions import Backward, Compute, Forward, Table, with_p2p
+from mega.parallel.pipeline import Backward, Compute, Forward, Table, with_p2p
 
 
 def sequential_table(pp: int, vpp: int, m: int) -> Table:

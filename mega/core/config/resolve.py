@@ -1,0 +1,371 @@
+"""Flags + config file -> a typed ``RunConfig``, with every error collected and shown together.
+
+Precedence: dataclass defaults < ``--config FILE`` < command-line flags. A config file is TOML or
+YAML, either sectioned (``[training] micro_batch_size = 8``) or flat with flag names
+(``micro_batch_size = 8``); the model is chosen by ``[model] name = "gpt"`` or ``model = "gpt"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from mega.core.config.flags import FlagTable
+from mega.core.config.sections import CORE_SECTIONS, PLUGIN_SECTIONS, RunConfig
+from mega.core.errors import MegaUsageError, closest
+from mega.core.plugins.manager import Plugins
+from mega.parallel.pipeline.setup import default_schedule, pipeline_setup
+
+DEFAULT_MODEL = "gpt"
+SELECTOR_FLAGS = (
+    "--model",
+    "--config",
+    "--dataset",
+    "--tokenizer-type",
+    "--data-path",
+    "--mock-data",
+)
+
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """Read a TOML or YAML file into a dict; a missing or malformed file is a usage error."""
+    file = Path(path)
+    if not file.is_file():
+        raise MegaUsageError(f"--config {path}: no such file")
+    try:
+        if file.suffix == ".toml":
+            return tomllib.loads(file.read_text())
+        if file.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(file.read_text()) or {}
+            if not isinstance(data, dict):
+                raise ValueError("the top level must be a mapping")
+            return data
+    except (tomllib.TOMLDecodeError, ValueError, ImportError) as exc:
+        raise MegaUsageError(f"--config {path}: cannot parse: {exc}") from None
+    except Exception as exc:  # yaml.YAMLError and friends
+        raise MegaUsageError(f"--config {path}: cannot parse: {exc}".splitlines()[0]) from None
+    raise MegaUsageError(f"--config {path}: use a .toml, .yaml or .yml file")
+
+
+def _scan_selectors(argv: list[str]) -> dict[str, Any]:
+    """The few flags that decide which plugins' flags exist; read before the full parse.
+
+    A selector without its value is an error here: the full parse never sees --model/--config.
+    """
+    found: dict[str, Any] = {}
+    for i, token in enumerate(argv):
+        name, eq, inline = token.partition("=")
+        if name not in SELECTOR_FLAGS:
+            continue
+        if name == "--mock-data":
+            found[name] = inline.lower() in ("true", "1") if eq else True
+        elif eq and inline:
+            found[name] = inline
+        elif not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            found[name] = argv[i + 1]
+        else:
+            raise MegaUsageError(f"flag {name} needs a value")
+    return found
+
+
+def _file_sections(raw: dict[str, Any]) -> tuple[str | None, dict[str, dict]]:
+    """Split a loaded file into (model name, {section: {key: value}}); flat keys go under ""."""
+    model = None
+    sections: dict[str, dict] = {}
+    for key, value in raw.items():
+        if key == "model" and isinstance(value, str):
+            model = value
+        elif isinstance(value, dict):
+            section = dict(value)
+            if key == "model" and "name" in section:
+                model = section.pop("name")
+            sections.setdefault(key, {}).update(section)
+        else:
+            sections.setdefault("", {})[key.replace("-", "_")] = value  # flat key, placed later
+    return model, sections
+
+
+def _place_file_values(
+    sections: dict[str, dict], table: FlagTable, path: str
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Check every file key against the flag table and convert its value."""
+    placed: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+    known_sections = set(CORE_SECTIONS) | set(PLUGIN_SECTIONS)
+    for section, items in sections.items():
+        if section and section not in known_sections:
+            hint = closest(section, known_sections)
+            errors.append(
+                f"--config {path}: unknown section [{section}]"
+                + (f" (did you mean [{hint}]?)" if hint else "")
+            )
+            continue
+        for key, value in items.items():
+            key = key.replace("-", "_")
+            flag = table.by_key.get(key)
+            if flag is None or (section and flag.section != section):
+                shown = f"{section}.{key}" if section else key
+                scope = [k for k, f in table.by_key.items() if not section or f.section == section]
+                hint = closest(key, scope)
+                errors.append(
+                    f"--config {path}: unknown key '{shown}'"
+                    + (f" (did you mean '{hint}'?)" if hint else "")
+                )
+                continue
+            try:
+                placed.setdefault(flag.section, {})[key] = flag.convert(value)
+            except ValueError as exc:
+                errors.append(f"--config {path}: key '{flag.section}.{key}': {exc}")
+    return placed, errors
+
+
+def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
+    """Build the run's typed config from command-line tokens (everything after ``mega train``).
+
+    Raises ``MegaUsageError`` listing every problem found: unknown flags and file keys, bad
+    values, unknown plugin names, and each section's own ``validate()`` messages.
+    """
+    plugins.check()
+    selectors = _scan_selectors(argv)
+    file_model, file_sections = None, {}
+    config_path = selectors.get("--config")
+    argv = _drop(argv, "--config")
+    if config_path:
+        file_model, file_sections = _file_sections(load_config_file(config_path))
+
+    file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
+    model_name = selectors.get("--model") or file_model or DEFAULT_MODEL
+    mock = selectors.get("--mock-data") or file_data.get("mock_data")
+    data_path = selectors.get("--data-path") or file_data.get("data_path")
+    dataset_name = (
+        selectors.get("--dataset")
+        or file_data.get("dataset")
+        or ("mock" if mock else "gpt" if data_path else "embedded")
+    )
+    model_spec = plugins.models.get(model_name)
+    if data_path and dataset_name not in plugins.datasets:
+        raise MegaUsageError(
+            f"--data-path needs the '{dataset_name}' dataset plugin (Megatron .bin/.idx), which is"
+            f" not installed (available datasets: {', '.join(plugins.datasets)})"
+        )
+    dataset_spec = plugins.datasets.get(dataset_name)
+    tokenizer_name = (
+        selectors.get("--tokenizer-type")
+        or file_data.get("tokenizer_type")
+        or dataset_spec.default_tokenizer
+    )
+    if tokenizer_name is None:
+        raise MegaUsageError(f"dataset '{dataset_name}' needs --tokenizer-type")
+    tokenizer_spec = plugins.tokenizers.get(tokenizer_name)
+
+    section_classes = {
+        "model": model_spec.config_cls,
+        "tokenizer": tokenizer_spec.config_cls,
+        "dataset": dataset_spec.config_cls,
+        **CORE_SECTIONS,
+    }
+    owners = {
+        "model": f"model '{model_name}'",
+        "tokenizer": f"tokenizer '{tokenizer_name}'",
+        "dataset": f"dataset '{dataset_name}'",
+    }
+    table = FlagTable(section_classes, owners)
+    errors = list(table.conflicts)
+    file_values, file_errors = _place_file_values(file_sections, table, config_path or "")
+    errors += file_errors
+    flag_values, flag_errors = table.parse(_drop(argv, "--model"))
+    errors += flag_errors
+
+    built: dict[str, Any] = {}
+    for section, cls in section_classes.items():
+        values = {**file_values.get(section, {}), **flag_values.get(section, {})}
+        try:
+            built[section] = cls(**values)
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{section} config: {exc}")
+    if len(built) < len(section_classes):
+        raise MegaUsageError(errors)
+
+    built["data"].dataset = dataset_name
+    built["data"].tokenizer_type = tokenizer_name
+    config = RunConfig(
+        model_name=model_name,
+        tokenizer_name=tokenizer_name,
+        dataset_name=dataset_name,
+        **built,
+    )
+    config.world_size = job_world_size(config.launch)
+    if config.parallel.parallel is None:
+        config.parallel.parallel = default_schedule(config.parallel)
+    # a flag that failed to parse kept its default, so the other checks still mean something
+    errors += validate_run(config, plugins)
+    if errors:
+        raise MegaUsageError(errors)
+    return config
+
+
+def _drop(argv: list[str], name: str) -> list[str]:
+    """``argv`` without flag ``name`` and its value (selectors are read before the full parse)."""
+    out, skip = [], False
+    for i, token in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if token == name:
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            continue
+        if token.startswith(name + "="):
+            continue
+        out.append(token)
+    return out
+
+
+def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
+    """Every check that needs more than one section, plus each section's ``validate()``."""
+    from mega.core.training.lr_schedule import validate_schedule_args
+
+    errors: list[str] = []
+    for section in config.sections().values():
+        check = getattr(section, "validate", None)
+        if callable(check):
+            errors += check()
+    t = config.training
+    errors += layout_problems(config, plugins)
+    dp = config.data_parallel_size
+    if config.global_batch_size % (t.micro_batch_size * dp):
+        errors.append(
+            f"--global-batch-size ({config.global_batch_size}) must be divisible by"
+            f" --micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"
+        )
+    s = config.scheduler
+    errors += validate_schedule_args(
+        lr=config.optimizer.lr,
+        min_lr=config.optimizer.min_lr,
+        decay_style=s.lr_decay_style,
+        decay_iters=s.lr_decay_iters or t.train_iters,
+        train_iters=t.train_iters,
+        warmup_iters=s.lr_warmup_iters,
+        warmup_fraction=s.lr_warmup_fraction,
+        warmup_init=s.lr_warmup_init,
+        wsd_decay_style=s.lr_wsd_decay_style,
+        wsd_decay_iters=s.lr_wsd_decay_iters,
+    )
+    for registry, name in (
+        (plugins.checkpoint_backends, config.checkpoint.ckpt_format),
+        (plugins.parallel, config.parallel.parallel),
+    ):
+        try:
+            spec = registry.get(name)
+        except MegaUsageError as exc:
+            errors += exc.messages
+            continue
+        if registry is plugins.parallel and hasattr(spec, "validate"):
+            errors += spec.validate(config)  # a pipeline schedule is checked by pipeline_setup
+    from mega.core.checkpoint.store import validate_checkpoint_dirs
+
+    errors += validate_checkpoint_dirs(config.checkpoint)
+    for result in plugins.pm.hook.validate_config(config=config):
+        errors += list(result or [])
+    return errors
+
+
+def job_world_size(launch: Any) -> int:
+    """The processes of this job: the launcher's (torchrun, SLURM) if set, else what
+    ``--nproc-per-node`` x ``--nnodes`` will start."""
+    from mega.parallel.distributed import process_place
+
+    place = process_place()
+    return place.world_size if place.source != "single" else launch.world_size
+
+
+def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
+    """Whether the parallel layout fits the world size, the model and the features built so far."""
+    from mega.parallel.topology import layout_problems as world_problems
+
+    p = config.parallel
+    errors = world_problems(config.world_size, p.sizes())
+    for flag, size in (
+        ("--context-parallel-size", p.context_parallel_size),
+        ("--expert-model-parallel-size", p.expert_model_parallel_size),
+    ):
+        if size > 1:
+            errors.append(f"{flag} {size}: only 1 is supported so far")
+    tp = p.tensor_model_parallel_size
+    if tp > 1 and config.training.compile:
+        # Measured on 4 H200 (torch 2.11): compiled layers with the tensor-parallel collectives
+        # inside trained differently from eager from step 3 on, and 30% slower.
+        errors.append(
+            f"--compile with --tensor-model-parallel-size {tp}: not supported yet (compiled "
+            "layers mishandle the tensor-parallel collectives); leave --compile off"
+        )
+    if (tp > 1 or p.recompute_granularity) and config.model_name in plugins.models:
+        spec = plugins.models.get(config.model_name)
+        if spec.parallel_plan is None:
+            errors.append(
+                f"model '{config.model_name}' provides no parallel plan: it supports neither "
+                "--tensor-model-parallel-size > 1 nor --recompute-granularity"
+            )
+        else:
+            errors += spec.parallel_plan(config.model).problems(tp)
+    errors += pipeline_setup(config, plugins)[1]
+    if p.sequence_parallel:
+        from mega.parallel.tensor import sequence_parallel_problems
+
+        errors += sequence_parallel_problems(config.training.seq_length, tp)
+    if config.world_size > 1 and (config.checkpoint.save or config.checkpoint.load):
+        errors.append(
+            "--save/--load with more than one process are not supported yet (sharded "
+            "checkpoints are a later feature); train without them or on one process"
+        )
+    return errors
+
+
+def resolved_as_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
+    """The config as {section: {key: value}}, None values left out (for TOML and JSON)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, section in config.sections().items():
+        values = {k: v for k, v in dataclasses.asdict(section).items() if v is not None}
+        if name == "model":
+            values = {"name": config.model_name, **values}
+        out[name] = values
+    return out
+
+
+def parse_sections(
+    argv: list[str], sections: dict[str, type], owners: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Flags -> one instance per section class, for commands other than ``train``.
+
+    ``mega preprocess`` uses it to take ``--tokenizer-type``'s own flags exactly as training does.
+    Every problem (unknown flag, bad value, a section's ``validate()``) is raised together.
+    """
+    table = FlagTable(sections, owners)
+    values, errors = table.parse(argv)
+    errors = [*table.conflicts, *errors]
+    built: dict[str, Any] = {}
+    for section, cls in sections.items():
+        try:
+            built[section] = cls(**values.get(section, {}))
+        except (TypeError, ValueError) as exc:
+            errors.append(f"{section}: {exc}")
+            continue
+        check = getattr(built[section], "validate", None)
+        if callable(check):
+            errors += check()
+    if errors:
+        raise MegaUsageError(errors)
+    return built
+
+
+def tokenizer_choice(
+    argv: list[str], plugins: Plugins, default: str | None = None
+) -> tuple[str, Any]:
+    """The ``--tokenizer-type`` named in ``argv`` (or ``default``) and its spec."""
+    name = _scan_selectors(argv).get("--tokenizer-type") or default
+    if name is None:
+        raise MegaUsageError("--tokenizer-type is required")
+    return name, plugins.tokenizers.get(name)

@@ -1,0 +1,403 @@
+"""The engine's own config sections, and the resolved ``RunConfig`` that holds every section.
+
+Field names are Megatron-LM's argument names, so each field is also its flag (``--lr-decay-style``).
+Plugin sections (model, tokenizer, dataset) are the plugins' own dataclasses, chosen by name.
+Defaults train the small quickstart GPT on a CPU in about a minute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mega.core.config.fields import option
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    micro_batch_size: int = option(16, "Batch size per model instance (per micro-batch).")
+    global_batch_size: int | None = option(
+        None, "Samples per optimizer step; default micro-batch size x data-parallel size."
+    )
+    seq_length: int = option(128, "Tokens per sample.")
+    train_iters: int = option(500, "Optimizer steps to train for.")
+    seed: int = option(1234, "Seed for initialisation, data order and dropout.")
+    eval_interval: int = option(100, "Evaluate on the validation split every N iterations.")
+    eval_iters: int = option(10, "Batches per evaluation.")
+    log_interval: int = option(50, "Print an iteration line every N iterations.")
+    device: str = option("auto", "cpu, cuda, or auto (cuda when available).")
+    compile: bool | None = option(
+        None,
+        "torch.compile each transformer layer and the output head (fuses norms, element-wise "
+        "ops and the loss). Default: on with CUDA without tensor parallelism (not supported with it "
+        "yet), off on the CPU.",
+    )
+    gradient_accumulation_fusion: bool = option(
+        True,
+        "Accumulate linear weight gradients into the fp32 gradient buffer inside the weight-"
+        "gradient GEMM, instead of writing them in the model dtype and adding them after.",
+    )
+
+    def validate(self) -> list[str]:
+        errors = []
+        for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval"):
+            if getattr(self, name) < 1:
+                errors.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.global_batch_size is not None and self.global_batch_size < 1:
+            errors.append("--global-batch-size must be at least 1")
+        if self.eval_interval < 1 or self.eval_iters < 0:
+            errors.append("--eval-interval must be at least 1 and --eval-iters at least 0")
+        if self.seed < 0:
+            errors.append("--seed must not be negative")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            errors.append(f"--device must be cpu, cuda or auto, not '{self.device}'")
+        return errors
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    optimizer: str = option(
+        "adam", "Optimizer (adam means AdamW, as in Megatron).", choices=("adam",)
+    )
+    lr: float = option(3e-3, "Peak learning rate.")
+    min_lr: float = option(0.0, "Learning rate at the end of decay.")
+    weight_decay: float = option(0.01, "AdamW weight decay (not applied to biases and norms).")
+    clip_grad: float = option(1.0, "Clip the global gradient norm to this value (0: off).")
+    adam_beta1: float = option(0.9, "Adam beta1.")
+    adam_beta2: float = option(0.999, "Adam beta2.")
+    adam_eps: float = option(1e-8, "Adam epsilon.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            errors.append("--lr must be a positive number")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            errors.append("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
+        if self.clip_grad < 0 or self.weight_decay < 0:
+            errors.append("--clip-grad and --weight-decay must not be negative")
+        return errors
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    lr_decay_style: str = option(
+        "cosine",
+        "Learning-rate decay after warmup.",
+        choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+    )
+    lr_decay_iters: int | None = option(None, "Iterations to decay over (default --train-iters).")
+    lr_warmup_iters: int = option(0, "Linear warmup iterations.")
+    lr_warmup_fraction: float | None = option(None, "Warmup as a fraction of --lr-decay-iters.")
+    lr_warmup_init: float = option(0.0, "Learning rate at the start of warmup.")
+    lr_wsd_decay_style: str = option(
+        "exponential",
+        "Annealing shape of the WSD schedule.",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"),
+    )
+    lr_wsd_decay_iters: int | None = option(None, "Annealing iterations of the WSD schedule.")
+    override_opt_param_scheduler: bool = option(
+        False,
+        "On --load, use the command line's schedule even if the checkpoint's differs.",
+        flag="--override-opt_param-scheduler",
+    )
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False,
+        "On --load, use the checkpoint's schedule instead of the command line's.",
+        flag="--use-checkpoint-opt_param-scheduler",
+    )
+
+    def validate(self) -> list[str]:
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            return [
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler"
+                " cannot both be set"
+            ]
+        return []
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    fp16: bool = option(False, "fp16 parameters, fp32 master weights, dynamic loss scaling.")
+    bf16: bool = option(False, "bf16 parameters with fp32 master weights and gradients.")
+    loss_scale: float | None = option(None, "Static loss scale for --fp16 (default: dynamic).")
+    initial_loss_scale: float = option(2.0**32, "Starting dynamic loss scale.")
+    min_loss_scale: float = option(1.0, "Smallest dynamic loss scale.")
+    loss_scale_window: int = option(1000, "Clean steps before the loss scale doubles.")
+    hysteresis: int = option(2, "Overflowing steps tolerated before the loss scale halves.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.fp16 and self.bf16:
+            errors.append("--fp16 and --bf16 cannot both be set")
+        if self.loss_scale is not None and self.loss_scale <= 0:
+            errors.append("--loss-scale must be positive")
+        if self.hysteresis < 1 or self.loss_scale_window < 1:
+            errors.append("--hysteresis and --loss-scale-window must be at least 1")
+        if not (self.initial_loss_scale > 0 and self.min_loss_scale > 0):
+            errors.append("--initial-loss-scale and --min-loss-scale must be positive")
+        return errors
+
+    @property
+    def params_dtype(self) -> str:
+        return "float16" if self.fp16 else "bfloat16" if self.bf16 else "float32"
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: str | None = option(None, "Directory to save checkpoints to.")
+    load: str | None = option(None, "Directory to resume from (its latest complete checkpoint).")
+    save_interval: int | None = option(None, "Save every N iterations (and at the end).")
+    ckpt_format: str = option("torch", "Checkpoint backend plugin.")
+
+    def validate(self) -> list[str]:
+        if self.save_interval is not None and self.save_interval < 1:
+            return ["--save-interval must be at least 1"]
+        return []
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    tensorboard_dir: str | None = option(None, "Write TensorBoard event files here.")
+    run_dir: str | None = option(
+        None, "Where metrics.jsonl goes (default: the --save directory, else runs/<time>)."
+    )
+
+    def validate(self) -> list[str]:
+        import importlib.util
+
+        from mega.core.checkpoint.store import unwritable_reason
+
+        errors = []
+        for flag, path in (
+            ("--run-dir", self.run_dir),
+            ("--tensorboard-dir", self.tensorboard_dir),
+        ):
+            problem = path and unwritable_reason(Path(path))
+            if problem:
+                errors.append(f"{flag} {path}: not a writable directory ({problem})")
+        if self.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+            errors.append(
+                "--tensorboard-dir needs the tensorboard package: pip install 'mega[tensorboard]'"
+            )
+        return errors
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: list[str] = option(
+        [], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2.", nargs="+"
+    )
+    split: str = option("969,30,1", "Train/valid/test proportions, e.g. 949,50,1.")
+    mock_data: bool = option(False, "Synthetic tokens (for throughput runs).")
+    dataset: str | None = option(
+        None, "Dataset plugin (default: mock, data-path or embedded text)."
+    )
+    tokenizer_type: str | None = option(None, "Tokenizer plugin (default: the dataset's choice).")
+    make_vocab_size_divisible_by: int = option(128, "Pad the vocabulary to a multiple of this.")
+    data_cache_path: str | None = option(None, "Where dataset index caches go.")
+
+    def validate(self) -> list[str]:
+        if self.make_vocab_size_divisible_by < 1:
+            return ["--make-vocab-size-divisible-by must be at least 1"]
+        return []
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    parallel: str | None = option(
+        None,
+        "Schedule plugin that runs forward and backward: no-pipelining, gpipe, 1f1b, interleaved"
+        " or a plugin's (default: no-pipelining on one stage, 1f1b with pipeline stages,"
+        " interleaved with virtual stages).",
+    )
+    tensor_model_parallel_size: int = option(
+        1, "Tensor-parallel size (ranks splitting each layer)."
+    )
+    pipeline_model_parallel_size: int = option(1, "Pipeline-parallel size (stages).")
+    virtual_pipeline_model_parallel_size: int | None = option(
+        None, "Model chunks (virtual stages) per pipeline rank, for --parallel interleaved."
+    )
+    num_layers_per_virtual_pipeline_stage: int | None = option(
+        None, "Layers per virtual stage (sets the virtual stages per pipeline rank)."
+    )
+    decoder_first_pipeline_num_layers: int | None = option(
+        None, "Layers on the first pipeline stage (uneven split; the rest are spread evenly)."
+    )
+    decoder_last_pipeline_num_layers: int | None = option(
+        None, "Layers on the last pipeline stage (uneven split; the rest are spread evenly)."
+    )
+    pipeline_model_parallel_layout: str | None = option(
+        None,
+        "Layers of every virtual stage, e.g. 'Et*7|t*6|t*6|t*5L' (E embedding, t layer, L loss,"
+        " | between stages in virtual-stage order, t*N and (...)*N repeat).",
+    )
+    overlap_p2p_communication: bool = option(
+        False,
+        "Overlap pipeline sends and receives with compute: wait for a received tensor only "
+        "when a chunk needs it, and for sends at the end of the step.",
+    )
+    context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
+    expert_model_parallel_size: int = option(1, "Expert-parallel size.")
+    sequence_parallel: bool = option(
+        False, "Shard norm/dropout activations along the sequence over the tensor-parallel group."
+    )
+    use_distributed_optimizer: bool = option(
+        False, "Shard fp32 master weights and Adam state over the data-parallel ranks."
+    )
+    overlap_grad_reduce: bool = option(
+        False, "Reduce gradient buckets during the backward pass of the last micro-batch."
+    )
+    ddp_bucket_size: int | None = option(
+        None, "Elements per gradient bucket (default max(40M, 1M x data-parallel size))."
+    )
+    recompute_granularity: str | None = option(
+        None,
+        "Recompute activations in backward: full (whole layers) or selective (core attention).",
+        choices=("full", "selective"),
+    )
+    recompute_method: str | None = option(
+        None,
+        "With full: uniform (checkpoint groups of --recompute-num-layers layers) or block "
+        "(recompute only the first --recompute-num-layers layers).",
+        choices=("uniform", "block"),
+    )
+    recompute_num_layers: int | None = option(
+        None, "Layers per group (uniform) or recomputed (block)."
+    )
+    distributed_backend: str | None = option(
+        None, "Process-group backend (default nccl on GPU, gloo on CPU).", choices=("nccl", "gloo")
+    )
+    distributed_timeout_minutes: float = option(
+        10.0, "A collective that waits longer than this fails the run instead of hanging it."
+    )
+
+    def sizes(self) -> dict[str, int]:
+        """The model-parallel sizes by dimension, in the topology's names."""
+        return {
+            "tp": self.tensor_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": self.expert_model_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+        }
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.overlap_p2p_communication and self.pipeline_model_parallel_size == 1:
+            errors.append("--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")
+        if self.recompute_granularity == "full" and self.recompute_method is None:
+            errors.append("--recompute-granularity full needs --recompute-method uniform or block")
+        if self.recompute_method is not None and self.recompute_granularity != "full":
+            errors.append("--recompute-method applies only with --recompute-granularity full")
+        if self.recompute_method is not None and (self.recompute_num_layers or 0) < 1:
+            errors.append(
+                f"--recompute-method {self.recompute_method} needs --recompute-num-layers >= 1"
+            )
+        if (
+            self.virtual_pipeline_model_parallel_size is not None
+            and self.num_layers_per_virtual_pipeline_stage is not None
+        ):
+            errors.append(
+                "give --virtual-pipeline-model-parallel-size or"
+                " --num-layers-per-virtual-pipeline-stage, not both"
+            )
+        for flag, value in (
+            ("--virtual-pipeline-model-parallel-size", self.virtual_pipeline_model_parallel_size),
+            ("--num-layers-per-virtual-pipeline-stage", self.num_layers_per_virtual_pipeline_stage),
+        ):
+            if value is not None and value < 1:
+                errors.append(f"{flag} must be at least 1 (got {value})")
+        for flag, value in (
+            ("--decoder-first-pipeline-num-layers", self.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", self.decoder_last_pipeline_num_layers),
+        ):
+            if value is not None and value < 0:
+                errors.append(f"{flag} must not be negative (got {value})")
+        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
+            errors.append("--ddp-bucket-size must be at least 1")
+        if self.distributed_timeout_minutes <= 0:
+            errors.append("--distributed-timeout-minutes must be positive")
+        return errors
+
+
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """How many processes to start; read by ``mega train`` before any worker exists."""
+
+    nproc_per_node: int = option(1, "Worker processes to start on this node (torch elastic).")
+    nnodes: int = option(1, "Number of nodes taking part.")
+    node_rank: int = option(0, "This node's index among --nnodes.")
+    master_addr: str = option("127.0.0.1", "Address of node 0 (rendezvous).")
+    master_port: int = option(29500, "Port on node 0 for the rendezvous.")
+
+    def validate(self) -> list[str]:
+        errors = []
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            errors.append("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= self.node_rank < max(self.nnodes, 1):
+            errors.append(f"--node-rank must lie in [0, --nnodes) (got {self.node_rank})")
+        if not 0 < self.master_port < 65536:
+            errors.append(f"--master-port must be a port number (got {self.master_port})")
+        return errors
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+# The engine's sections: section name -> dataclass. Plugin sections are "model", "tokenizer",
+# "dataset"; their classes come from the selected plugins' specs.
+CORE_SECTIONS: dict[str, type] = {
+    "training": TrainingConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "launch": LaunchConfig,
+}
+PLUGIN_SECTIONS = ("model", "tokenizer", "dataset")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run needs, typed. Built once by ``mega.core.config.resolve.resolve_config``."""
+
+    model_name: str
+    tokenizer_name: str
+    dataset_name: str
+    model: Any
+    tokenizer: Any
+    dataset: Any
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    scheduler: SchedulerConfig
+    precision: PrecisionConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    launch: LaunchConfig
+    # Processes in the job: WORLD_SIZE under torchrun/SLURM, else --nproc-per-node x --nnodes.
+    world_size: int = 1
+
+    def sections(self) -> dict[str, Any]:
+        """Section name -> dataclass instance, in a stable order (for writing and display)."""
+        names = ["model", "tokenizer", "dataset", *CORE_SECTIONS]
+        return {name: getattr(self, name) for name in names}
+
+    @property
+    def data_parallel_size(self) -> int:
+        return max(self.world_size // math.prod(self.parallel.sizes().values()), 1)
+
+    @property
+    def global_batch_size(self) -> int:
+        mbs = self.training.micro_batch_size
+        return self.training.global_batch_size or mbs * self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.training.micro_batch_size * self.data_parallel_size)

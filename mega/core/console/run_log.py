@@ -1,0 +1,128 @@
+"""A run's record: its files (resolved config, plugin versions), the iteration and evaluation
+lines, and the metrics sinks. Rank 0 writes; every rank joins the reductions of what is logged."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mega.core.checkpoint.store import atomic_write_text
+from mega.core.config.resolve import resolved_as_dict
+from mega.core.config.run_files import plugins_txt, to_toml
+from mega.core.config.sections import RunConfig
+from mega.core.console.display import Display
+from mega.core.console.metrics import (
+    IntervalStats,
+    JsonlSink,
+    TensorBoardSink,
+    format_eval_line,
+    format_iteration_line,
+)
+from mega.parallel import comm
+from mega.parallel.topology import Topology
+
+
+class RunLog:
+    def __init__(
+        self,
+        config: RunConfig,
+        topology: Topology,
+        device: torch.device,
+        display: Display,
+        flops_per_token: float,
+    ) -> None:
+        self.config, self.topology, self.device = config, topology, device
+        self.display, self.flops_per_token = display, flops_per_token
+        self.sinks: list[Any] = []
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        c = config
+        self.run_dir = Path(
+            c.logging.run_dir or c.checkpoint.save or f"runs/{c.model_name}-{stamp}"
+        )
+
+    def open(self, plugins: Any) -> None:
+        """Write the resolved config and plugin versions; open the metrics sinks (rank 0)."""
+        cfg = self.config
+        if not self.topology.is_rank0:  # one writer of the run's files: rank 0
+            return
+        for directory in {self.run_dir, Path(cfg.checkpoint.save or self.run_dir)}:
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(directory / "config.resolved.toml", to_toml(resolved_as_dict(cfg)))
+            atomic_write_text(directory / "plugins.txt", plugins_txt(plugins))
+        self.sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+        if cfg.logging.tensorboard_dir:
+            self.sinks.append(TensorBoardSink(cfg.logging.tensorboard_dir))
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def dp_mean(self, values: list[torch.Tensor]) -> list[float]:
+        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host.
+        Only the last pipeline stage has losses (the others hold zeros): summed over the stages."""
+        if not values:
+            return []
+        stacked = torch.stack(values).float()
+        comm.all_reduce(stacked, self.topology.group("pp"))
+        group = self.topology.group("dp")
+        if group is not None:
+            comm.all_reduce(stacked, group)
+            stacked /= self.topology.data_parallel_size
+        return stacked.tolist()
+
+    def _peak_memory_gb(self) -> float:
+        """The largest peak of allocated GPU memory over all ranks so far, in GiB."""
+        peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
+        if self.topology.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        return float(peak) / 2**30
+
+    def iteration_line(
+        self, interval: IntervalStats, result: Any, progress: dict[str, int]
+    ) -> tuple[dict[str, float], int]:
+        """Sync the interval's losses once, print the iteration line, feed the sinks.
+        ``progress`` holds iteration, consumed_samples, skipped_total and nan_total (before this
+        interval's NaNs). Returns the line's metrics and the interval's NaN iterations."""
+        cfg, t = self.config, self.config.training
+        elapsed_ms = interval.elapsed_ms_per_iteration()
+        losses = self.dp_mean(interval.losses)
+        finite = [x for x in losses if math.isfinite(x)]
+        # Megatron counts a NaN iteration when a *skipped* step's loss was inf or NaN
+        nan_count = sum(not math.isfinite(x) for x in self.dp_mean(interval.skipped_losses))
+        tokens_per_s = cfg.global_batch_size * t.seq_length / (elapsed_ms / 1000.0)
+        metrics: dict[str, float] = {
+            "iteration": progress["iteration"],
+            "consumed_samples": progress["consumed_samples"],
+            "elapsed_ms": elapsed_ms,
+            "learning_rate": result.learning_rate,
+            "global_batch_size": cfg.global_batch_size,
+            "loss_scale": result.loss_scale,
+            "skipped_iterations": interval.skipped,
+            "nan_iterations": nan_count,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_gpu": tokens_per_s * self.flops_per_token / 1e12 / self.topology.world_size,
+        }
+        if finite:
+            metrics["lm_loss"] = sum(finite) / len(finite)
+        if interval.grad_norm is not None:
+            metrics["grad_norm"] = float(interval.grad_norm)
+        if self.device.type == "cuda":
+            metrics["max_memory_gb"] = self._peak_memory_gb()
+        self.display.print(format_iteration_line(metrics, t.train_iters))
+        nan_total = progress["nan_total"] + nan_count
+        self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
+        return metrics, nan_count
+
+    def evaluation_line(self, label: str, loss: float, iteration: int) -> None:
+        self.display.print(format_eval_line(label, loss))
+        self.write({"iteration": iteration, "valid_lm_loss": loss})

@@ -1,0 +1,226 @@
+"""Discover plugins through the ``mega`` entry-point group and fill the registries.
+
+Built-in plugins come through the same group (mega's own pyproject lists them), so there is one
+discovery path. Environment switches, applied to third-party plugins only:
+
+- ``MEGA_DISABLE_PLUGIN_AUTOLOAD=1``: load no third-party entry points.
+- ``MEGA_PLUGINS=dist-a,dist-b``: load only these third-party distributions (empty: none).
+- ``MEGA_BLOCK_PLUGINS=name,...``: block plugins by entry-point name (built-ins included).
+- ``MEGA_PLUGINS_DIR=DIR``: also load every ``*.py`` file in DIR as a plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.core.plugins import hookspecs
+from mega.core.plugins.registry import REGISTRY_HOOKS, DuplicateNameError, Registry
+
+GROUP = "mega"
+BUILTIN_DIST = "mega"
+
+
+@dataclass
+class PluginInfo:
+    """One loaded (or failed) plugin, as ``mega plugins`` shows it."""
+
+    name: str
+    dist: str
+    version: str
+    builtin: bool
+    module: str
+    error: str | None = None
+    registers: dict[str, list[str]] = field(default_factory=dict)
+
+
+@dataclass
+class Plugins:
+    """The plugin manager plus the registries its plugins filled. Build one per command."""
+
+    pm: pluggy.PluginManager
+    infos: list[PluginInfo]
+    registries: dict[str, Registry[Any]]
+    problems: list[str]  # duplicate names: fatal for commands that use the registries
+
+    def failures(self) -> list[PluginInfo]:
+        """Plugins that failed to import or to register (shown as warnings, never fatal)."""
+        return [info for info in self.infos if info.error]
+
+    @property
+    def models(self) -> Registry[Any]:
+        return self.registries["model"]
+
+    @property
+    def tokenizers(self) -> Registry[Any]:
+        return self.registries["tokenizer"]
+
+    @property
+    def datasets(self) -> Registry[Any]:
+        return self.registries["dataset"]
+
+    @property
+    def parallel(self) -> Registry[Any]:
+        return self.registries["parallel"]
+
+    @property
+    def checkpoint_backends(self) -> Registry[Any]:
+        return self.registries["checkpoint backend"]
+
+    @property
+    def commands(self) -> Registry[Any]:
+        return self.registries["command"]
+
+    def check(self) -> None:
+        """Raise the collected duplicate-name errors, all together."""
+        if self.problems:
+            raise MegaUsageError(self.problems)
+
+
+def _split_env(name: str) -> list[str] | None:
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _wanted(ep: importlib.metadata.EntryPoint, builtin: bool) -> bool:
+    if builtin:
+        return True
+    if os.environ.get("MEGA_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
+        return False
+    allow = _split_env("MEGA_PLUGINS")
+    return allow is None or ep.dist.name in allow or ep.name in allow
+
+
+def _load_dir(directory: Path, blocked: set[str]) -> list[tuple[str, Any, str | None]]:
+    """Loose ``*.py`` plugin files, blocked ones skipped: (name, module or None, error)."""
+    loaded = []
+    for path in sorted(directory.glob("*.py")):
+        if path.stem in blocked:
+            continue
+        name = f"mega_plugins_dir.{path.stem}"
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            loaded.append((path.stem, module, None))
+        except Exception as exc:  # a broken plugin is reported, not fatal
+            loaded.append((path.stem, None, f"{type(exc).__name__}: {exc}"))
+    return loaded
+
+
+def make_plugins(*, load_entrypoints: bool = True, extra: list[tuple[str, Any]] = ()) -> Plugins:
+    """Build a plugin manager, load plugins, and fill the registries.
+
+    :param load_entrypoints: load the ``mega`` entry-point group (built-ins included). Tests pass
+        False plus ``extra`` to build a manager from explicit plugin objects.
+    :param extra: ``(name, plugin)`` pairs registered after the entry points.
+    """
+    pm = pluggy.PluginManager(GROUP)
+    pm.add_hookspecs(hookspecs)
+    blocked = set(_split_env("MEGA_BLOCK_PLUGINS") or [])
+    infos: list[PluginInfo] = []
+
+    if load_entrypoints:
+        eps = sorted(importlib.metadata.entry_points(group=GROUP), key=lambda e: e.name)
+        if not any(ep.dist and ep.dist.name == BUILTIN_DIST for ep in eps):
+            raise MegaUsageError(
+                "mega's built-in plugins are not installed: run `pip install -e .` in the checkout"
+            )
+        for ep in eps:
+            dist = ep.dist.name if ep.dist else "?"
+            builtin = dist == BUILTIN_DIST
+            if ep.name in blocked or not _wanted(ep, builtin):
+                continue
+            info = PluginInfo(ep.name, dist, ep.dist.version if ep.dist else "?", builtin, ep.value)
+            infos.append(info)
+            try:
+                plugin = ep.load()
+            except Exception as exc:  # reported by `mega plugins`, other plugins still load
+                info.error = f"{type(exc).__name__}: {exc}"
+                continue
+            _register(pm, plugin, info)
+
+    plugins_dir = os.environ.get("MEGA_PLUGINS_DIR")
+    if plugins_dir:
+        for name, module, error in _load_dir(Path(plugins_dir), blocked):
+            info = PluginInfo(name, f"file:{plugins_dir}", "-", False, f"{name}.py", error)
+            infos.append(info)
+            if module is not None:
+                _register(pm, module, info)
+
+    for name, plugin in extra:
+        info = PluginInfo(name, "(in process)", "-", False, getattr(plugin, "__name__", name))
+        infos.append(info)
+        _register(pm, plugin, info)
+
+    pm.check_pending()
+    registries, problems = _fill_registries(pm, {i.name: i for i in infos if i.error is None})
+    return Plugins(pm=pm, infos=infos, registries=registries, problems=problems)
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, info: PluginInfo) -> None:
+    """Register ``plugin``; one that pluggy rejects, or that implements a hook mega does not
+    have (a typo such as ``register_model``), is unregistered and reported instead."""
+    try:
+        pm.register(plugin, name=info.name)
+    except Exception as exc:  # a hookimpl whose arguments do not match its hookspec
+        info.error = f"{type(exc).__name__}: {exc}"
+        return
+    unknown = [
+        name
+        for name, caller in vars(pm.hook).items()
+        if not caller.has_spec() and any(i.plugin is plugin for i in caller.get_hookimpls())
+    ]
+    if unknown:
+        pm.unregister(plugin)
+        known = [name for name, caller in vars(pm.hook).items() if caller.has_spec()]
+        info.error = "; ".join(unknown_name_message("hook", name, known) for name in unknown)
+
+
+def _fill_registries(
+    pm: pluggy.PluginManager, infos: dict[str, PluginInfo]
+) -> tuple[dict[str, Registry[Any]], list[str]]:
+    """Call each ``register_*`` hook plugin by plugin, so every spec knows who provided it."""
+    registries: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in REGISTRY_HOOKS}
+    problems: list[str] = []
+    for kind, hook_name in REGISTRY_HOOKS.items():
+        registry = registries[kind]
+        for impl in getattr(pm.hook, hook_name).get_hookimpls():
+            provider = impl.plugin_name
+            info = infos.get(provider)
+
+            register = _callback(registry, kind, provider, info, problems)
+            try:
+                impl.function(register=register)
+            except Exception as exc:  # reported like an import failure, not fatal to the rest
+                if info is not None:
+                    info.error = f"{hook_name}: {type(exc).__name__}: {exc}"
+    return registries, problems
+
+
+def _callback(
+    registry: Registry[Any], kind: str, provider: str, info: PluginInfo | None, problems: list[str]
+):
+    """The ``register`` a plugin's hook receives: it records which plugin provided each spec."""
+
+    def register(spec: Any) -> None:
+        try:
+            registry.add(spec, provider)
+        except DuplicateNameError as exc:
+            problems.append(str(exc))
+            return
+        if info is not None:
+            info.registers.setdefault(kind, []).append(spec.name)
+
+    return register

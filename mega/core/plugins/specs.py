@@ -1,0 +1,156 @@
+"""What a plugin registers: small frozen dataclasses, one per registry.
+
+Every spec names a ``config_cls``: a plain dataclass, importable without torch, whose fields
+become command-line flags (``num_layers`` -> ``--num-layers``) and config-file keys. Help text
+lives in ``field(metadata={"help": ...})``. Factories receive their own config instance plus a
+small context object; they import torch inside, so that discovering plugins stays cheap.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:  # pragma: no cover - imported for type checkers only
+    import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuildContext:
+    """What a model, tokenizer or dataset factory may know about the run besides its own config."""
+
+    seed: int
+    device: str  # "cpu" or "cuda"
+    params_dtype: str  # "float32", "bfloat16" or "float16"
+    seq_length: int
+    padded_vocab_size: int = 0  # 0 until the tokenizer is built
+    tokenizer: Any = None
+    topology: Any = None
+
+
+class Tokenizer(Protocol):
+    """The interface every tokenizer plugin's object provides (Megatron's names)."""
+
+    vocab_size: int  # unpadded
+    eod: int
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+
+class SampleSource(Protocol):
+    """A map-style split of a dataset: sample ``i`` is always the same, on every rank and run.
+
+    ``__getitem__`` returns ``{"tokens": int64[s], "labels": int64[s], "loss_mask": float32[s]}``
+    as numpy arrays; determinism is what lets ``--load`` resume at the exact data position.
+    """
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSplits:
+    train: SampleSource
+    valid: SampleSource | None = None
+    test: SampleSource | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataRequest:
+    """What the engine asks a dataset factory for (Megatron's get_train_valid_test_num_samples)."""
+
+    split: str  # e.g. "969,30,1"
+    data_path: tuple[str, ...]
+    num_samples: tuple[int, int, int]  # train, valid, test
+    cache_path: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A model family. ``build`` returns a single-device ``nn.Module``; parallelism is applied outside.
+
+    The module's ``forward(tokens, labels=None)`` takes int64 ``[b, s]`` token ids and returns the
+    logits ``[b, s, v]`` or, given labels, the per-token loss ``[b, s]`` in float32. If forward
+    also has parameters named ``position_ids`` (``[b, s]``) or ``attention_mask`` (bool
+    ``[b, 1, s, s]``, True = masked), the engine passes them when the dataset provides them.
+    """
+
+    name: str
+    config_cls: type
+    build: Callable[[Any, BuildContext], torch.nn.Module]
+    # Training FLOPs per token (forward + backward) for (model config, seq_length, padded vocab).
+    flops_per_token: Callable[[Any, int, int], float]
+    description: str = ""
+    # model config -> ParallelPlan (mega.parallel.plan); None: the model runs on one rank
+    # per replica only (data parallel works, tensor/sequence parallel and recompute do not)
+    parallel_plan: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSpec:
+    """A tokenizer, selected by ``--tokenizer-type NAME`` (Megatron's names where they exist)."""
+
+    name: str
+    config_cls: type
+    build: Callable[[Any], Tokenizer]
+    description: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetSpec:
+    """A dataset, selected by ``--dataset NAME`` (or implied by ``--mock-data`` / ``--data-path``)."""
+
+    name: str
+    config_cls: type
+    build: Callable[[Any, DataRequest, BuildContext], DatasetSplits]
+    description: str = ""
+    # The tokenizer used when the run does not choose one (None: the run must choose).
+    default_tokenizer: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineScheduleSpec:
+    """A schedule, selected by ``--parallel NAME``: a table of actions, not an engine. Every run
+    goes through one: ``no-pipelining`` is the one-stage table ``F0 B0 F1 B1 ...``.
+
+    ``table(pp, vpp, m)`` returns, for every pipeline rank ``0..pp-1``, its ordered list of
+    actions (``mega.parallel.pipeline.actions``: ``Forward``/``Backward`` of a micro-batch
+    on a local model chunk, ``Send``/``Recv`` of activations and gradients). One executor runs any
+    table; ``mega schedule`` simulates it. Pure Python: building a table must not import torch.
+
+    ``min_microbatches(pp, vpp)`` is the fewest micro-batches per global batch the table runs
+    with; ``analytic_bubble(pp, vpp, m)`` the closed-form idle fraction with unit forward and
+    backward costs, or None. ``interleaved``: the table runs ``vpp > 1`` chunks per rank.
+    ``max_pp``: the most pipeline ranks the table is for (1 for ``no-pipelining``), or None.
+    """
+
+    name: str
+    table: Callable[[int, int, int], Any]
+    description: str = ""
+    interleaved: bool = False
+    min_pp: int = 1
+    max_pp: int | None = None
+    min_microbatches: Callable[[int, int], int] = field(default=lambda pp, vpp: 1)
+    analytic_bubble: Callable[[int, int, int], float | None] = field(
+        default=lambda pp, vpp, m: None
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointBackendSpec:
+    """Stores one checkpoint's state in a directory the engine created for it.
+
+    ``save(directory, state)`` writes a nested dict of tensors and plain Python values
+    (str, int, float, bool, None, list, dict). ``load(directory)`` returns it, and must never
+    unpickle arbitrary code. The engine owns directory naming, the completion marker and
+    the ``latest`` tracker; a backend only writes and reads files.
+    """
+
+    name: str
+    save: Callable[[Any, dict[str, Any]], list[str]]  # returns the file names it wrote
+    load: Callable[[Any], dict[str, Any]]
+    description: str = ""

@@ -1,0 +1,263 @@
+"""The training loop: join the job, build the run's parts, then step, log, evaluate and save.
+
+plugins = make_plugins()
+config = resolve_config(["--model", "gpt", "--train-iters", "100"], plugins)
+Engine(config, plugins).train()
+
+Every step goes through the run's schedule table (``no-pipelining`` is the one-stage table), run
+by the one executor: there is one step path whatever the layout.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mega import hookimpl
+from mega.core.checkpoint.state import restore_training_state, training_state
+from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
+from mega.core.config.sections import RunConfig
+from mega.core.console.display import Display
+from mega.core.console.metrics import IntervalStats
+from mega.core.console.run_log import RunLog
+from mega.core.errors import MegaRunError
+from mega.core.plugins.manager import Plugins
+from mega.core.training.batches import global_batch
+from mega.core.training.build import build_run
+from mega.core.training.rng import seed_everything
+from mega.core.training.step import StepResult
+from mega.parallel.distributed import join_job
+from mega.parallel.topology import Topology
+
+
+class CoreHooks:
+    """The engine's own hook implementations; plugins wrap them."""
+
+    @hookimpl(trylast=True)
+    def train_step(self, engine: Engine, microbatches: list, iteration: int) -> StepResult:
+        return engine.run_step(microbatches, iteration)
+
+
+class Engine:
+    """One training run. ``train()`` builds everything (``setup``) and runs the loop."""
+
+    def __init__(self, config: RunConfig, plugins: Plugins, display: Display | None = None):
+        self.config = config
+        self.plugins = plugins
+        self.display = display or Display()
+        self.topology = Topology()
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.skipped_total = 0
+        self.nan_total = 0
+        self._last_saved: int | None = None
+        self.interval = IntervalStats()  # what the next iteration line will summarise
+        if not plugins.pm.has_plugin("mega-core"):
+            plugins.pm.register(CoreHooks(), name="mega-core")
+
+    def setup(self) -> None:
+        cfg, t = self.config, self.config.training
+        self.device, self.topology = join_job(cfg)
+        if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
+            self.display = Display(enabled=False, rank=self.topology.rank)
+        # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
+        # per parameter name), dropout and other runtime randomness do.
+        seed_everything(t.seed + 100 * self.topology.pp_rank)
+        self.plugins.pm.hook.topology_ready(topology=self.topology)
+        parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
+        self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model
+        self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
+        self.lr_schedule, self.flops_per_token = parts.lr_schedule, parts.flops_per_token
+        self.log = RunLog(cfg, self.topology, self.device, self.display, parts.flops_per_token)
+        self.run_dir = self.log.run_dir
+        if cfg.checkpoint.load:
+            self._load(cfg.checkpoint.load)
+        self.log.open(self.plugins)
+        gbs = cfg.global_batch_size
+        self.display.panel(
+            "mega",
+            [
+                f"model {cfg.model_name}: {parts.num_parameters:,} parameters,"
+                f" {cfg.precision.params_dtype}",
+                f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
+                f"global batch {gbs} = {cfg.num_microbatches} micro-batches x {t.micro_batch_size}",
+                f"{self.topology.describe()} on {self.device}, schedule {cfg.parallel.parallel}",
+                f"run directory {self.run_dir}",
+            ],
+        )
+
+    # ------------------------------------------------------------------ one step
+
+    def run_step(self, microbatches: list[dict[str, torch.Tensor]], iteration: int) -> StepResult:
+        """Forward/backward over the global batch through the schedule, then the optimizer."""
+        # Megatron's scheduler advances only on successful steps, and a step uses the LR it held
+        # before stepping; the line logs the LR after this step, as Megatron's does.
+        successful = iteration - 1 - self.skipped_total
+        lr = self.lr_schedule.lr_at(successful)
+        self.buffer.start_step(len(microbatches))
+        losses = self.executor.forward_backward(microbatches, grad_scale=self.optimizer.loss_scale)
+        self.buffer.finish_grad_sync()
+        outcome = self.optimizer.step(lr, iteration)
+        return StepResult(
+            loss=self._batch_loss(losses),
+            skipped=outcome.skipped,
+            grad_norm=outcome.grad_norm,
+            learning_rate=self.lr_schedule.lr_at(successful + (0 if outcome.skipped else 1)),
+            loss_scale=self.optimizer.loss_scale,
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def train(self) -> dict[str, float]:
+        """Train to ``--train-iters``; returns the metrics of the last iteration line."""
+        cfg, t = self.config, self.config.training
+        gbs, hook = cfg.global_batch_size, self.plugins.pm.hook
+        last: dict[str, float] = {}
+        error: BaseException | None = None
+        try:
+            self.setup()
+            self.display.start_progress(t.train_iters, self.iteration, "training")
+            while self.iteration < t.train_iters:
+                iteration = self.iteration + 1
+                self.model.train()
+                batch = self._microbatches(self.splits.train, self.consumed_samples)
+                result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
+                self.iteration, self.consumed_samples = iteration, self.consumed_samples + gbs
+                self.interval.add(result)
+                self.skipped_total += result.skipped
+                metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
+                # iteration 1 too, so a run shows where its loss started
+                if iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+                    self._stop_if_nonfinite()  # the line syncs anyway
+                    metrics.update(self._log_interval(result))
+                    last = metrics
+                hook.step_end(engine=self, iteration=iteration, metrics=metrics)
+                self.display.advance(iteration, f"loss {last.get('lm_loss', float('nan')):.3f}")
+                if (
+                    self.splits.valid is not None
+                    and t.eval_iters
+                    and iteration % t.eval_interval == 0
+                ):
+                    first = (iteration // t.eval_interval - 1) * t.eval_iters * gbs
+                    self._evaluate(
+                        self.splits.valid, first, f"validation loss at iteration {iteration}"
+                    )
+                save_every = cfg.checkpoint.save_interval
+                if cfg.checkpoint.save and save_every and iteration % save_every == 0:
+                    self.save()
+            self._stop_if_nonfinite()
+            if cfg.checkpoint.save and self._last_saved != self.iteration:
+                self.save()
+            self.display.stop_progress()
+            self._final_evaluation()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.display.stop_progress()
+            hook.shutdown(engine=self, exc=error)
+            if hasattr(self, "log"):
+                self.log.close()
+        return last
+
+    def _log_interval(self, result: StepResult) -> dict[str, float]:
+        progress = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "skipped_total": self.skipped_total,
+            "nan_total": self.nan_total,
+        }
+        metrics, nan_count = self.log.iteration_line(self.interval, result, progress)
+        self.nan_total += nan_count
+        self.interval = IntervalStats()
+        return metrics
+
+    def _stop_if_nonfinite(self) -> None:
+        """Megatron's --check-for-nan-in-loss-and-grad. The optimizer skipped the update of any
+        step whose gradients held NaN or inf; stop the run here, where the host syncs anyway."""
+        bad = self.optimizer.first_nonfinite()
+        if bad is not None:
+            iteration, norm = bad
+            raise MegaRunError(
+                f"iteration {iteration}: NaN or inf in the gradients (the gradient norm is "
+                f"{norm}); that update was not applied, and the run stopped at iteration "
+                f"{self.iteration}. Lower --lr, or use --fp16 loss scaling to skip such steps"
+            )
+
+    def _microbatches(self, source: Any, first_sample: int) -> list[dict[str, torch.Tensor]]:
+        """This data-parallel rank's share of the global batch starting at ``first_sample``."""
+        t, topo = self.config.training, self.topology
+        return global_batch(
+            source,
+            first_sample,
+            self.config.global_batch_size,
+            t.micro_batch_size,
+            self.device,
+            topo.dp_rank,
+            topo.data_parallel_size,
+        )
+
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of this rank's micro-batch losses; 0 on pipeline stages without the loss."""
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(losses).mean()
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, source: Any, first_sample: int) -> float:
+        """Mean lm loss over ``--eval-iters`` global batches starting at ``first_sample``."""
+        t, gbs = self.config.training, self.config.global_batch_size
+        self.model.eval()
+        losses = []
+        for k in range(t.eval_iters):
+            losses += self.executor.forward_only(self._microbatches(source, first_sample + k * gbs))
+        self.model.train()
+        return self.log.dp_mean([self._batch_loss(losses)])[0]
+
+    def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
+        started = time.perf_counter()
+        loss = self.evaluate(source, first_sample)
+        self.interval.excluded += time.perf_counter() - started  # not training time
+        self.log.evaluation_line(label, loss, self.iteration)
+        return loss
+
+    def _final_evaluation(self) -> None:
+        t, gbs = self.config.training, self.config.global_batch_size
+        if not t.eval_iters:
+            return
+        if self.splits.valid is not None:
+            first = (t.train_iters // t.eval_interval) * t.eval_iters * gbs
+            self._evaluate(self.splits.valid, first, "validation loss at the end of training")
+        if self.splits.test is not None:
+            self._evaluate(self.splits.test, 0, "test loss at the end of training")
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        return training_state(self)
+
+    def save(self) -> Path:
+        self._stop_if_nonfinite()
+        cfg = self.config.checkpoint
+        backend = self.plugins.checkpoint_backends.get(cfg.ckpt_format)
+        started = time.perf_counter()
+        path = save_checkpoint(cfg.save, self.iteration, self.state_dict(), backend)
+        self.interval.excluded += time.perf_counter() - started  # not training time
+        self._last_saved = self.iteration
+        self.display.print(f" saved checkpoint at iteration {self.iteration:8d} to {path}")
+        self.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=self.iteration)
+        return path
+
+    def _load(self, path: str) -> None:
+        if find_checkpoint(path) is None:  # --load == --save on a first run: start fresh
+            self.display.print(f" no checkpoint in {path} yet: starting from scratch")
+            return
+        directory, state = load_checkpoint(path, self.plugins.checkpoint_backends)
+        restore_training_state(self, directory, state)
+        self._last_saved = self.iteration
+        self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")

@@ -1,0 +1,272 @@
+"""AdamW over fp32 master weights and fp32 gradients, optionally sharded over data-parallel ranks.
+
+Gradients arrive in the ``main_grad`` views of a :class:`ParamAndGradBuffer`, already reduced over
+the data-parallel ranks. The optimizer updates the slices of the parameters this rank owns: all of
+them, or with the distributed optimizer (``--use-distributed-optimizer``) its 1/DP shard of every
+bucket, whose fp32 masters and Adam state are the only ones it keeps.
+
+fp32 runs: the masters are views of the parameters themselves. bf16/fp16 runs (Megatron's mixed
+precision): the masters are fp32 copies, written back into the low-precision parameters after
+each step. A step unscales (fp16), skips on inf/NaN, clips the global norm (summed over every
+model-parallel and, sharded, data-parallel rank, each parameter counted once), runs AdamW and,
+sharded, all-gathers the updated parameters.
+
+The update is :func:`mega.parallel.data.flat_adamw.adamw_flat_`: AdamW, the clip factor, the skip and the
+copy into the bf16 parameters in one pass over flat state (one compiled kernel per run of the
+buffer on a GPU), instead of PyTorch's fused AdamW over a list of tensors plus a copy.
+
+Without a loss scaler (fp32, bf16) a step never waits for the GPU: clipping is folded into the
+update (it divides each gradient by ``grad_scale``, the clip factor's inverse) instead of a
+separate pass over the gradients, and a NaN or inf norm skips the update on the device. The first
+such step is remembered on the device and reported by :meth:`MixedPrecisionAdamW.first_nonfinite`
+whenever the engine syncs anyway (iteration lines, checkpoints, the end of training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mega.core.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
+from mega.parallel import comm
+from mega.parallel.data.flat_adamw import adamw_flat_
+from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+
+
+@dataclass
+class StepOutcome:
+    skipped: bool  # the loss scaler found inf/NaN gradients and the update was not applied
+    grad_norm: torch.Tensor | None  # global norm before clipping (device tensor, no host sync)
+
+
+def build_loss_scaler(precision: Any) -> ConstantLossScaler | DynamicLossScaler | None:
+    """fp16 needs a loss scale (static with --loss-scale, else dynamic); bf16 and fp32 do not."""
+    if not precision.fp16:
+        return None
+    if precision.loss_scale is not None:
+        return ConstantLossScaler(precision.loss_scale)
+    return DynamicLossScaler(
+        initial_scale=precision.initial_loss_scale,
+        min_scale=precision.min_loss_scale,
+        growth_interval=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
+    )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run ``[lo, hi)`` of the flat gradient buffer that this rank updates, all of
+    it with weight decay or none of it, at ``offset`` in the optimizer's flat state."""
+
+    lo: int
+    hi: int
+    offset: int
+    decay: bool
+
+
+def _runs(
+    owned: list[tuple[int, int]], pieces: list[tuple[int, int, bool]]
+) -> list[tuple[int, int, bool]]:
+    """Cut each owned flat range into maximal runs of pieces that share a flag. ``pieces`` are
+    (lo, hi, flag) in flat coordinates; elements of no piece (bucket padding, always zero) join
+    the run they sit in."""
+    runs = []
+    for a, b in owned:
+        inside = sorted((lo, hi, flag) for lo, hi, flag in pieces if a <= lo < b)
+        if not inside:
+            continue
+        start, flag = a, inside[0][2]
+        for lo, _, piece_flag in inside:
+            if piece_flag != flag:
+                runs.append((start, lo, flag))
+                start, flag = lo, piece_flag
+        runs.append((start, b, flag))
+    return runs
+
+
+class MixedPrecisionAdamW:
+    """AdamW whose state and update live in fp32, whatever the model's parameter dtype.
+
+    The state is flat: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 models, the fp32 ``master``
+    weights hold this rank's owned ranges of the gradient buffer end to end. A step runs
+    :func:`mega.parallel.data.flat_adamw.adamw_flat_` once per :class:`Segment` (compiled on a GPU: one
+    kernel each, and a 1.3B GPT has about two segments per 40M-element bucket, because the buffer
+    puts each bucket's matrices before its vectors)."""
+
+    def __init__(self, buffer: ParamAndGradBuffer, optim: Any, precision: Any):
+        self.buffer = buffer
+        self.topology = buffer.topology
+        self.optim = optim
+        self.clip_grad = optim.clip_grad
+        self.scaler = build_loss_scaler(precision)
+        self.mixed = buffer.param_data.dtype != torch.float32
+        owned = buffer.owned_flat_ranges()
+        # (lo, hi, parameter): the flat slices of the parameters that this rank updates
+        flat = [
+            (max(lo, a), min(hi, b), p)
+            for p, (lo, hi) in buffer.ranges.items()
+            for a, b in owned
+            if max(lo, a) < min(hi, b)
+        ]
+        # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm,
+        # and so does a tied weight two pipeline stages hold (on the first stage).
+        tp_rank = self.topology.tp_rank
+        counted = [
+            (lo, hi, (tp_rank == 0 or hasattr(p, "shard")) and not getattr(p, "tied_copy", False))
+            for lo, hi, p in flat
+        ]
+        main_grad = buffer.main_grad
+        self.norm_grads = [main_grad[lo:hi] for lo, hi, keep in _runs(owned, counted) if keep]
+        # Megatron's rule: no weight decay on biases and norm weights (the 1-D parameters)
+        segments, offset = [], 0
+        for lo, hi, decay in _runs(owned, [(lo, hi, p.ndim >= 2) for lo, hi, p in flat]):
+            segments.append(Segment(lo, hi, offset, decay))
+            offset += hi - lo
+        self.segments: list[Segment] = segments
+        self.grads = [main_grad[s.lo : s.hi] for s in segments]
+        device = main_grad.device
+        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.master = None  # fp32 runs update the parameters in place
+        if self.mixed:
+            self.master = torch.cat([buffer.param_data[s.lo : s.hi].float() for s in segments])
+        self._step = torch.zeros((), dtype=torch.float32, device=device)  # exact to 2**24 steps
+        self._lr = torch.zeros((), dtype=torch.float32, device=device)
+        self._one = torch.ones((), dtype=torch.float32, device=device)
+        # (master, grad, exp_avg, exp_avg_sq, bf16 parameter or None) of each segment, made once
+        self._operands = []
+        for s, grad in zip(segments, self.grads, strict=True):
+            state = slice(s.offset, s.offset + s.hi - s.lo)
+            params = buffer.param_data[s.lo : s.hi]
+            master = self.master[state] if self.mixed else params
+            lowp = params if self.mixed else None
+            self._operands.append((master, grad, self.exp_avg[state], self.exp_avg_sq[state], lowp))
+        # one kernel per segment on a GPU; the CPU runs the same expression eagerly
+        self._update = (
+            torch.compile(adamw_flat_, dynamic=True) if device.type == "cuda" else adamw_flat_
+        )
+        # (iteration, gradient norm) of the first step whose norm was not finite; -1: none yet
+        self._first_bad_iteration = torch.full((), -1, dtype=torch.int64, device=device)
+        self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
+
+    @property
+    def masters(self) -> list[torch.Tensor]:
+        """The fp32 weights each segment updates (views of the parameters in fp32 runs)."""
+        return [operands[0] for operands in self._operands]
+
+    def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 master of ``param`` (flat), when this rank owns all of it."""
+        lo, hi = self.buffer.ranges[param]
+        for segment, master in zip(self.segments, self.masters, strict=True):
+            if segment.lo <= lo and hi <= segment.hi:
+                return master[lo - segment.lo : hi - segment.lo]
+        raise KeyError("this rank does not own the whole parameter")
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def _reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
+        """Combine a per-rank partial result over every rank that holds other gradients."""
+        if self.buffer.distributed:
+            comm.all_reduce(tensor, self.topology.group("dp"), op)
+        comm.all_reduce(tensor, self.topology.group("mp"), op)
+
+    def _grad_norm(self) -> torch.Tensor:
+        if self.topology.world_size == 1:
+            return torch.nn.utils.get_total_norm(self.norm_grads, foreach=True)
+        if self.norm_grads:
+            local = torch.nn.utils.get_total_norm(self.norm_grads, foreach=True)
+        else:
+            local = torch.zeros((), device=self.buffer.main_grad.device)
+        squared = local.double().square().reshape(1)
+        self._reduce(squared)
+        return squared.sqrt().float().reshape(())
+
+    def step(self, lr: float, iteration: int = 0) -> StepOutcome:
+        """Apply the reduced gradients (call ``buffer.finish_grad_sync()`` first). ``iteration``
+        is what :meth:`first_nonfinite` reports if this step's gradients are not finite."""
+        if self.scaler is not None:
+            found_inf = unscale_(self.grads, 1.0 / self.scaler.scale).float().reshape(1)
+            self._reduce(found_inf, comm.MAX)
+            overflow = bool(found_inf.item())  # one host sync per step, as in Megatron's fp16
+            self.scaler.update(overflow)
+            if overflow:
+                return StepOutcome(skipped=True, grad_norm=None)
+        grad_norm = self._grad_norm()
+        bad = ~torch.isfinite(grad_norm)
+        if self.scaler is None:
+            # Megatron's --check-for-nan-in-loss-and-grad, without its per-step host sync: the
+            # update is skipped on the device and the engine stops at its next sync
+            first = bad & (self._first_bad_iteration < 0)
+            self._first_bad_iteration = torch.where(first, iteration, self._first_bad_iteration)
+            self._first_bad_norm = torch.where(first, grad_norm, self._first_bad_norm)
+        # clipping by total norm, Megatron's factor max_norm / (norm + 1e-6) capped at 1, applied
+        # inside the update as a division by its inverse: no extra pass over the gradients
+        grad_scale = self._one
+        if self.clip_grad > 0:
+            grad_scale = torch.clamp((grad_norm.float() + 1e-6) / self.clip_grad, min=1.0)
+        self._step += (~bad).float()  # a skipped step does not count (as torch's AdamW)
+        self._lr.fill_(lr)
+        o = self.optim
+        for segment, tensors in zip(self.segments, self._operands, strict=True):
+            self._update(
+                *tensors,
+                lr=self._lr,
+                weight_decay=o.weight_decay if segment.decay else 0.0,
+                beta1=o.adam_beta1,
+                beta2=o.adam_beta2,
+                eps=o.adam_eps,
+                step=self._step,
+                grad_scale=grad_scale,
+                skip=bad,
+            )
+        self.buffer.gather_params()
+        return StepOutcome(skipped=False, grad_norm=grad_norm)
+
+    def first_nonfinite(self) -> tuple[int, float] | None:
+        """(iteration, gradient norm) of the first step skipped for a NaN or inf gradient norm
+        without a loss scaler, or None. Waits for the GPU: call it where the engine syncs anyway."""
+        iteration = int(self._first_bad_iteration)
+        return (iteration, float(self._first_bad_norm)) if iteration >= 0 else None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
+        tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.mixed else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "format": "mega-flat-adamw/1",
+            "step": self._step.clone(),
+            "exp_avg": self.exp_avg.clone(),
+            "exp_avg_sq": self.exp_avg_sq.clone(),
+        }
+        if self.mixed:
+            state["master"] = self.master.clone()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("format") != "mega-flat-adamw/1":
+            raise ValueError(
+                f"optimizer state format {state.get('format')!r} is not mega-flat-adamw/1"
+            )
+        names = ["exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
+        for name in names:
+            if state[name].shape != getattr(self, name).shape:
+                raise ValueError(
+                    f"optimizer {name} holds {state[name].numel()} values, this model "
+                    f"{getattr(self, name).numel()}"
+                )
+        with torch.no_grad():
+            self._step.copy_(state["step"])
+            for name in names:
+                getattr(self, name).copy_(state[name])
+            if self.mixed:  # the bf16 parameters from the loaded masters
+                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,63 @@
+"""Turn a single-device model into this rank's part of the parallel model. The order:
+tensor/sequence -> pipeline split -> activation recompute (per chunk) -> data parallel /
+distributed optimizer (in the engine, once the model sits on its device in its dtype).
+
+Tensor parallelism goes first, on the whole model, so that every plan path exists when it is
+applied; the split then keeps modules that are already sharded. (DESIGN.md listed the split
+first; the result is the same and this way neither step needs to know about the other.)
+Recompute comes after the split because its groups of layers are counted within each chunk, as
+in Megatron.
+
+The model arrives fully built and initialised (fp32, CPU): the same global weights for every layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.core.errors import MegaUsageError
+from mega.parallel.pipeline.layout import PipelineLayout
+from mega.parallel.pipeline.split import split_for_pipeline
+from mega.parallel.plan import ParallelPlan
+from mega.parallel.recompute import apply_recompute
+from mega.parallel.topology import Topology
+
+
+def parallelize(
+    model: torch.nn.Module,
+    plan: ParallelPlan | None,
+    parallel: Any,
+    topology: Topology,
+    layout: PipelineLayout | None = None,
+) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
+    """This rank's model (global parameter names) and its pipeline chunks (``[model]`` without
+    pipelining). Tensor/sequence parallelism and recompute are applied in place."""
+    needs_plan = (
+        topology.tensor_model_parallel_size > 1
+        or parallel.recompute_granularity
+        or (layout is not None and layout.pp * layout.vpp > 1)
+    )
+    if needs_plan and plan is None:
+        raise MegaUsageError(
+            "this model's plugin provides no parallel plan, so it supports neither "
+            "--tensor-model-parallel-size > 1, pipeline stages, nor --recompute-granularity"
+        )
+    if topology.tensor_model_parallel_size > 1:
+        from mega.parallel.tensor.apply import apply_tensor_parallel
+
+        apply_tensor_parallel(model, plan, topology, sequence_parallel=parallel.sequence_parallel)
+    chunks = [model]
+    if layout is not None:
+        model, chunks = split_for_pipeline(model, plan, layout, topology.pp_rank)
+    if parallel.recompute_granularity:
+        for chunk in chunks:
+            apply_recompute(
+                chunk,
+                plan,
+                parallel.recompute_granularity,
+                parallel.recompute_method,
+                parallel.recompute_num_layers,
+            )
+    return model, chunks

@@ -1,0 +1,61 @@
+"""How a model plugin tells the parallel plugins where its pieces are. Plain data, no torch.
+
+The model stays single-device code. Its plugin describes it once: which modules are column- or
+row-parallel linears, where the vocabulary embedding and output are, which module is the core
+attention (selective recompute) and which ``ModuleList`` holds the transformer layers (full
+recompute, pipeline split). Parallel plugins rewrite the model from this description.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Tensor-parallel styles a module path can take (see mega.parallel.tensor):
+COLUMN = "column"  # nn.Linear split by output rows; input replicated (or gathered under SP)
+ROW = "row"  # nn.Linear split by input columns; output all-reduced (reduce-scattered under SP)
+VOCAB_EMBEDDING = "vocab_embedding"  # nn.Embedding split by vocabulary rows
+SEQUENCE_SCATTER = "sequence_scatter"  # under SP, this module's output is split along the sequence
+LM_HEAD = "lm_head"  # the output head: vocab-parallel logits and cross-entropy
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelPlan:
+    """A model's description for the parallel plugins; module paths may use ``*`` for an index."""
+
+    # module path -> one of the styles above
+    tensor: dict[str, str] = field(default_factory=dict)
+    # module path -> how many blocks are stacked along a column-parallel weight's output dim
+    # (SwiGLU's [gate; up] is 2: each block is split separately, so every rank keeps both halves)
+    stacked: dict[str, int] = field(default_factory=dict)
+    # path of the nn.ModuleList whose entries are the transformer layers
+    layers: str = ""
+    # module path (with *) of the parameter-free core attention: selective recompute's target
+    core_attention: str = ""
+    # modules whose forward must run under the tensor-parallel RNG (different on each TP rank):
+    # dropout inside TP-sharded regions, e.g. attention-probability dropout in the core attention
+    tensor_parallel_rng: tuple[str, ...] = ()
+    # modules whose activations are split along the sequence under sequence parallelism (between
+    # the SEQUENCE_SCATTER and the LM_HEAD's gather): their replicated parameters get partial
+    # gradients (marked ``param.sequence_parallel``), their dropouts run under the TP RNG, and a
+    # module among them with an int ``sequence_shards`` attribute is told the TP size (RoPE)
+    sequence_parallel_region: tuple[str, ...] = ()
+    # tp size -> every reason this model cannot be split that way (heads, groups, ffn, ...)
+    problems: Callable[[int], list[str]] = field(default=lambda tp: [])
+
+    # Pipeline parallelism. The model is cut into stages by keeping, on each stage, only its
+    # entries of ``layers``; modules in ``pipeline_first`` live on the first stage only and those
+    # in ``pipeline_last`` on the last only (a missing one is set to None). The model's forward
+    # must then take ``hidden_states`` (the previous stage's output, used instead of embedding the
+    # tokens) and, when its ``pipeline_last`` modules are None, return the hidden states it
+    # computed instead of logits or loss. An empty ``pipeline_first``: no pipeline support.
+    num_layers: int = 0
+    pipeline_first: tuple[str, ...] = ()
+    pipeline_last: tuple[str, ...] = ()
+    # a parameter of a ``pipeline_first`` module that the last stage uses too (tied input and
+    # output embeddings): the last stage keeps its own copy, whose gradient is summed with the
+    # first stage's so both stay identical
+    tied_weight: str = ""
+    # (micro-batch size, sequence positions on this rank) -> shape of the tensor sent between
+    # stages (under sequence parallelism a rank holds seq_length / tp positions)
+    activation_shape: Callable[[int, int], tuple[int, ...]] | None = None

@@ -1,0 +1,116 @@
+"""Column- and row-parallel linear layers (Megatron's ``ColumnParallelLinear``/``RowParallelLinear``).
+
+Both are built from an initialised full ``nn.Linear`` and keep its parameter names (``weight``,
+``bias``), so a model's state-dict keys do not change; each sharded parameter carries a
+``shard`` (:class:`mega.parallel.shard.ShardSpec`) saying where it sits in the global tensor.
+
+Column-parallel, ``Y_r = X A_r^T + b_r``: the rank holds ``out/tp`` output rows. Its input is
+replicated: identity forward, all-reduce of dX backward; under sequence parallelism the input
+arrives as ``[b, s/tp, h]`` and is all-gathered along the sequence (reduce-scatter backward).
+
+Row-parallel, ``Y = sum_r X_r A_r^T + b``: the rank holds ``in/tp`` input columns and its input
+is the column-parallel layer's sharded output. The partial products are all-reduced, or
+reduce-scattered along the sequence under sequence parallelism; the bias is added after the
+reduction, so it is added once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mega.parallel import linear as linear_ops
+from mega.parallel.shard import ShardSpec, local_shard
+from mega.parallel.tensor.mappings import (
+    copy_to_tensor_parallel,
+    gather_from_sequence,
+    reduce_from_tensor_parallel,
+    reduce_scatter_to_sequence,
+)
+
+
+def shard_parameter(full: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
+    """A new parameter holding ``spec``'s slice of ``full``, tagged with ``shard = spec``."""
+    param = nn.Parameter(local_shard(full.detach(), spec), requires_grad=full.requires_grad)
+    param.shard = spec
+    return param
+
+
+class _ParallelLinear(nn.Module):
+    """A linear's shard: its weight (and bias) plus the group that holds the other shards."""
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        bias: nn.Parameter | None,
+        group: Any,
+        sequence_parallel: bool,
+    ) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``weight [out/tp, in]``, ``bias [out/tp]``; output sharded along its last dim."""
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        group: Any,
+        rank: int,
+        size: int,
+        *,
+        stacked: int = 1,
+        sequence_parallel: bool = False,
+    ) -> ColumnParallelLinear:
+        """Keep this rank's output rows of ``linear``; ``stacked`` blocks are split one by one."""
+        spec = ShardSpec(tuple(linear.weight.shape), 0, stacked, rank, size)
+        weight = shard_parameter(linear.weight, spec)
+        bias = None
+        if linear.bias is not None:
+            bias = shard_parameter(
+                linear.bias, ShardSpec((spec.global_shape[0],), 0, stacked, rank, size)
+            )
+        return cls(weight, bias, group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence(x, self.group)  # [b, s/tp, in] -> [b, s, in]
+        else:
+            x = copy_to_tensor_parallel(x, self.group)
+        return linear_ops.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in={inp}, out/tp={out}, bias={self.bias is not None}, sp={self.sequence_parallel}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``weight [out, in/tp]``, ``bias [out]`` (replicated); input sharded along its last dim."""
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, group: Any, rank: int, size: int, *, sequence_parallel: bool = False
+    ) -> RowParallelLinear:
+        """Keep this rank's input columns of ``linear``; the bias stays whole."""
+        spec = ShardSpec(tuple(linear.weight.shape), 1, 1, rank, size)
+        weight = shard_parameter(linear.weight, spec)
+        return cls(weight, linear.bias, group, sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = linear_ops.linear(x, self.weight)  # [b, s, out], this rank's share of the sum
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sequence(partial, self.group)  # [b, s/tp, out]
+        else:
+            out = reduce_from_tensor_parallel(partial, self.group)  # [b, s, out]
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        out, inp = self.weight.shape
+        return f"in/tp={inp}, out={out}, bias={self.bias is not None}, sp={self.sequence_parallel}"

@@ -1,0 +1,173 @@
+"""Autograd-aware collectives over the tensor-parallel group (Megatron's ``mappings.py``).
+
+Each function is one collective in forward and its adjoint in backward:
+
+| function                       | forward                  | backward                  |
+|--------------------------------|--------------------------|---------------------------|
+| ``copy_to_tensor_parallel``    | identity                 | all-reduce                |
+| ``reduce_from_tensor_parallel``| all-reduce               | identity                  |
+| ``gather_from_tensor_parallel``| all-gather along ``dim`` | keep own slice            |
+| ``scatter_to_sequence``        | keep own slice (dim 1)   | all-gather (dim 1)        |
+| ``gather_from_sequence``       | all-gather (dim 1)       | reduce-scatter (dim 1)    |
+| ``reduce_scatter_to_sequence`` | reduce-scatter (dim 1)   | all-gather (dim 1)        |
+
+Activations are batch-first ``[b, s, h]``, so the sequence dim is 1. The collectives work on dim
+0, so the sequence is moved to the front (one copy) and back (a view). ``group`` None means a
+group of one: every function is then the identity. Results never alias the inputs: an all-reduce
+works on a copy, because the incoming tensor may be shared with another autograd branch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mega.parallel.comm import all_gather_into, all_reduce, group_size, reduce_scatter_into
+
+SEQUENCE_DIM = 1
+
+
+def _rank(group: Any) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    all_reduce(out, group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (group order)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
+    all_gather_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's slice along ``dim``."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split over {size} ranks")
+    moved = x.movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
+    reduce_scatter_into(out, moved, group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(
+            f"dim {dim} of shape {tuple(x.shape)} does not split over {size} ranks "
+            "(under --sequence-parallel the sequence length must divide by the TP size)"
+        )
+    return x.chunk(size, dim=dim)[_rank(group)].contiguous()
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a new autograd node, same storage
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _split(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Every rank used the whole gathered sequence: the gradient of this rank's slice is the
+        # sum of every rank's gradient for that slice.
+        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Enter a TP region with a replicated input: identity forward, all-reduce of dX backward."""
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Leave a TP region by summing partial results: all-reduce forward, identity backward."""
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+def gather_from_tensor_parallel(x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:
+    """Concatenate the shards of ``x`` along ``dim`` (e.g. vocab-parallel logits, inference)."""
+    return _GatherFromTensorParallel.apply(x, dim % x.dim(), group)
+
+
+def scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[b, s, h]`` replicated -> this rank's ``[b, s/tp, h]``; all-gather backward."""
+    return _ScatterToSequence.apply(x, group)
+
+
+def gather_from_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[b, s/tp, h]`` -> ``[b, s, h]`` on every rank; reduce-scatter backward."""
+    return _GatherFromSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Partial sums ``[b, s, h]`` -> this rank's summed ``[b, s/tp, h]``; all-gather backward."""
+    return _ReduceScatterToSequence.apply(x, group)

@@ -1,0 +1,55 @@
+"""Wrappers for parameter-free modules: run under the TP RNG, or enter the sequence-parallel region.
+
+Wrapping adds a ``.module`` level to the wrapped module's path; only parameter-free modules
+(dropouts, core attention) are wrapped, so no parameter name ever changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mega.parallel.tensor.mappings import scatter_to_sequence
+from mega.parallel.tensor.rng import TensorParallelRNG
+
+
+def _check_parameter_free(module: nn.Module) -> None:
+    if any(True for _ in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has parameters: wrapping it would rename them "
+            "(only parameter-free modules may run under the tensor-parallel RNG)"
+        )
+
+
+class RunUnderRNG(nn.Module):
+    """``module``'s forward under ``tracker.fork()``: its dropout differs on each TP rank."""
+
+    def __init__(self, module: nn.Module, tracker: TensorParallelRNG) -> None:
+        super().__init__()
+        _check_parameter_free(module)
+        self.module = module
+        self.tracker = tracker
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with self.tracker.fork():
+            return self.module(*args, **kwargs)
+
+
+class ScatterToSequence(nn.Module):
+    """Sequence parallelism's entry: keep this rank's ``[b, s/tp, h]`` slice of the replicated
+    ``[b, s, h]`` input, then run the wrapped elementwise module (the embedding dropout) on it
+    under the TP RNG, as Megatron does: each rank drops its own slice with its own stream."""
+
+    def __init__(self, module: nn.Module, group: Any, tracker: TensorParallelRNG) -> None:
+        super().__init__()
+        _check_parameter_free(module)
+        self.module = module
+        self.group = group
+        self.tracker = tracker
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = scatter_to_sequence(hidden, self.group)
+        with self.tracker.fork():
+            return self.module(hidden)
