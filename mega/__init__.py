@@ -5,8 +5,12 @@ Importing ``mega`` is cheap (no torch): plugin modules import it for ``hookimpl`
 
 from __future__ import annotations
 
+from typing import Any
+
 import pluggy
 
+from mega.core.config.fields import option
+from mega.core.errors import MegaRunError, MegaUsageError
 from mega.core.plugins.specs import (
     BuildContext,
     CheckpointBackendSpec,
@@ -17,6 +21,7 @@ from mega.core.plugins.specs import (
     PipelineScheduleSpec,
     TokenizerSpec,
 )
+from mega.parallel.plan import ParallelPlan
 
 __version__ = "0.1.0"
 
@@ -28,9 +33,28 @@ __all__ = [
     "DataRequest",
     "DatasetSpec",
     "DatasetSplits",
+    "MegaRunError",
+    "MegaUsageError",
     "ModelSpec",
+    "ParallelPlan",
     "PipelineScheduleSpec",
     "TokenizerSpec",
     "__version__",
     "hookimpl",
+    "normal_",
+    "option",
 ]
+
+_LAZY = {"normal_": "mega.core.training.init"}  # torch-backed: loaded on first use
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

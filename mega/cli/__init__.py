@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.Abort:
         sys.exit(130)
     except Exception as exc:
-        from mega.cli.launch import lost_peer, wait_for_launcher
+        from mega.cli.peers import lost_peer, wait_for_launcher
 
         if not lost_peer(exc):
             raise  # a bug: its traceback is what helps

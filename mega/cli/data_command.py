@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from mega import hookimpl
+from mega.cli.flag_command import flag_command
 from mega.core.config.fields import default_of, option
 from mega.core.config.sections import TrainingConfig
 from mega.core.errors import MegaUsageError
@@ -71,27 +72,26 @@ def parse_sample_range(text: str, length: int) -> range:
     return range(start, stop)
 
 
-def _help_text(sections: dict[str, type]) -> str:
-    from mega.core.config.flags import FlagTable
+INSPECT_USAGE = """\
+Usage: mega data inspect --data-path PREFIX [FLAGS...]
 
-    lines = [
-        "Usage: mega data inspect --data-path PREFIX [FLAGS...]",
-        "",
-        "Print train samples of a .bin/.idx dataset as `mega train` would read them, and a",
-        "summary of documents, tokens and samples per split. Tokenizer flags appear once",
-        "--tokenizer-type is given.",
-    ]
-    current = None
-    for flag in FlagTable(sections).by_key.values():
-        if flag.section != current:
-            current = flag.section
-            lines += ["", f"{current}:"]
-        names = ", ".join(flag.flags)
-        if flag.base_type is not bool:
-            names += " VALUE..." if flag.base_type is list else " VALUE"
-        shown = f" [default: {flag.default}]" if flag.default not in (None, [], False) else ""
-        lines.append(f"  {names:36s} {flag.help}{shown}")
-    return "\n".join(lines)
+Print train samples of a .bin/.idx dataset as `mega train` would read them, and a
+summary of documents, tokens and samples per split. Tokenizer flags appear once
+--tokenizer-type is given."""
+
+
+def _inspect_sections(args: list[str], plugins: Any) -> tuple[dict[str, type], dict[str, str]]:
+    """The flag sections of ``mega data inspect`` (the tokenizer's once one is named), owners."""
+    from mega.core.config.resolve import tokenizer_choice
+    from mega.plugins.datasets.gpt import GPTDatasetConfig
+
+    sections: dict[str, type] = {"inspect": InspectConfig, "dataset": GPTDatasetConfig}
+    owners = {"inspect": "mega data inspect", "dataset": "dataset 'gpt'"}
+    if any(a == "--tokenizer-type" or a.startswith("--tokenizer-type=") for a in args):
+        name, spec = tokenizer_choice(args, plugins)
+        sections["tokenizer"] = spec.config_cls
+        owners["tokenizer"] = f"tokenizer '{name}'"
+    return sections, owners
 
 
 def _summary_rows(built: Any, prefixes: list[str], weights: list[float] | None, config) -> list:
@@ -145,22 +145,12 @@ def _print_summary(rows: list, footer: list[str], to_stderr: bool) -> None:
         click.echo(line, err=to_stderr)
 
 
-def run_inspect(args: list[str]) -> None:
-    from mega.cli import current_plugins
+def run_inspect(args: list[str], plugins: Any) -> None:
     from mega.core.config.resolve import parse_sections, tokenizer_choice
-    from mega.plugins.datasets.gpt import GPTDatasetConfig, sample_options
+    from mega.plugins.datasets.gpt import sample_options
 
-    plugins = current_plugins()
-    sections: dict[str, type] = {"inspect": InspectConfig, "dataset": GPTDatasetConfig}
-    owners = {"inspect": "mega data inspect", "dataset": "dataset 'gpt'"}
-    tokenizer_spec = None
-    if any(a == "--tokenizer-type" or a.startswith("--tokenizer-type=") for a in args):
-        name, tokenizer_spec = tokenizer_choice(args, plugins)
-        sections["tokenizer"] = tokenizer_spec.config_cls
-        owners["tokenizer"] = f"tokenizer '{name}'"
-    if "--help" in args or "-h" in args:
-        click.echo(_help_text(sections))
-        return
+    sections, owners = _inspect_sections(args, plugins)
+    tokenizer_spec = tokenizer_choice(args, plugins)[1] if "tokenizer" in sections else None
     parsed = parse_sections(args, sections, owners)
     config: InspectConfig = parsed["inspect"]
     tokenizer = None
@@ -221,15 +211,13 @@ def data_group() -> None:
     """Inspect Megatron .bin/.idx datasets."""
 
 
-@data_group.command(
-    "inspect",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def inspect_command(args: tuple[str, ...]) -> None:
+@flag_command("inspect", lambda args, plugins: (INSPECT_USAGE, _inspect_sections(args, plugins)[0]))
+def inspect_command(args: list[str], plugins: Any) -> None:
     """Print train samples and per-split counts (`mega data inspect --help` lists the flags)."""
-    run_inspect(list(args))
+    run_inspect(args, plugins)
+
+
+data_group.add_command(inspect_command)
 
 
 @hookimpl

@@ -24,7 +24,7 @@ A failure on one rank ends the job: elastic notices the worker's exit within ``M
 and stops the others (SIGTERM); the parent then prints one line naming the rank that failed first
 (its own message is already on stderr) and exits 1, or 2 when that rank failed on bad input. The
 others' collectives break when that rank's connections close; ``mega.cli.main`` holds such a
-secondary failure back for ``PEER_LOST_GRACE_S`` so that the launcher sees, and blames, the rank
+secondary failure back for ``peers.PEER_LOST_GRACE_S`` so that the launcher sees, and blames, the rank
 that failed first. Ranks on other nodes, which no local launcher stops, then report it in one line.
 """
 
@@ -36,7 +36,6 @@ import os
 import signal
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Iterator
 from typing import Any
@@ -47,9 +46,6 @@ from mega.parallel.distributed import process_place, url_host
 
 START_METHODS = ("fork", "spawn", "forkserver")
 MONITOR_INTERVAL = 0.1  # seconds between elastic's checks of its workers
-# A rank whose peer vanished waits this long before it reports: the launcher that started it is,
-# meanwhile, noticing the rank that died first and stopping this one, so that rank is blamed.
-PEER_LOST_GRACE_S = 3.0
 # The loggers of torch elastic and of the process pool under it: their records (a traceback per
 # failed worker, "Terminating process ... via signal SIGTERM") repeat what the workers said
 # themselves and what the parent's summary line says; they are shown only when LOGLEVEL is set.
@@ -223,30 +219,6 @@ def _worker(argv: list[str]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         raise SystemExit(1) from None
-
-
-def lost_peer(exc: BaseException) -> bool:
-    """Whether ``exc`` is a collective or store of a multi-process job failing because another
-    rank went away (or timed out): gloo's "Connection closed by peer", NCCL's and the store's
-    ``DistError``s."""
-    # never imported here: mega --help stays fast. Not "is the group initialised": mega train
-    # has already destroyed it (leave_job) by the time main() sees the error.
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available():
-        return False
-    dist_error = getattr(dist, "DistError", None)
-    if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and (
-        "Connection closed by peer" in text or "Connection reset by peer" in text
-    )
-
-
-def wait_for_launcher() -> None:
-    """Give the launcher time to see the rank that failed first (and stop this one) before this
-    rank reports its own, secondary, failure; see ``PEER_LOST_GRACE_S``."""
-    time.sleep(PEER_LOST_GRACE_S)
 
 
 @contextlib.contextmanager

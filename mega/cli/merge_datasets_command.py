@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from mega import hookimpl
+from mega.cli.flag_command import flag_command
 
 USAGE = """\
 Usage: mega merge-datasets --input PREFIX|DIR [PREFIX|DIR ...] --output-prefix OUT
@@ -14,18 +17,15 @@ stands for every dataset in it, in sorted order (as in Megatron's tools/merge_da
 inputs must share one token dtype. OUT appears only when complete."""
 
 
-@click.command(
-    "merge-datasets",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def merge_datasets_command(args: tuple[str, ...]) -> None:
+def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
+    from mega.plugins.datasets.preprocess import MergeConfig
+
+    return USAGE, {"merge": MergeConfig}
+
+
+@flag_command("merge-datasets", _help_sections)
+def merge_datasets_command(args_list: list[str], plugins: Any) -> None:
     """Concatenate .bin/.idx datasets into one."""
-    args_list = list(args)
-    if "--help" in args_list or "-h" in args_list:
-        click.echo(USAGE)
-        return
     from mega.core.config.resolve import parse_sections
     from mega.plugins.datasets.preprocess import MergeConfig, merge_datasets
 

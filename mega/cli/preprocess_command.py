@@ -7,10 +7,12 @@ The tokenizer is chosen with ``--tokenizer-type`` and takes its own flags exactl
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import click
 
 from mega import hookimpl
+from mega.cli.flag_command import flag_command
 
 INTRO = """\
 Usage: mega preprocess --input FILE|GLOB... --output-prefix PREFIX --tokenizer-type NAME
@@ -32,32 +34,15 @@ merges them (the result equals --partitions 1; the worker pool is shared).
 The tokenizer's flags appear once it is chosen: mega preprocess --tokenizer-type NAME --help."""
 
 
-def _help_text(args: list[str]) -> str:
-    from mega.cli import current_plugins
-    from mega.core.config.flags import FlagTable
-    from mega.core.config.resolve import _scan_selectors
+def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
+    from mega.core.config.resolve import scan_selectors
     from mega.plugins.datasets.preprocess.config import PreprocessConfig
 
-    plugins = current_plugins()
     sections: dict[str, type] = {"preprocess": PreprocessConfig}
-    chosen = _scan_selectors(args).get("--tokenizer-type")
+    chosen = scan_selectors(args).get("--tokenizer-type")
     if chosen in plugins.tokenizers:
         sections[f"tokenizer {chosen}"] = plugins.tokenizers.get(chosen).config_cls
-    lines = [INTRO, "", f"Tokenizers: {', '.join(plugins.tokenizers)}"]
-    table = FlagTable(sections)
-    current = None
-    for flag in table.by_key.values():
-        if flag.section != current:
-            current = flag.section
-            lines += ["", f"{current}:"]
-        names = ", ".join(name for name, f in table.by_flag.items() if f is flag)
-        shown = ""
-        if flag.base_type is not bool:
-            names += " VALUE..." if flag.base_type is list else " VALUE"
-            if flag.default not in (None, []):
-                shown = f" [default: {flag.default}]"
-        lines.append(f"  {names:32s} {flag.help}{shown}")
-    return "\n".join(lines)
+    return f"{INTRO}\n\nTokenizers: {', '.join(plugins.tokenizers)}", sections
 
 
 def build_tokenizer(name: str, spec, config):
@@ -73,30 +58,14 @@ def build_tokenizer(name: str, spec, config):
         raise MegaUsageError(f"tokenizer '{name}' did not load: {reason}") from None
 
 
-@click.command(
-    "preprocess",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def preprocess_command(args: tuple[str, ...]) -> None:
+@flag_command("preprocess", _help_sections)
+def preprocess_command(args_list: list[str], plugins: Any) -> None:
     """Tokenize JSONL into Megatron .bin/.idx datasets."""
-    args_list = list(args)
-    if "--help" in args_list or "-h" in args_list:
-        click.echo(_help_text(args_list))
-        return
-    from mega.cli import current_plugins
     from mega.core.config.resolve import parse_sections, tokenizer_choice
     from mega.plugins.datasets.preprocess import PreprocessConfig, preprocess
     from mega.plugins.datasets.preprocess.progress import summary_lines
     from mega.plugins.datasets.preprocess.stopping import Terminated, stop_on_signals
 
-    plugins = current_plugins()
-    plugins.check()
-    for info in plugins.failures():
-        click.echo(
-            f"warning: plugin '{info.name}' ({info.dist}) failed to load: {info.error}", err=True
-        )
     name, spec = tokenizer_choice(args_list, plugins)
     sections = parse_sections(
         args_list,

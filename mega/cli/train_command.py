@@ -6,84 +6,56 @@ model, tokenizer and dataset chosen on the same command line.
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from mega.cli.flag_command import flag_command, warn_failed_plugins
 
-def _help_text(args: list[str]) -> str:
-    """Every flag of ``mega train`` for the model/tokenizer/dataset these args select."""
-    from mega.cli import current_plugins
-    from mega.core.config.flags import FlagTable
-    from mega.core.config.resolve import DEFAULT_MODEL, _scan_selectors
+USAGE = """\
+Usage: mega train [--model NAME] [--config FILE] [FLAGS...]
+
+Train a model. Flags are Megatron-LM's; a --config TOML/YAML file sets the same keys
+(flags override it). Plugin options appear once the plugin is selected, e.g.
+`mega train --model gpt --help`."""
+
+
+def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
+    """The usage and every flag section of ``mega train`` for the plugins these args select."""
+    from mega.core.config.resolve import DEFAULT_MODEL, plugin_choice, scan_selectors
     from mega.core.config.sections import CORE_SECTIONS
 
-    plugins = current_plugins()
-    selected = _scan_selectors(args)
-    model = selected.get("--model", DEFAULT_MODEL)
-    dataset = selected.get("--dataset") or (
-        "mock"
-        if selected.get("--mock-data")
-        else "gpt"
-        if selected.get("--data-path")
-        else "embedded"
-    )
+    model, dataset, tokenizer = plugin_choice(scan_selectors(args))
     sections: dict[str, type] = {}
     if model in plugins.models:
         sections["model"] = plugins.models.get(model).config_cls
     if dataset in plugins.datasets:
         spec = plugins.datasets.get(dataset)
         sections["dataset"] = spec.config_cls
-        tokenizer = selected.get("--tokenizer-type") or spec.default_tokenizer
+        tokenizer = tokenizer or spec.default_tokenizer
         if tokenizer in plugins.tokenizers:
             sections["tokenizer"] = plugins.tokenizers.get(tokenizer).config_cls
     sections.update(CORE_SECTIONS)
-    table = FlagTable(sections)
-    lines = [
-        "Usage: mega train [--model NAME] [--config FILE] [FLAGS...]",
-        "",
-        "Train a model. Flags are Megatron-LM's; a --config TOML/YAML file sets the same keys",
-        "(flags override it). Plugin options appear once the plugin is selected, e.g.",
-        "`mega train --model gpt --help`.",
-        "",
-        f"  --model NAME   model plugin (default {DEFAULT_MODEL}; available: {', '.join(plugins.models)})",
-        "  --config FILE  TOML or YAML config file",
-    ]
-    aliases: dict[str, list[str]] = {}
-    for name, flag in table.by_flag.items():
-        aliases.setdefault(flag.name, []).append(name)
-    current = None
-    for flag in table.by_key.values():
-        if flag.section != current:
-            current = flag.section
-            lines += ["", f"{current}:"]
-        names = ", ".join(aliases[flag.name])
-        shown = ""
-        if flag.base_type is not bool:  # switches take no value and show no default
-            choices = flag.choices and "{" + ",".join(map(str, flag.choices)) + "}"
-            names += " " + (choices or ("VALUE..." if flag.base_type is list else "VALUE"))
-            if flag.default not in (None, []):
-                shown = f" [default: {flag.default}]"
-        lines.append(f"  {names:44s} {flag.help}{shown}")
-    return "\n".join(lines)
+    intro = "\n".join(
+        [
+            USAGE,
+            "",
+            f"  --model NAME   model plugin (default {DEFAULT_MODEL};"
+            f" available: {', '.join(plugins.models)})",
+            "  --config FILE  TOML or YAML config file",
+        ]
+    )
+    return intro, sections
 
 
-@click.command(
-    "train",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
-    add_help_option=False,
-)
-@click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def train_command(args: tuple[str, ...]) -> None:
+@flag_command("train", _help_sections, warn_failures=False)
+def train_command(args_list: list[str], plugins: Any) -> None:
     """Train a model (Megatron-LM flags; `mega train --help` lists them)."""
-    args_list = list(args)
-    if "--help" in args_list or "-h" in args_list:
-        click.echo(_help_text(args_list))
-        return
-    from mega.cli import current_plugins, launch
+    from mega.cli import launch
     from mega.core.config.resolve import resolve_config
     from mega.core.errors import MegaUsageError
     from mega.parallel.distributed import process_place
 
-    plugins = current_plugins()
     try:
         place = process_place()  # torchrun's or SLURM's variables, if either started us
     except ValueError as exc:  # e.g. a SLURM_JOB_NODELIST that cannot be read
@@ -92,11 +64,7 @@ def train_command(args: tuple[str, ...]) -> None:
     # (rank 0's, or the launching parent's, whose workers then stay quiet) is enough.
     speaks = place.rank == 0 and not launch.is_launched_worker()
     if speaks:
-        for info in plugins.failures():
-            click.echo(
-                f"warning: plugin '{info.name}' ({info.dist}) failed to load: {info.error}",
-                err=True,
-            )
+        warn_failed_plugins(plugins)
     config = resolve_config(args_list, plugins)  # every config error, before torch is touched
     asked = config.launch.world_size
     if speaks and place.source != "single" and asked not in (1, place.world_size):

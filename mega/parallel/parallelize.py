@@ -20,7 +20,7 @@ import torch
 from mega.core.errors import MegaUsageError
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
-from mega.parallel.plan import ParallelPlan
+from mega.parallel.plan import ParallelPlan, no_plan_message, plan_features
 from mega.parallel.recompute import apply_recompute
 from mega.parallel.topology import Topology
 
@@ -34,16 +34,11 @@ def parallelize(
 ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """This rank's model (global parameter names) and its pipeline chunks (``[model]`` without
     pipelining). Tensor/sequence parallelism and recompute are applied in place."""
-    needs_plan = (
-        topology.tensor_model_parallel_size > 1
-        or parallel.recompute_granularity
-        or (layout is not None and layout.pp * layout.vpp > 1)
-    )
-    if needs_plan and plan is None:
-        raise MegaUsageError(
-            "this model's plugin provides no parallel plan, so it supports neither "
-            "--tensor-model-parallel-size > 1, pipeline stages, nor --recompute-granularity"
-        )
+    features = plan_features(parallel)
+    if layout is not None and layout.pp * layout.vpp > 1:
+        features.append("pipeline stages")
+    if features and plan is None:  # resolve_config refuses this first; a library caller may not
+        raise MegaUsageError(no_plan_message("this model", features))
     if topology.tensor_model_parallel_size > 1:
         from mega.parallel.tensor.apply import apply_tensor_parallel
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 # Tensor-parallel styles a module path can take (see mega.parallel.tensor):
 COLUMN = "column"  # nn.Linear split by output rows; input replicated (or gathered under SP)
@@ -59,3 +60,22 @@ class ParallelPlan:
     # (micro-batch size, sequence positions on this rank) -> shape of the tensor sent between
     # stages (under sequence parallelism a rank holds seq_length / tp positions)
     activation_shape: Callable[[int, int], tuple[int, ...]] | None = None
+
+
+def plan_features(parallel: Any) -> list[str]:
+    """The flags in use that need the model's parallel plan (empty if none)."""
+    features = []
+    if parallel.tensor_model_parallel_size > 1:
+        features.append("--tensor-model-parallel-size > 1")
+    if parallel.recompute_granularity:
+        features.append("--recompute-granularity")
+    return features
+
+
+def no_plan_message(model: str, features: list[str]) -> str:
+    """The one wording for a model without a parallel plan asked for what needs one."""
+    return (
+        f"{model} provides no parallel plan, so it supports neither pipeline stages, "
+        f"--tensor-model-parallel-size > 1 nor --recompute-granularity (asked: "
+        f"{', '.join(features)})"
+    )

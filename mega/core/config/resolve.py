@@ -14,9 +14,10 @@ from typing import Any
 
 from mega.core.config.flags import FlagTable
 from mega.core.config.sections import CORE_SECTIONS, PLUGIN_SECTIONS, RunConfig
+from mega.core.config.validate import job_world_size, validate_run
 from mega.core.errors import MegaUsageError, closest
 from mega.core.plugins.manager import Plugins
-from mega.parallel.pipeline.setup import default_schedule, pipeline_setup
+from mega.parallel.pipeline.setup import default_schedule
 
 DEFAULT_MODEL = "gpt"
 SELECTOR_FLAGS = (
@@ -51,7 +52,7 @@ def load_config_file(path: str) -> dict[str, Any]:
     raise MegaUsageError(f"--config {path}: use a .toml, .yaml or .yml file")
 
 
-def _scan_selectors(argv: list[str]) -> dict[str, Any]:
+def scan_selectors(argv: list[str]) -> dict[str, Any]:
     """The few flags that decide which plugins' flags exist; read before the full parse.
 
     A selector without its value is an error here: the full parse never sees --model/--config.
@@ -70,6 +71,24 @@ def _scan_selectors(argv: list[str]) -> dict[str, Any]:
         else:
             raise MegaUsageError(f"flag {name} needs a value")
     return found
+
+
+def plugin_choice(
+    selectors: dict[str, Any], file_model: str | None = None, file_data: dict | None = None
+) -> tuple[str, str, str | None]:
+    """(model, dataset, tokenizer) named by the selector flags, else by the config file, else the
+    defaults: the embedded text, ``mock`` with ``--mock-data``, ``gpt`` with ``--data-path``. The
+    tokenizer is None when neither names one (the dataset's default then applies)."""
+    file_data = file_data or {}
+    model = selectors.get("--model") or file_model or DEFAULT_MODEL
+    mock = selectors.get("--mock-data") or file_data.get("mock_data")
+    data_path = selectors.get("--data-path") or file_data.get("data_path")
+    dataset = (
+        selectors.get("--dataset")
+        or file_data.get("dataset")
+        or ("mock" if mock else "gpt" if data_path else "embedded")
+    )
+    return model, dataset, selectors.get("--tokenizer-type") or file_data.get("tokenizer_type")
 
 
 def _file_sections(raw: dict[str, Any]) -> tuple[str | None, dict[str, dict]]:
@@ -130,7 +149,7 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     values, unknown plugin names, and each section's own ``validate()`` messages.
     """
     plugins.check()
-    selectors = _scan_selectors(argv)
+    selectors = scan_selectors(argv)
     file_model, file_sections = None, {}
     config_path = selectors.get("--config")
     argv = _drop(argv, "--config")
@@ -138,26 +157,17 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
         file_model, file_sections = _file_sections(load_config_file(config_path))
 
     file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
-    model_name = selectors.get("--model") or file_model or DEFAULT_MODEL
-    mock = selectors.get("--mock-data") or file_data.get("mock_data")
-    data_path = selectors.get("--data-path") or file_data.get("data_path")
-    dataset_name = (
-        selectors.get("--dataset")
-        or file_data.get("dataset")
-        or ("mock" if mock else "gpt" if data_path else "embedded")
-    )
+    model_name, dataset_name, tokenizer_name = plugin_choice(selectors, file_model, file_data)
     model_spec = plugins.models.get(model_name)
-    if data_path and dataset_name not in plugins.datasets:
+    if (selectors.get("--data-path") or file_data.get("data_path")) and (
+        dataset_name not in plugins.datasets
+    ):
         raise MegaUsageError(
             f"--data-path needs the '{dataset_name}' dataset plugin (Megatron .bin/.idx), which is"
             f" not installed (available datasets: {', '.join(plugins.datasets)})"
         )
     dataset_spec = plugins.datasets.get(dataset_name)
-    tokenizer_name = (
-        selectors.get("--tokenizer-type")
-        or file_data.get("tokenizer_type")
-        or dataset_spec.default_tokenizer
-    )
+    tokenizer_name = tokenizer_name or dataset_spec.default_tokenizer
     if tokenizer_name is None:
         raise MegaUsageError(f"dataset '{dataset_name}' needs --tokenizer-type")
     tokenizer_spec = plugins.tokenizers.get(tokenizer_name)
@@ -180,6 +190,8 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     flag_values, flag_errors = table.parse(_drop(argv, "--model"))
     errors += flag_errors
 
+    # the choices made above are part of the data section (so a resolved config file repeats them)
+    flag_values.setdefault("data", {}).update(dataset=dataset_name, tokenizer_type=tokenizer_name)
     built: dict[str, Any] = {}
     for section, cls in section_classes.items():
         values = {**file_values.get(section, {}), **flag_values.get(section, {})}
@@ -189,18 +201,16 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
             errors.append(f"{section} config: {exc}")
     if len(built) < len(section_classes):
         raise MegaUsageError(errors)
-
-    built["data"].dataset = dataset_name
-    built["data"].tokenizer_type = tokenizer_name
+    parallel = built["parallel"]
+    if parallel.parallel is None:  # Megatron's choice of schedule from the layout
+        built["parallel"] = dataclasses.replace(parallel, parallel=default_schedule(parallel))
     config = RunConfig(
         model_name=model_name,
         tokenizer_name=tokenizer_name,
         dataset_name=dataset_name,
+        world_size=job_world_size(built["launch"]),
         **built,
     )
-    config.world_size = job_world_size(config.launch)
-    if config.parallel.parallel is None:
-        config.parallel.parallel = default_schedule(config.parallel)
     # a flag that failed to parse kept its default, so the other checks still mean something
     errors += validate_run(config, plugins)
     if errors:
@@ -222,106 +232,6 @@ def _drop(argv: list[str], name: str) -> list[str]:
             continue
         out.append(token)
     return out
-
-
-def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
-    """Every check that needs more than one section, plus each section's ``validate()``."""
-    from mega.core.training.lr_schedule import validate_schedule_args
-
-    errors: list[str] = []
-    for section in config.sections().values():
-        check = getattr(section, "validate", None)
-        if callable(check):
-            errors += check()
-    t = config.training
-    errors += layout_problems(config, plugins)
-    dp = config.data_parallel_size
-    if config.global_batch_size % (t.micro_batch_size * dp):
-        errors.append(
-            f"--global-batch-size ({config.global_batch_size}) must be divisible by"
-            f" --micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"
-        )
-    s = config.scheduler
-    errors += validate_schedule_args(
-        lr=config.optimizer.lr,
-        min_lr=config.optimizer.min_lr,
-        decay_style=s.lr_decay_style,
-        decay_iters=s.lr_decay_iters or t.train_iters,
-        train_iters=t.train_iters,
-        warmup_iters=s.lr_warmup_iters,
-        warmup_fraction=s.lr_warmup_fraction,
-        warmup_init=s.lr_warmup_init,
-        wsd_decay_style=s.lr_wsd_decay_style,
-        wsd_decay_iters=s.lr_wsd_decay_iters,
-    )
-    for registry, name in (
-        (plugins.checkpoint_backends, config.checkpoint.ckpt_format),
-        (plugins.parallel, config.parallel.parallel),
-    ):
-        try:
-            spec = registry.get(name)
-        except MegaUsageError as exc:
-            errors += exc.messages
-            continue
-        if registry is plugins.parallel and hasattr(spec, "validate"):
-            errors += spec.validate(config)  # a pipeline schedule is checked by pipeline_setup
-    from mega.core.checkpoint.store import validate_checkpoint_dirs
-
-    errors += validate_checkpoint_dirs(config.checkpoint)
-    for result in plugins.pm.hook.validate_config(config=config):
-        errors += list(result or [])
-    return errors
-
-
-def job_world_size(launch: Any) -> int:
-    """The processes of this job: the launcher's (torchrun, SLURM) if set, else what
-    ``--nproc-per-node`` x ``--nnodes`` will start."""
-    from mega.parallel.distributed import process_place
-
-    place = process_place()
-    return place.world_size if place.source != "single" else launch.world_size
-
-
-def layout_problems(config: RunConfig, plugins: Plugins) -> list[str]:
-    """Whether the parallel layout fits the world size, the model and the features built so far."""
-    from mega.parallel.topology import layout_problems as world_problems
-
-    p = config.parallel
-    errors = world_problems(config.world_size, p.sizes())
-    for flag, size in (
-        ("--context-parallel-size", p.context_parallel_size),
-        ("--expert-model-parallel-size", p.expert_model_parallel_size),
-    ):
-        if size > 1:
-            errors.append(f"{flag} {size}: only 1 is supported so far")
-    tp = p.tensor_model_parallel_size
-    if tp > 1 and config.training.compile:
-        # Measured on 4 H200 (torch 2.11): compiled layers with the tensor-parallel collectives
-        # inside trained differently from eager from step 3 on, and 30% slower.
-        errors.append(
-            f"--compile with --tensor-model-parallel-size {tp}: not supported yet (compiled "
-            "layers mishandle the tensor-parallel collectives); leave --compile off"
-        )
-    if (tp > 1 or p.recompute_granularity) and config.model_name in plugins.models:
-        spec = plugins.models.get(config.model_name)
-        if spec.parallel_plan is None:
-            errors.append(
-                f"model '{config.model_name}' provides no parallel plan: it supports neither "
-                "--tensor-model-parallel-size > 1 nor --recompute-granularity"
-            )
-        else:
-            errors += spec.parallel_plan(config.model).problems(tp)
-    errors += pipeline_setup(config, plugins)[1]
-    if p.sequence_parallel:
-        from mega.parallel.tensor import sequence_parallel_problems
-
-        errors += sequence_parallel_problems(config.training.seq_length, tp)
-    if config.world_size > 1 and (config.checkpoint.save or config.checkpoint.load):
-        errors.append(
-            "--save/--load with more than one process are not supported yet (sharded "
-            "checkpoints are a later feature); train without them or on one process"
-        )
-    return errors
 
 
 def resolved_as_dict(config: RunConfig) -> dict[str, dict[str, Any]]:
@@ -365,7 +275,7 @@ def tokenizer_choice(
     argv: list[str], plugins: Plugins, default: str | None = None
 ) -> tuple[str, Any]:
     """The ``--tokenizer-type`` named in ``argv`` (or ``default``) and its spec."""
-    name = _scan_selectors(argv).get("--tokenizer-type") or default
+    name = scan_selectors(argv).get("--tokenizer-type") or default
     if name is None:
         raise MegaUsageError("--tokenizer-type is required")
     return name, plugins.tokenizers.get(name)

@@ -26,6 +26,7 @@ from mega.parallel.pipeline.layout import (
     virtual_stages_per_rank,
 )
 from mega.parallel.pipeline.schedules import pipeline_schedules, table_problems
+from mega.parallel.plan import no_plan_message
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,12 @@ def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, lis
     if spec.max_pp == 1 and (plan is None or not plan.pipeline_first):
         # a model without pipeline stages runs as one chunk; its layers are not counted
         return PipelineSetup(spec, PipelineLayout(pp=1, vpp=1, stages=(range(0),))), []
-    if plan is None or not plan.pipeline_first:
+    if plan is None:
+        return None, [no_plan_message(f"model '{config.model_name}'", [f"{PP} {pp}"])]
+    if not plan.pipeline_first:  # no first-stage modules named: the split has no map
         return None, [
-            f"model '{config.model_name}' does not support pipeline schedules (its parallel plan"
-            " names no pipeline stages)"
+            f"model '{config.model_name}' has a parallel plan without pipeline stages, so it"
+            f" supports no pipeline stages (--parallel {spec.name}, {PP} {pp})"
         ]
     vpp, problems = virtual_stages_per_rank(plan.num_layers, pp, *virtual_flags)
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mega.core.config.fields import option
+from mega import option
 
 
 @dataclass(kw_only=True)

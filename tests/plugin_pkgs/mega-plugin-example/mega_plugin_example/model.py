@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mega import BuildContext
-from mega.core.training.init import normal_
+from mega import BuildContext, normal_
 from mega_plugin_example.config import BigramConfig
 
 

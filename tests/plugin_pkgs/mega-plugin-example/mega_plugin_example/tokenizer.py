@@ -17,7 +17,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
-from mega.core.config.fields import option
+from mega import option
 
 ALPHABET = string.ascii_lowercase + string.digits + string.punctuation + " \t\n"
 UNK_ID = len(ALPHABET)

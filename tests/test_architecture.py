@@ -1,0 +1,137 @@
+"""The package's shape, read from its source with ast (nothing is imported, no torch):
+``mega.core`` imports no plugin and no CLI module, only the entry point imports the CLI, and no
+module imports itself back through others (no cycles, counting imports inside functions too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mega"
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    return modules
+
+
+def import_edges() -> dict[str, set[str]]:
+    """Module -> the mega modules it imports, at any depth of the file. ``from a import b``
+    counts ``a.b`` if that is a module (a child importing a sibling through their package), else
+    ``a``."""
+    modules = module_files()
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in node.names:
+                    child = f"{base}.{alias.name}"
+                    targets.add(child if child in modules else base)
+        edges[module] = {t for t in map(owner, targets) if t and t not in (module, "mega")}
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return found
+
+
+def layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_core_imports_no_plugin_or_cli():
+    edges = import_edges()
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if layer(a) == "core" and layer(b) in ("plugins", "cli")
+    )
+    assert wrong == []
+
+
+def test_only_the_entry_point_imports_the_cli():
+    edges = import_edges()
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if layer(b) == "cli" and layer(a) != "cli" and a != "mega.__main__"
+    )
+    assert wrong == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_edges()) == []
+
+
+def test_the_checks_see_a_wrong_arrow(tmp_path, monkeypatch):
+    """The walker finds arrows and cycles at all: on a toy package with both."""
+    toy = tmp_path / "mega"
+    (toy / "core").mkdir(parents=True)
+    (toy / "plugins").mkdir()
+    for init in (toy, toy / "core", toy / "plugins"):
+        (init / "__init__.py").write_text("")
+    (toy / "core" / "a.py").write_text("def f():\n    from mega.plugins import b\n")
+    (toy / "plugins" / "b.py").write_text("from mega.core.a import f\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", toy)
+    edges = import_edges()
+    assert edges["mega.core.a"] == {"mega.plugins.b"}  # the module, not its package
+    assert cycles(edges) == [["mega.core.a", "mega.plugins.b"]]
