@@ -15,9 +15,9 @@ from mega.core.config.resolve import resolve_config
 from mega.core.console.display import Display
 from mega.core.plugins.manager import make_plugins
 from mega.core.training.engine import Engine
+from mega.testing.ranks import run_ranks
 
 from conftest import TINY
-from multiproc import run_ranks
 
 # Dropout off: two layouts draw different dropout masks, so only dropout-free runs can match.
 # Adam epsilon 1e-6, not 1e-8: Adam divides by sqrt(v) + eps, so a gradient element far below eps

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from mega.testing.ranks import free_port
+
 from conftest import LAUNCHER_VARS, TINY, lm_losses
-from multiproc import free_port
 
 ITERS = 4
 # Dropout off (each layout would draw different masks) and no linear biases (the key bias has a

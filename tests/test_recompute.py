@@ -10,7 +10,8 @@ import torch
 from mega.core.config.resolve import resolve_config
 from mega.core.console.display import Display
 from mega.core.plugins.manager import make_plugins
-from mega.core.training.engine import Engine, masked_lm_loss
+from mega.core.training.engine import Engine
+from mega.core.training.step import masked_lm_loss
 
 from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
 

@@ -29,8 +29,7 @@ from mega.parallel.topology import build_topology
 from mega.plugins.models.gpt.config import GPTConfig
 from mega.plugins.models.gpt.model import GPTModel
 from mega.plugins.models.gpt.plan import gpt_parallel_plan
-
-from multiproc import run_ranks
+from mega.testing.ranks import run_ranks
 
 VOCAB, SEQ, BATCH, SEED = 256, 16, 2, 1234
 

@@ -29,9 +29,9 @@ import pytest
 from mega.core.config.resolve import resolve_config
 from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.testing.ranks import free_port
 
 from conftest import LAUNCHER_VARS, TINY, lm_losses
-from multiproc import free_port
 
 PACKAGE_DIR = Path(__file__).parent / "plugin_pkgs" / "mega-plugin-example"
 DIST, VERSION, ENTRY_POINT = "mega-plugin-example", "0.3.1", "example"
@@ -182,6 +182,22 @@ def test_example_hello_command(venv, tmp_path, builtin_models):
     assert done.stdout == f"Hello, Ada! mega knows {len(models)} models: {', '.join(models)}\n"
     listing = run_mega(venv, "--help", cwd=tmp_path)
     assert re.search(r"^\s+example-hello\s+Greet NAME", listing.stdout, re.M), listing.stdout
+
+
+def test_the_example_package_tests_itself_with_mega_testing(venv, tmp_path):
+    """The package's own tests use mega's pytest plugin (``mega_plugins``, ``mega_cli``) with no
+    conftest: pytest in the plugin's environment finds the fixtures through mega's entry point."""
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+        + ["--rootdir", str(tmp_path), str(PACKAGE_DIR / "tests")],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout, done.stdout
 
 
 def test_training_a_plugin_model_with_a_plugin_tokenizer(venv, tmp_path):

@@ -1,0 +1,52 @@
+"""Run ``mega`` from a test: in this process through click's runner, or as the real console
+entry point in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# A GPT that trains a step in a few milliseconds on one CPU core.
+TINY_GPT = [
+    "--model", "gpt", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+    "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+    "--log-interval", "1", "--eval-iters", "0", "--lr", "1e-3",
+]  # fmt: skip
+
+
+def make_test_plugins(*extra: Any) -> Any:
+    """A plugin manager with the built-in plugins and ``extra`` plugin objects (modules or
+    objects with ``@hookimpl`` functions), registered after them as a third party's would be."""
+    from mega.core.plugins.manager import make_plugins
+
+    named = [(getattr(p, "__name__", type(p).__name__), p) for p in extra]
+    return make_plugins(extra=named)
+
+
+def invoke(args: list[str], plugins: Any) -> Any:
+    """``mega ARGS`` in this process with ``plugins``; click's ``Result`` (exit_code, output)."""
+    from click.testing import CliRunner
+
+    from mega.cli import make_cli
+
+    return CliRunner().invoke(make_cli(plugins), args)
+
+
+def run_mega(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run the real ``mega`` console entry point in a subprocess (one torch thread, no
+    third-party plugins unless ``env`` turns autoload back on)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGA_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "mega", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
