@@ -161,3 +161,28 @@ def test_plugins_json_lists_every_plugin():
     assert rows["gpt"]["distribution"] == "mega" and rows["gpt"]["version"] == "0.1.0"
     assert rows["torch_checkpoint"]["registers"] == {"checkpoint backend": ["torch"]}
     assert rows["commands"]["registers"] == {"command": ["train", "plugins"]}
+
+
+class _ClashingTokenizer:
+    """A third-party plugin that registers a built-in tokenizer's name again."""
+
+    @hookimpl
+    def register_tokenizers(self, register):
+        register(TokenizerSpec(name="ByteTokenizer", config_cls=object, build=None))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["data", "inspect", "--data-path", "nowhere"],
+        ["schedule", "--pp", "2"],
+        ["preprocess", "--input", "x.jsonl", "--output-prefix", "out"],
+    ],
+    ids=["data-inspect", "schedule", "preprocess"],
+)
+def test_commands_refuse_a_clashing_plugin_name(mega_cli, args):
+    """Every command that looks plugins up refuses a name two plugins registered (exit 2),
+    rather than silently using one of them."""
+    result = mega_cli(args, _ClashingTokenizer())
+    assert result.exit_code == 2, result.output + result.stderr
+    assert "tokenizer 'ByteTokenizer' is registered by two plugins" in result.stderr

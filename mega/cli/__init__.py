@@ -79,8 +79,10 @@ def _rank_prefix() -> str:
     return rank_prefix(place.rank) if place.world_size > 1 else ""
 
 
-def main(argv: list[str] | None = None) -> None:
-    cli = make_cli()
+def main(argv: list[str] | None = None, plugins=None) -> None:
+    """The ``mega`` command: every error becomes one ``error:`` line and an exit code
+    (``plugins``: a given plugin manager instead of the installed plugins, as tests do)."""
+    cli = make_cli(plugins)
     try:
         code = cli.main(args=argv, prog_name="mega", standalone_mode=False)
     except MegaUsageError as exc:

@@ -138,7 +138,9 @@ def schedule_command(
     )
     from mega.parallel.pipeline.render import render_text
 
-    spec = schedule_spec(current_plugins(), name or ("interleaved" if vpp > 1 else "1f1b"))
+    plugins = current_plugins()
+    plugins.check()  # a clashing name must not silently pick one provider's schedule
+    spec = schedule_spec(plugins, name or ("interleaved" if vpp > 1 else "1f1b"))
     name = spec.name
     m = 2 * pp if microbatches is None else microbatches
     problems = table_problems(spec, pp, vpp, m, num_layers)

@@ -7,7 +7,7 @@ fixtures with no conftest:
   off), plus whatever a test passes: ``mega_plugins(my_plugin_module)``.
 - ``mega_cli``: run a ``mega`` command in this process with those plugins:
   ``result = mega_cli(["train", "--model", "bigram", ...], my_plugin_module)``;
-  ``result.exit_code``, ``result.output``.
+  ``result.exit_code``, ``result.output`` (stdout), ``result.stderr`` (``error:`` lines).
 - ``tiny_gpt``: flags of a GPT that trains a step in milliseconds on one CPU core.
 
 And functions: ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on N

@@ -3,9 +3,12 @@ entry point in a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +29,26 @@ def make_test_plugins(*extra: Any) -> Any:
     return make_plugins(extra=named)
 
 
-def invoke(args: list[str], plugins: Any) -> Any:
-    """``mega ARGS`` in this process with ``plugins``; click's ``Result`` (exit_code, output)."""
-    from click.testing import CliRunner
+@dataclass
+class CommandResult:
+    exit_code: int
+    output: str  # stdout
+    stderr: str
 
-    from mega.cli import make_cli
 
-    return CliRunner().invoke(make_cli(plugins), args)
+def invoke(args: list[str], plugins: Any) -> CommandResult:
+    """``mega ARGS`` in this process with ``plugins``, through the same error handling as the
+    console entry point (bad input: ``error:`` lines on stderr and exit code 2)."""
+    from mega.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(args, plugins)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return CommandResult(code, out.getvalue(), err.getvalue())
 
 
 def run_mega(

@@ -50,7 +50,8 @@ def mega_plugins() -> Callable[..., Any]:
 
 @pytest.fixture
 def mega_cli() -> Callable[..., Any]:
-    """``mega_cli(args, *plugin_objects)``: run ``mega ARGS`` in this process; click's Result."""
+    """``mega_cli(args, *plugin_objects)``: run ``mega ARGS`` in this process with the built-in
+    plugins plus these; the result has ``exit_code``, ``output`` (stdout) and ``stderr``."""
     from mega.testing.commands import invoke, make_test_plugins
 
     def run(args: list[str], *extra: Any) -> Any:
