@@ -8,7 +8,8 @@ of the machine falls on both sides.
     python benchmarks/ab_trees.py --old ../mega-old --new . -- parallel_layouts.py \
         --layouts pp2v2-interleaved --base pp2v2-interleaved
 
-The script must accept ``--out DIR`` and ``--name NAME`` and write ``DIR/NAME_<date>.json`` with a
+A tree without the script uses the new one's (it then measures whichever mega is installed, as
+quickstart_speed.py does). The script must accept ``--out DIR`` and ``--name NAME`` and write ``DIR/NAME_<date>.json`` with a
 ``results`` list whose rows carry ``tokens_per_s`` (gpt_throughput.py and parallel_layouts.py
 do). Writes ``benchmarks/results/ab_trees_<date>.json`` (or ``--out``): the command, the two
 trees' commits, every run's rows, and new/old of the median tokens/s per row.
@@ -30,13 +31,20 @@ from pathlib import Path
 
 
 def commit_of(tree: Path) -> str:
-    done = subprocess.run(
-        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    """The tree's commit: its COMMIT file (a tree exported without .git), else git's description
+    when the tree is a checkout's top level (``-dirty`` when it has changes)."""
+    stamp = tree / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
+    top = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--show-toplevel"], capture_output=True, text=True
     )
-    stamp = tree / "COMMIT"  # a tree copied without .git says its commit here
-    if done.returncode == 0:
-        return done.stdout.strip()
-    return stamp.read_text().strip() if stamp.is_file() else "unknown"
+    if top.returncode != 0 or Path(top.stdout.strip()).resolve() != tree.resolve():
+        return "unknown"
+    done = subprocess.run(
+        ["git", "-C", str(tree), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or "unknown"
 
 
 def install(tree: Path) -> None:
@@ -49,7 +57,10 @@ def install(tree: Path) -> None:
 
 def run(tree: Path, script: list[str], name: str, out: Path) -> list[dict]:
     """Run the benchmark from ``tree``; its result rows, each with a ``key`` naming the row."""
-    command = [sys.executable, str(tree / "benchmarks" / script[0]), *script[1:]]
+    path = tree / "benchmarks" / script[0]
+    if not path.is_file():  # a script newer than the old tree: it measures the installed mega
+        path = Path(__file__).parent / script[0]
+    command = [sys.executable, str(path), *script[1:]]
     command += ["--out", str(out), "--name", name]
     print("$", shlex.join(command), flush=True)
     subprocess.run(command, cwd=tree, check=True)
