@@ -27,3 +27,20 @@ def test_gpt_throughput_smoke_run_on_the_cpu(tmp_path: Path):
     assert report["summary"]["mega vs reference-fp32-master"]["loss_rel_diff"] < 1e-3
     mega = report["results"][-1]
     assert abs(mega["iteration_line_tflops_vs_benchmark"] - 1) < 0.5
+
+
+def test_quickstart_speed_reads_its_own_iteration_lines(tmp_path: Path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "quickstart_speed.py"), "--iters", "21"]
+    proc = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("quickstart_speed_*.json")
+    (row,) = json.loads(result.read_text())["results"]
+    assert row["last_iteration"] == 21
+    # tokens/s is the quickstart's global batch of 16 x 128 tokens over the measured step time
+    assert (
+        row["tokens_per_s"] == round(16 * 128 / (row["step_ms"] / 1000.0), 1)
+        or abs(row["tokens_per_s"] - 16 * 128 / (row["step_ms"] / 1000.0)) < 0.5
+    )
+    assert float(row["lm_loss"]) < 5.6  # below ln(256): it trained
