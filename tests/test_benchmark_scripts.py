@@ -39,8 +39,5 @@ def test_quickstart_speed_reads_its_own_iteration_lines(tmp_path: Path):
     (row,) = json.loads(result.read_text())["results"]
     assert row["last_iteration"] == 21
     # tokens/s is the quickstart's global batch of 16 x 128 tokens over the measured step time
-    assert (
-        row["tokens_per_s"] == round(16 * 128 / (row["step_ms"] / 1000.0), 1)
-        or abs(row["tokens_per_s"] - 16 * 128 / (row["step_ms"] / 1000.0)) < 0.5
-    )
+    assert abs(row["tokens_per_s"] - 16 * 128 / (row["step_ms"] / 1000.0)) < 1.0
     assert float(row["lm_loss"]) < 5.6  # below ln(256): it trained
