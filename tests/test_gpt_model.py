@@ -444,3 +444,32 @@ def test_vocabulary_padding_changes_nothing():
     grads = [m.embedding.word_embeddings.weight.grad for m in (small, large)]
     torch.testing.assert_close(grads[0][:257], grads[1][:257], rtol=1e-5, atol=1e-7)
     assert not grads[1][257:].any()  # padding rows learn nothing
+
+
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_the_printed_parameter_count_is_the_same_in_every_layout(plugins, untie):
+    """TP=2 pads the vocabulary further (to a multiple of 128 x 2): the padding rows are not
+    counted, so the model size printed at TP=1 and TP=2 is the same, and it is the real one."""
+    from mega import BuildContext
+    from mega.core.config.resolve import resolve_config
+    from mega.core.training.parameter_count import unpadded_parameter_count
+
+    args = ["--model", "gpt", "--num-layers", "2", "--hidden-size", "32"]
+    args += (
+        ["--num-attention-heads", "2", "--untie-embeddings-and-output-weights"]
+        if untie
+        else ["--num-attention-heads", "2"]
+    )
+    config = resolve_config(args, plugins)
+    spec = plugins.models.get("gpt")
+    plan = spec.parallel_plan(config.model)
+    counts, totals = [], []
+    for padded in (384, 512):  # 258 byte ids padded for TP=1 and TP=2 (x 128 x TP)
+        ctx = BuildContext(seed=1, device="cpu", params_dtype="float32", seq_length=32,
+                           padded_vocab_size=padded)  # fmt: skip
+        model = spec.build(config.model, ctx)
+        counts.append(unpadded_parameter_count(model, plan, 258, padded))
+        totals.append(sum(p.numel() for p in model.parameters()))
+    assert counts[0] == counts[1]
+    assert totals[1] - totals[0] == 128 * 32 * (2 if untie else 1)  # what padding used to add
+    assert totals[0] - counts[0] == (384 - 258) * 32 * (2 if untie else 1)

@@ -178,7 +178,7 @@ def test_bad_layout_fails_in_the_parent_before_any_worker(tmp_path: Path):
     result = mega(args, tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
-        "error: the world size (3 processes) is not divisible by tensor-model-parallel-size 2 = 2"
+        "error: the world size (3 processes) is not divisible by --tensor-model-parallel-size (2)"
     ]
     assert result.stdout == ""  # no worker ran: nothing of rank 0's console
     assert not (tmp_path / "runs").exists()

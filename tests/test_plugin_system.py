@@ -174,15 +174,23 @@ class _ClashingTokenizer:
 @pytest.mark.parametrize(
     "args",
     [
-        ["data", "inspect", "--data-path", "nowhere"],
-        ["schedule", "--pp", "2"],
-        ["preprocess", "--input", "x.jsonl", "--output-prefix", "out"],
-    ],
-    ids=["data-inspect", "schedule", "preprocess"],
+        ["data", "inspect", "--data-path", "nowhere", "--tokenizer-type", "ByteTokenizer"],
+        [
+            "preprocess",
+            "--input",
+            "x.jsonl",
+            "--output-prefix",
+            "out",
+            "--tokenizer-type",
+            "ByteTokenizer",
+        ],
+        ["train", "--mock-data", "--tokenizer-type", "ByteTokenizer", "--train-iters", "1"],
+    ],  # fmt: skip
+    ids=["data-inspect", "preprocess", "train"],
 )
 def test_commands_refuse_a_clashing_plugin_name(mega_cli, args):
-    """Every command that looks plugins up refuses a name two plugins registered (exit 2),
-    rather than silently using one of them."""
+    """Every command that uses a name two plugins registered refuses it (exit 2), rather than
+    silently using one of them. (Commands that do not use that name run: test_plugin_failures.)"""
     result = mega_cli(args, _ClashingTokenizer())
     assert result.exit_code == 2, result.output + result.stderr
     assert "tokenizer 'ByteTokenizer' is registered by two plugins" in result.stderr

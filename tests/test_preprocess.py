@@ -491,6 +491,76 @@ def test_ctrl_c_or_sigterm_leaves_no_output(tmp_path, signum, code, message):
     assert all_files(tmp_path) == {"d.jsonl", "plugins/batch_tokenizers.py"}
 
 
+def _children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of ``pid``, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its reaping is left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_ends_the_workers_and_a_later_run_removes_the_stale_temporaries(tmp_path):
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "batch_tokenizers.py").write_text(BATCH_TOKENIZERS)
+    write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(2000)])
+    env = {
+        **os.environ,
+        "MEGA_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "MEGA_PLUGINS_DIR": str(plugins),
+        "MEGA_PREPROCESS_CHUNK_BYTES": "256",
+    }
+    args = ["--input", "d.jsonl", "--output-prefix", "o", "--tokenizer-type", "SlowByte"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mega", "preprocess", *args, "--workers", "2", "--log-interval", "5"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    workers: list[int] = []
+    try:
+        line = proc.stderr.readline()
+        while line.startswith("warning: plugin"):
+            line = proc.stderr.readline()
+        assert line.startswith("Processed"), f"no progress before the kill: {line!r}"
+        workers += _children(proc.pid)
+        assert len(workers) >= 2, workers
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, workers)), "workers outlived their SIGKILLed parent"
+    finally:
+        proc.kill()
+        for pid in workers:  # on failure: leave no orphans
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+    stale = tmp_path / f"o_text_document.bin.tmp-{proc.pid}"
+    assert stale.is_file()
+    # a temporary of a run that is still alive (this test's process) is left alone
+    alive = tmp_path / f"o_text_document.bin.tmp-{os.getpid()}"
+    alive.write_bytes(b"")
+
+    again = run_mega(["preprocess", *args[:-1], "ByteTokenizer"], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert f"removed {stale.name}" in again.stderr or f"removed {stale}" in again.stderr
+    assert not stale.exists() and alive.exists()
+    assert {"o_text_document.bin", "o_text_document.idx"} <= all_files(tmp_path)
+
+
 # ----------------------------------------------------------------------------- merge-datasets
 
 

@@ -37,7 +37,7 @@ def test_one_process_topology_has_no_groups():
 
 def test_layout_problems_name_the_sizes():
     (message,) = layout_problems(6, {"tp": 4, "cp": 1, "ep": 1, "pp": 1})
-    assert "world size (6 processes)" in message and "tensor-model-parallel-size 4" in message
+    assert "world size (6 processes)" in message and "--tensor-model-parallel-size (4)" in message
     assert layout_problems(8, {"tp": 2, "cp": 1, "ep": 1, "pp": 2}) == []
 
 
@@ -51,7 +51,7 @@ def test_every_layout_error_is_listed_at_once(plugins):
         resolve_config(args, plugins)
     text = "\n".join(raised.value.messages)
     for expected in (
-        "world size (6 processes) is not divisible by tensor-model-parallel-size 4",
+        "world size (6 processes) is not divisible by --tensor-model-parallel-size (4)",
         "--num-attention-heads (6) must be divisible by --tensor-model-parallel-size (4)",
         "--ffn-hidden-size (90) must be divisible by --tensor-model-parallel-size (4)",
         "--seq-length (30) must be divisible by --tensor-model-parallel-size (4)",

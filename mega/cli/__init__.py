@@ -33,12 +33,13 @@ class MegaGroup(click.Group):
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         commands = self.plugins().commands
-        return commands.get(name) if name in commands else None
+        return commands.peek(name) if name in commands else None  # help lists even a clash
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         name = args[0]
         if self.get_command(ctx, name) is None and not name.startswith("-"):
             raise MegaUsageError(unknown_name_message("command", name, self.list_commands(ctx)))
+        self.plugins().commands.check_name(name)  # two plugins' `mega NAME`: run neither
         return super().resolve_command(ctx, args)
 
 

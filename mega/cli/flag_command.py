@@ -2,8 +2,8 @@
 ``mega train`` parses them: which flags exist can depend on a plugin named on the same line.
 
 ``@flag_command(name, help_sections)`` turns ``run(args, plugins)`` into a click command that
-shows ``--help`` from the flag table, refuses clashing plugin names and warns about plugins that
-failed to load, before ``run`` is called with the raw arguments.
+shows ``--help`` from the flag table and warns about plugins that failed to load, before ``run``
+is called with the raw arguments (a clashing plugin name is refused where ``run`` looks it up).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def flag_command(
             if "--help" in args_list or "-h" in args_list:
                 click.echo(flag_help(*help_sections(args_list, plugins)))
                 return
-            plugins.check()
+            # no plugins.check(): a name two plugins registered is refused where it is looked up
+            # (Registry.get), so a clash stops only the commands that use that name
             if warn_failures:
                 warn_failed_plugins(plugins)
             run(args_list, plugins)

@@ -45,6 +45,9 @@ def plugins_command(as_json: bool) -> None:
             registers = f"[red]failed to load: {row['error']}[/red]"
         table.add_row(row["name"], row["distribution"], row["version"], registers or "-")
     console = Console()
+    if not console.is_terminal:  # a pipe or a file has no width to fit: keep every cell whole
+        natural = Console(width=100_000).measure(table).maximum
+        console = Console(width=max(console.width, natural))
     console.print(table)
     for problem in plugins.problems:
         console.print(f"[red]problem:[/red] {problem}")

@@ -99,7 +99,10 @@ def _analytic_text(spec, pp: int, vpp: int, m: int) -> str | None:
     "png_path",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Also draw the timeline into this PNG file.",
+    help=(
+        "Also draw the timeline into this file: PNG, or SVG/PDF by its suffix (needs matplotlib:"
+        " pip install 'mega[plot]')."
+    ),
 )
 @click.option(
     "--width",
@@ -138,8 +141,12 @@ def schedule_command(
     )
     from mega.parallel.pipeline.render import render_text
 
+    if png_path:  # before any work: a missing matplotlib or directory is a one-line error
+        from mega.cli.plotting import check_writable, new_figure
+
+        check_writable("--png", png_path)
+        new_figure("--png")
     plugins = current_plugins()
-    plugins.check()  # a clashing name must not silently pick one provider's schedule
     spec = schedule_spec(plugins, name or ("interleaved" if vpp > 1 else "1f1b"))
     name = spec.name
     m = 2 * pp if microbatches is None else microbatches
@@ -171,12 +178,16 @@ def schedule_command(
         line += f"; analytic {analytic}"
     click.echo(line)
     if png_path:
-        from mega.parallel.pipeline.png import write_timeline_png
+        from mega.cli.plotting import new_figure, save_figure
+        from mega.parallel.pipeline.timeline_plot import draw_timeline
 
-        try:
-            write_timeline_png(result, png_path)
-        except OSError as exc:
-            raise MegaUsageError(f"--png {png_path}: {exc.strerror or exc}") from None
+        figure = new_figure("--png")
+        title = (
+            f"{name}: {pp} pipeline ranks x {chunks}, {m} micro-batches, {p2p} p2p;"
+            f" bubble {result.bubble_fraction:.4f}"
+        )
+        draw_timeline(figure, result, title)
+        save_figure(figure, png_path, "--png")
         click.echo(f"wrote {png_path}")
 
 

@@ -66,6 +66,12 @@ def train_command(args_list: list[str], plugins: Any) -> None:
     if speaks:
         warn_failed_plugins(plugins)
     config = resolve_config(args_list, plugins)  # every config error, before torch is touched
+    if speaks:  # one process checks, before any rank writes into the directories
+        from mega.core.checkpoint.existing_run import existing_run_problems
+
+        problems = existing_run_problems(config)
+        if problems:
+            raise MegaUsageError(problems)
     asked = config.launch.world_size
     if speaks and place.source != "single" and asked not in (1, place.world_size):
         click.echo(
@@ -84,5 +90,7 @@ def train_command(args_list: list[str], plugins: Any) -> None:
 
     try:
         Engine(config, plugins).train()
+    except KeyboardInterrupt:  # the engine has said where it stopped: exit 130, no blank line
+        raise click.exceptions.Exit(130) from None
     finally:
         leave_job()

@@ -26,11 +26,12 @@ def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
         return problems
     model_parallel = math.prod(sizes.values())
     if world_size % model_parallel:
-        product = " x ".join(f"{_FLAGS[k]} {v}" for k, v in sizes.items() if v > 1)
-        problems.append(
-            f"the world size ({world_size} processes) is not divisible by {product} "
-            f"= {model_parallel}"
-        )
+        factors = [(f"--{_FLAGS[k]}", v) for k, v in sizes.items() if v > 1]
+        if len(factors) == 1:  # "by --tensor-model-parallel-size (2)", as the other checks say
+            product = f"{factors[0][0]} ({factors[0][1]})"
+        else:  # "by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4"
+            product = " x ".join(f"{flag} {v}" for flag, v in factors) + f" = {model_parallel}"
+        problems.append(f"the world size ({world_size} processes) is not divisible by {product}")
     return problems
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mega.core.checkpoint.resume_checks import check_schedule, data_changes
+from mega.core.checkpoint.resume_checks import check_schedule, data_changes, data_order
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
 from mega.core.errors import MegaUsageError
@@ -24,6 +24,7 @@ def training_state(engine: Any) -> dict[str, Any]:
         "iteration": engine.iteration,
         "consumed_samples": engine.consumed_samples,
         "skipped_total": engine.skipped_total,
+        "scheduler_steps": engine.scheduler_steps,  # the LR schedule's count (sample_schedule)
         "nan_total": engine.nan_total,
         "model": engine.model.state_dict(),
         "optimizer": engine.optimizer.state_dict(),
@@ -31,28 +32,70 @@ def training_state(engine: Any) -> dict[str, Any]:
         "lr_schedule": engine.lr_schedule.state_dict(),
         "interval": engine.interval.state_dict(),  # so a mid-interval resume logs the same
         "config": resolved_as_dict(engine.config),
+        "data_order": data_order(engine.config),  # as used: no unset (None) values
+        "cpu_threads": cpu_threads(engine.device),
     }
+
+
+def cpu_threads(device: Any) -> int | None:
+    """torch's intra-op thread count on the CPU (None on a GPU). The one input outside the flags
+    that changes a CPU run's bits: a float sum splits differently over a different number of
+    threads."""
+    import torch
+
+    return torch.get_num_threads() if device.type == "cpu" else None
+
+
+def _thread_warning(saved: int | None, now: int | None) -> str | None:
+    if saved is None or now is None or saved == now:
+        return None
+    plural = lambda n: f"{n} CPU thread{'s' if n != 1 else ''}"  # noqa: E731
+    return (
+        f"this run uses {plural(now)} and the checkpoint was trained with {saved}: float sums"
+        " split differently over threads, so the losses will differ in the last digits"
+        " (set OMP_NUM_THREADS to match)"
+    )
 
 
 def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) -> None:
     """Put ``state`` (read from ``directory``) back into ``engine``; a checkpoint of another
-    model is a ``MegaUsageError``, a changed data or schedule setting a warning or an error."""
+    model is a ``MegaUsageError``, a changed data or schedule setting a warning or an error.
+
+    As Megatron's ``load_checkpoint``: ``--finetune`` loads the weights only (iteration 0, no
+    consumed samples, fresh optimizer and RNG); ``--no-load-optim`` keeps the fresh optimizer
+    (and, with it, the command line's schedule), ``--no-load-rng`` the freshly seeded RNG."""
+    ckpt = engine.config.checkpoint
+    load_optim = ckpt.load_optim and not ckpt.finetune
     try:
         engine.model.load_state_dict(state["model"])
-        engine.optimizer.load_state_dict(state["optimizer"])
+        if load_optim:
+            engine.optimizer.load_state_dict(state["optimizer"])
     except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0]
         raise MegaUsageError(f"--load {directory}: does not match this model ({first})") from None
+    if ckpt.finetune:
+        return  # a new run from these weights: the counters stay at 0
     s = engine.config.scheduler
-    if s.use_checkpoint_opt_param_scheduler:
+    if not load_optim:
+        pass  # Megatron loads the scheduler with the optimizer: the command line's applies
+    elif s.use_checkpoint_opt_param_scheduler:
         engine.lr_schedule = LRSchedule.from_state_dict(state["lr_schedule"])
     else:
         check_schedule(engine.lr_schedule, state["lr_schedule"], directory, s)
-    for warning in data_changes(state["config"], resolved_as_dict(engine.config)):
+    saved_order = state.get("data_order") or state["config"]
+    for warning in data_changes(saved_order, data_order(engine.config)):
         engine.display.warn(warning)
-    restore_rng_state(state["rng"])
+    threads = _thread_warning(state.get("cpu_threads"), cpu_threads(engine.device))
+    if threads:
+        engine.display.warn(threads)
+    if ckpt.load_rng:
+        restore_rng_state(state["rng"])
     engine.interval = IntervalStats.from_state_dict(state["interval"])
     engine.iteration = int(state["iteration"])
     engine.consumed_samples = int(state["consumed_samples"])
     engine.skipped_total = int(state["skipped_total"])
     engine.nan_total = int(state["nan_total"])
+    # checkpoints from before the count was saved were iteration-based: successful iterations
+    engine.scheduler_steps = int(
+        state.get("scheduler_steps", engine.iteration - engine.skipped_total)
+    )

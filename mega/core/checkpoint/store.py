@@ -73,6 +73,8 @@ def save_checkpoint(root: str | Path, iteration: int, state: dict[str, Any], bac
             os.fsync(f.fileno())
         checksums[name] = _sha256(tmp / name)
     marker = {"iteration": iteration, "backend": backend.name, "files": checksums}
+    if isinstance(state.get("config"), dict):  # read by --use-checkpoint-args without torch
+        marker["config"] = state["config"]
     atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1))  # the marker goes last
     if final.exists():  # re-saving an iteration: move the old one aside before replacing it
         old = root / f".{final.name}.old"
@@ -123,6 +125,11 @@ def unwritable_reason(path: Path) -> str | None:
             return exc.strerror or str(exc)
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"cannot create directories in {existing}"
+    # os.access says yes to root in /proc and /sys, where mkdir still fails: try one, remove it
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=existing, prefix=".mega-probe-"))
+    except OSError as exc:
+        return f"cannot create directories in {existing}: {exc.strerror or exc}"
     return None
 
 

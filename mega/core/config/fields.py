@@ -7,9 +7,11 @@ refines it (all optional)::
     normalization: str = option("LayerNorm", "Norm type.", choices=("LayerNorm", "RMSNorm"))
     add_bias_linear: bool = option(True, "...", flag="--disable-bias-linear", store=False)
     data_path: list[str] = option([], "...", nargs="+")
+    nproc_per_node: int = option(1, "...", aliases=("--nproc_per_node",))
 
 Booleans are switches: ``--swiglu`` sets True. A boolean that defaults to True gets ``--no-<name>``
-unless ``flag`` says otherwise. A config class may define ``validate(self) -> list[str]``; its
+unless ``flag`` says otherwise. ``aliases`` are further spellings of the same flag (old Megatron
+names, torchrun's underscores); they parse exactly as the main one. A config class may define ``validate(self) -> list[str]``; its
 messages are collected with every other validation error before anything starts.
 """
 
@@ -30,10 +32,12 @@ def option(
     store: bool | None = None,
     nargs: str | None = None,
     metavar: str | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> Any:
     """A dataclass field with the metadata the flag parser reads. Mutable defaults are copied."""
     metadata = {"help": help, "choices": choices, "flag": flag, "store": store, "nargs": nargs}
     metadata["metavar"] = metavar
+    metadata["aliases"] = tuple(aliases)
     if isinstance(default, list | dict | set):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)

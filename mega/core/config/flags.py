@@ -36,7 +36,8 @@ class Flag:
     def _names(self) -> list[str]:
         field = self.cls.__dataclass_fields__[self.name]
         custom = field.metadata.get("flag")
-        return [custom] if custom else ["--" + self.name.replace("_", "-")]
+        names = [custom] if custom else ["--" + self.name.replace("_", "-")]
+        return names + list(field.metadata.get("aliases", ()))
 
     @property
     def default(self) -> Any:

@@ -26,6 +26,7 @@ SELECTOR_FLAGS = (
     "--dataset",
     "--tokenizer-type",
     "--data-path",
+    "--train-data-path",
     "--mock-data",
 )
 
@@ -82,7 +83,12 @@ def plugin_choice(
     file_data = file_data or {}
     model = selectors.get("--model") or file_model or DEFAULT_MODEL
     mock = selectors.get("--mock-data") or file_data.get("mock_data")
-    data_path = selectors.get("--data-path") or file_data.get("data_path")
+    data_path = (
+        selectors.get("--data-path")
+        or selectors.get("--train-data-path")
+        or file_data.get("data_path")
+        or file_data.get("train_data_path")
+    )
     dataset = (
         selectors.get("--dataset")
         or file_data.get("dataset")
@@ -148,8 +154,7 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     Raises ``MegaUsageError`` listing every problem found: unknown flags and file keys, bad
     values, unknown plugin names, and each section's own ``validate()`` messages.
     """
-    plugins.check()
-    selectors = scan_selectors(argv)
+    selectors = scan_selectors(argv)  # a clashing plugin name is refused by Registry.get
     file_model, file_sections = None, {}
     config_path = selectors.get("--config")
     argv = _drop(argv, "--config")
@@ -189,6 +194,13 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     errors += file_errors
     flag_values, flag_errors = table.parse(_drop(argv, "--model"))
     errors += flag_errors
+    # --use-checkpoint-args: the checkpoint's architecture under the file's values and the flags
+    ckpt_values, ckpt_errors = _checkpoint_args(
+        file_values, flag_values, table, plugins, model_name
+    )
+    errors += ckpt_errors
+    for section, items in ckpt_values.items():
+        file_values[section] = {**items, **file_values.get(section, {})}
 
     # the choices made above are part of the data section (so a resolved config file repeats them)
     flag_values.setdefault("data", {}).update(dataset=dataset_name, tokenizer_type=tokenizer_name)
@@ -216,6 +228,30 @@ def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
     if errors:
         raise MegaUsageError(errors)
     return config
+
+
+def _checkpoint_args(
+    file_values: dict, flag_values: dict, table: FlagTable, plugins: Plugins, model_name: str
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The values ``--use-checkpoint-args`` takes from ``--load``'s checkpoint, converted."""
+    given = {**file_values.get("checkpoint", {}), **flag_values.get("checkpoint", {})}
+    if not given.get("use_checkpoint_args") or not given.get("load"):
+        return {}, []  # without --load, CheckpointConfig.validate reports it
+    from mega.core.checkpoint.checkpoint_args import checkpoint_arg_values
+
+    raw, errors = checkpoint_arg_values(given["load"], plugins.checkpoint_backends, model_name)
+    placed: dict[str, dict[str, Any]] = {}
+    for section, items in raw.items():
+        for key, value in items.items():
+            flag = table.by_key.get(key)
+            if flag is None or flag.section != section:
+                errors.append(f"--use-checkpoint-args: this {section} has no option '{key}'")
+                continue
+            try:
+                placed.setdefault(section, {})[key] = flag.convert(value)
+            except ValueError as exc:
+                errors.append(f"--use-checkpoint-args: {section}.{key}: {exc}")
+    return placed, errors
 
 
 def _drop(argv: list[str], name: str) -> list[str]:

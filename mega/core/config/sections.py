@@ -22,7 +22,26 @@ class TrainingConfig:
         None, "Samples per optimizer step; default micro-batch size x data-parallel size."
     )
     seq_length: int = option(128, "Tokens per sample.")
-    train_iters: int = option(500, "Optimizer steps to train for.")
+    train_iters: int | None = option(
+        None, "Optimizer steps to train for (default 500, unless --train-samples is given)."
+    )
+    train_samples: int | None = option(
+        None,
+        "Train for this many samples instead of --train-iters (Megatron's sample-based training:"
+        " iterations = samples // global batch, counting --rampup-batch-size's smaller batches).",
+    )
+    rampup_batch_size: list[str] = option(
+        [],
+        "START INCREMENT SAMPLES: grow the global batch from START by INCREMENT over SAMPLES"
+        " samples up to --global-batch-size (needs --train-samples, as in Megatron).",
+        nargs="+",
+        metavar="START INCREMENT SAMPLES",
+    )
+    num_workers: int = option(
+        0,
+        "Threads that build the next global batch while the current step runs (0: build it in"
+        " the training loop; mega reads samples in-process, Megatron's default is 2 workers).",
+    )
     seed: int = option(1234, "Seed for initialisation, data order and dropout.")
     eval_interval: int = option(100, "Evaluate on the validation split every N iterations.")
     eval_iters: int = option(10, "Batches per evaluation.")
@@ -40,11 +59,19 @@ class TrainingConfig:
         "gradient GEMM, instead of writing them in the model dtype and adding them after.",
     )
 
+    def __post_init__(self) -> None:
+        if self.train_iters is None and self.train_samples is None:
+            self.train_iters = 500
+
     def validate(self) -> list[str]:
-        errors = []
+        from mega.core.training.sample_schedule import training_length_problems
+
+        errors = training_length_problems(self)
         for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 errors.append(f"--{name.replace('_', '-')} must be at least 1")
+        if self.num_workers < 0:
+            errors.append("--num-workers must not be negative")
         if self.global_batch_size is not None and self.global_batch_size < 1:
             errors.append("--global-batch-size must be at least 1")
         if self.eval_interval < 1 or self.eval_iters < 0:
@@ -59,7 +86,9 @@ class TrainingConfig:
 @dataclass(kw_only=True)
 class OptimizerConfig:
     optimizer: str = option(
-        "adam", "Optimizer (adam means AdamW, as in Megatron).", choices=("adam",)
+        "adam",
+        "Optimizer: adam (AdamW, as in Megatron) or sgd (torch's SGD with --sgd-momentum).",
+        choices=("adam", "sgd"),
     )
     lr: float = option(3e-3, "Peak learning rate.")
     min_lr: float = option(0.0, "Learning rate at the end of decay.")
@@ -68,6 +97,7 @@ class OptimizerConfig:
     adam_beta1: float = option(0.9, "Adam beta1.")
     adam_beta2: float = option(0.999, "Adam beta2.")
     adam_eps: float = option(1e-8, "Adam epsilon.")
+    sgd_momentum: float = option(0.9, "Momentum of --optimizer sgd (Megatron's default 0.9).")
 
     def validate(self) -> list[str]:
         errors = []
@@ -77,6 +107,8 @@ class OptimizerConfig:
             errors.append("--adam-beta1 and --adam-beta2 must lie in [0, 1)")
         if self.clip_grad < 0 or self.weight_decay < 0:
             errors.append("--clip-grad and --weight-decay must not be negative")
+        if not 0 <= self.sgd_momentum < 1:
+            errors.append("--sgd-momentum must lie in [0, 1)")
         return errors
 
 
@@ -97,6 +129,13 @@ class SchedulerConfig:
         choices=("exponential", "linear", "cosine", "minus_sqrt"),
     )
     lr_wsd_decay_iters: int | None = option(None, "Annealing iterations of the WSD schedule.")
+    lr_decay_samples: int | None = option(
+        None, "Samples to decay over, with --train-samples (default --train-samples)."
+    )
+    lr_warmup_samples: int = option(0, "Linear warmup samples, with --train-samples.")
+    lr_wsd_decay_samples: int | None = option(
+        None, "Annealing samples of the WSD schedule, with --train-samples."
+    )
     override_opt_param_scheduler: bool = option(
         False,
         "On --load, use the command line's schedule even if the checkpoint's differs.",
@@ -150,11 +189,34 @@ class CheckpointConfig:
     load: str | None = option(None, "Directory to resume from (its latest complete checkpoint).")
     save_interval: int | None = option(None, "Save every N iterations (and at the end).")
     ckpt_format: str = option("torch", "Checkpoint backend plugin.")
+    load_optim: bool = option(
+        True,
+        "On --load, do not restore the optimizer state (moments, masters, loss scale).",
+        flag="--no-load-optim",
+        store=False,
+    )
+    load_rng: bool = option(
+        True, "On --load, do not restore the random number generators.", flag="--no-load-rng",
+        store=False,
+    )  # fmt: skip
+    finetune: bool = option(
+        False,
+        "On --load, load the model weights only: start at iteration 0 with no consumed samples,"
+        " a fresh optimizer and fresh RNG (Megatron's --finetune).",
+    )
+    use_checkpoint_args: bool = option(
+        False,
+        "Take the model's architecture flags from the --load checkpoint's saved config (flags"
+        " given on the command line still win).",
+    )
 
     def validate(self) -> list[str]:
+        errors = []
         if self.save_interval is not None and self.save_interval < 1:
-            return ["--save-interval must be at least 1"]
-        return []
+            errors.append("--save-interval must be at least 1")
+        if self.use_checkpoint_args and not self.load:
+            errors.append("--use-checkpoint-args needs --load")
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -162,6 +224,18 @@ class LoggingConfig:
     tensorboard_dir: str | None = option(None, "Write TensorBoard event files here.")
     run_dir: str | None = option(
         None, "Where metrics.jsonl goes (default: the --save directory, else runs/<time>)."
+    )
+    log_throughput: bool = option(
+        False,
+        "Accepted for Megatron: mega's iteration line always shows TFLOP/s per GPU and tokens/s.",
+    )
+    wandb_project: str | None = option(
+        None,
+        "Log the iteration metrics to this Weights & Biases project (pip install 'mega[wandb]').",
+    )
+    wandb_exp_name: str | None = option(None, "The W&B run name (with --wandb-project).")
+    wandb_save_dir: str | None = option(
+        None, "Where W&B writes its files (default: <run directory>/wandb)."
     )
 
     def validate(self) -> list[str]:
@@ -181,6 +255,10 @@ class LoggingConfig:
             errors.append(
                 "--tensorboard-dir needs the tensorboard package: pip install 'mega[tensorboard]'"
             )
+        if self.wandb_project and importlib.util.find_spec("wandb") is None:
+            errors.append("--wandb-project needs the wandb package: pip install 'mega[wandb]'")
+        if (self.wandb_exp_name or self.wandb_save_dir) and not self.wandb_project:
+            errors.append("--wandb-exp-name and --wandb-save-dir need --wandb-project")
         return errors
 
 
@@ -190,6 +268,16 @@ class DataConfig:
         [], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2.", nargs="+"
     )
     split: str = option("969,30,1", "Train/valid/test proportions, e.g. 949,50,1.")
+    train_data_path: list[str] = option(
+        [], "Training dataset prefixes ([w1] p1 [w2] p2), instead of --data-path + --split.",
+        nargs="+",
+    )  # fmt: skip
+    valid_data_path: list[str] = option(
+        [], "Validation dataset prefixes, with --train-data-path.", nargs="+"
+    )
+    test_data_path: list[str] = option(
+        [], "Test dataset prefixes, with --train-data-path.", nargs="+"
+    )
     mock_data: bool = option(False, "Synthetic tokens (for throughput runs).")
     dataset: str | None = option(
         None, "Dataset plugin (default: mock, data-path or embedded text)."
@@ -199,9 +287,23 @@ class DataConfig:
     data_cache_path: str | None = option(None, "Where dataset index caches go.")
 
     def validate(self) -> list[str]:
+        errors = []
         if self.make_vocab_size_divisible_by < 1:
-            return ["--make-vocab-size-divisible-by must be at least 1"]
-        return []
+            errors.append("--make-vocab-size-divisible-by must be at least 1")
+        per_split = self.train_data_path or self.valid_data_path or self.test_data_path
+        if per_split and self.data_path:
+            errors.append(
+                "give --data-path (split by --split) or --train-data-path/--valid-data-path/"
+                "--test-data-path, not both"
+            )
+        elif per_split and not self.train_data_path:
+            errors.append("--valid-data-path and --test-data-path need --train-data-path")
+        elif per_split and self.dataset not in (None, "gpt"):
+            errors.append(
+                f"--train-data-path/--valid-data-path/--test-data-path are read by the gpt"
+                f" dataset, not '{self.dataset}'"
+            )
+        return errors
 
 
 @dataclass(kw_only=True)
@@ -264,7 +366,18 @@ class ParallelConfig:
         choices=("uniform", "block"),
     )
     recompute_num_layers: int | None = option(
-        None, "Layers per group (uniform) or recomputed (block)."
+        None,
+        "Layers per group (uniform) or recomputed (block).",
+        aliases=("--checkpoint-num-layers",),
+    )
+    recompute_activations: bool = option(
+        False, "Megatron's short form of --recompute-granularity selective."
+    )
+    use_checkpoint_activations: bool = option(
+        False,
+        "Megatron's old name of full recompute: --recompute-granularity full --recompute-method"
+        " uniform, --checkpoint-num-layers (default 1) layers per group.",
+        aliases=("--checkpoint-activations",),
     )
     distributed_backend: str | None = option(
         None, "Process-group backend (default nccl on GPU, gloo on CPU).", choices=("nccl", "gloo")
@@ -272,6 +385,26 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "A collective that waits longer than this fails the run instead of hanging it."
     )
+
+    def __post_init__(self) -> None:
+        # Megatron's shorthands become the flags they stand for (so the resolved config says
+        # what runs); a contradicting explicit choice is an error, not silently overridden.
+        for switch, flag, granularity in (
+            ("recompute_activations", "--recompute-activations", "selective"),
+            ("use_checkpoint_activations", "--use-checkpoint-activations", "full"),
+        ):
+            if not getattr(self, switch):
+                continue
+            if self.recompute_granularity not in (None, granularity):
+                raise ValueError(
+                    f"{flag} means --recompute-granularity {granularity}, but"
+                    f" --recompute-granularity {self.recompute_granularity} is given"
+                )
+            self.recompute_granularity = granularity
+            setattr(self, switch, False)
+            if granularity == "full":
+                self.recompute_method = self.recompute_method or "uniform"
+                self.recompute_num_layers = self.recompute_num_layers or 1
 
     def sizes(self) -> dict[str, int]:
         """The model-parallel sizes by dimension, in the topology's names."""
@@ -325,11 +458,17 @@ class ParallelConfig:
 class LaunchConfig:
     """How many processes to start; read by ``mega train`` before any worker exists."""
 
-    nproc_per_node: int = option(1, "Worker processes to start on this node (torch elastic).")
+    nproc_per_node: int = option(
+        1, "Worker processes to start on this node (torch elastic).", aliases=("--nproc_per_node",)
+    )
     nnodes: int = option(1, "Number of nodes taking part.")
-    node_rank: int = option(0, "This node's index among --nnodes.")
-    master_addr: str = option("127.0.0.1", "Address of node 0 (rendezvous).")
-    master_port: int = option(29500, "Port on node 0 for the rendezvous.")
+    node_rank: int = option(0, "This node's index among --nnodes.", aliases=("--node_rank",))
+    master_addr: str = option(
+        "127.0.0.1", "Address of node 0 (rendezvous).", aliases=("--master_addr",)
+    )
+    master_port: int = option(
+        29500, "Port on node 0 for the rendezvous.", aliases=("--master_port",)
+    )
 
     def validate(self) -> list[str]:
         errors = []
@@ -392,6 +531,15 @@ class RunConfig:
     @property
     def data_parallel_size(self) -> int:
         return max(self.world_size // math.prod(self.parallel.sizes().values()), 1)
+
+    @property
+    def train_iters(self) -> int:
+        """Iterations to train: --train-iters, or from --train-samples as Megatron computes them."""
+        if self.training.train_samples is None:
+            return self.training.train_iters
+        from mega.core.training.sample_schedule import batch_schedule, train_iters_from_samples
+
+        return train_iters_from_samples(self.training.train_samples, batch_schedule(self))
 
     @property
     def global_batch_size(self) -> int:

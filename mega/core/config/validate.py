@@ -6,10 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from mega.core.checkpoint.store import validate_checkpoint_dirs
+from mega.core.config.run_checks import run_problems, schedule_inputs_ok
 from mega.core.config.sections import RunConfig
 from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import Plugins
 from mega.core.training.lr_schedule import validate_schedule_args
+from mega.core.training.sample_schedule import sample_schedule_problems, schedule_lengths
 from mega.parallel.checks import parallel_problems
 from mega.parallel.distributed import process_place
 
@@ -30,18 +32,20 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
             f" --micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"
         )
     s = config.scheduler
-    errors += validate_schedule_args(
-        lr=config.optimizer.lr,
-        min_lr=config.optimizer.min_lr,
-        decay_style=s.lr_decay_style,
-        decay_iters=s.lr_decay_iters or t.train_iters,
-        train_iters=t.train_iters,
-        warmup_iters=s.lr_warmup_iters,
-        warmup_fraction=s.lr_warmup_fraction,
-        warmup_init=s.lr_warmup_init,
-        wsd_decay_style=s.lr_wsd_decay_style,
-        wsd_decay_iters=s.lr_wsd_decay_iters,
-    )
+    sample_problems = sample_schedule_problems(config)
+    errors += sample_problems
+    # schedule_inputs_ok: a bad --lr or --train-iters is reported once, by its own section
+    if not sample_problems and schedule_inputs_ok(config):  # in iterations, or samples
+        errors += validate_schedule_args(
+            lr=config.optimizer.lr,
+            min_lr=config.optimizer.min_lr,
+            decay_style=s.lr_decay_style,
+            train_iters=config.train_iters,
+            warmup_fraction=s.lr_warmup_fraction,
+            warmup_init=s.lr_warmup_init,
+            wsd_decay_style=s.lr_wsd_decay_style,
+            **schedule_lengths(config),
+        )
     for registry, name in (
         (plugins.checkpoint_backends, config.checkpoint.ckpt_format),
         (plugins.parallel, config.parallel.parallel),
@@ -51,6 +55,7 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
         except MegaUsageError as exc:
             errors += exc.messages
     errors += validate_checkpoint_dirs(config.checkpoint)
+    errors += run_problems(config, plugins)
     for result in plugins.pm.hook.validate_config(config=config):
         errors += list(result or [])
     return errors

@@ -22,6 +22,7 @@ from mega.core.console.metrics import (
     format_eval_line,
     format_iteration_line,
 )
+from mega.core.console.metrics_history import resume_record
 from mega.parallel import comm
 from mega.parallel.topology import Topology
 
@@ -44,8 +45,11 @@ class RunLog:
             c.logging.run_dir or c.checkpoint.save or f"runs/{c.model_name}-{stamp}"
         )
 
-    def open(self, plugins: Any) -> None:
-        """Write the resolved config and plugin versions; open the metrics sinks (rank 0)."""
+    def open(self, plugins: Any, iteration: int = 0) -> None:
+        """Write the resolved config and plugin versions; open the metrics sinks (rank 0).
+        ``iteration``: where training starts (a loaded checkpoint's). Appending to a run's
+        ``metrics.jsonl`` first writes a resume marker, so readers drop the records after
+        ``iteration`` that this run will log again (``metrics_history``)."""
         cfg = self.config
         if not self.topology.is_rank0:  # one writer of the run's files: rank 0
             return
@@ -53,9 +57,21 @@ class RunLog:
             directory.mkdir(parents=True, exist_ok=True)
             atomic_write_text(directory / "config.resolved.toml", to_toml(resolved_as_dict(cfg)))
             atomic_write_text(directory / "plugins.txt", plugins_txt(plugins))
-        self.sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
+        metrics_file = self.run_dir / "metrics.jsonl"
+        restarted = metrics_file.is_file() and metrics_file.stat().st_size > 0
+        self.sinks.append(JsonlSink(metrics_file))
+        if restarted:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+            self.sinks[-1].write(resume_record(iteration, time=stamp, load=cfg.checkpoint.load))
         if cfg.logging.tensorboard_dir:
             self.sinks.append(TensorBoardSink(cfg.logging.tensorboard_dir))
+        if cfg.logging.wandb_project:
+            from mega.core.console.wandb_sink import WandbSink
+
+            log = cfg.logging
+            save_dir = log.wandb_save_dir or self.run_dir / "wandb"
+            config = resolved_as_dict(cfg)
+            self.sinks.append(WandbSink(log.wandb_project, log.wandb_exp_name, save_dir, config))
 
     def close(self) -> None:
         for sink in self.sinks:
@@ -99,13 +115,14 @@ class RunLog:
         finite = [x for x in losses if math.isfinite(x)]
         # Megatron counts a NaN iteration when a *skipped* step's loss was inf or NaN
         nan_count = sum(not math.isfinite(x) for x in self.dp_mean(interval.skipped_losses))
-        tokens_per_s = cfg.global_batch_size * t.seq_length / (elapsed_ms / 1000.0)
+        gbs = progress.get("global_batch_size", cfg.global_batch_size)  # ramps with a ramp
+        tokens_per_s = gbs * t.seq_length / (elapsed_ms / 1000.0)
         metrics: dict[str, float] = {
             "iteration": progress["iteration"],
             "consumed_samples": progress["consumed_samples"],
             "elapsed_ms": elapsed_ms,
             "learning_rate": result.learning_rate,
-            "global_batch_size": cfg.global_batch_size,
+            "global_batch_size": gbs,
             "loss_scale": result.loss_scale,
             "skipped_iterations": interval.skipped,
             "nan_iterations": nan_count,
@@ -118,11 +135,12 @@ class RunLog:
             metrics["grad_norm"] = float(interval.grad_norm)
         if self.device.type == "cuda":
             metrics["max_memory_gb"] = self._peak_memory_gb()
-        self.display.print(format_iteration_line(metrics, t.train_iters))
+        self.display.print(format_iteration_line(metrics, cfg.train_iters))
         nan_total = progress["nan_total"] + nan_count
         self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
         return metrics, nan_count
 
     def evaluation_line(self, label: str, loss: float, iteration: int) -> None:
         self.display.print(format_eval_line(label, loss))
-        self.write({"iteration": iteration, "valid_lm_loss": loss})
+        key = "test_lm_loss" if label.startswith("test") else "valid_lm_loss"
+        self.write({"iteration": iteration, key: loss})

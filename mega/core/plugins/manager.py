@@ -79,10 +79,13 @@ class Plugins:
     def commands(self) -> Registry[Any]:
         return self.registries["command"]
 
-    def check(self) -> None:
-        """Raise the collected duplicate-name errors, all together."""
-        if self.problems:
-            raise MegaUsageError(self.problems)
+    def check(self, kinds: list[str] | None = None) -> None:
+        """Raise the collected duplicate-name errors of the registries ``kinds`` (default: all),
+        all together. Commands need not call it: ``Registry.get`` refuses a clashing name."""
+        kinds = list(self.registries) if kinds is None else kinds
+        clashes = [m for kind in kinds for m in self.registries[kind].clashes.values()]
+        if clashes:
+            raise MegaUsageError(clashes)
 
 
 def _split_env(name: str) -> list[str] | None:
@@ -191,28 +194,57 @@ def _register(pm: pluggy.PluginManager, plugin: Any, info: PluginInfo) -> None:
 def _fill_registries(
     pm: pluggy.PluginManager, infos: dict[str, PluginInfo]
 ) -> tuple[dict[str, Registry[Any]], list[str]]:
-    """Call each ``register_*`` hook plugin by plugin, so every spec knows who provided it."""
-    registries: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in REGISTRY_HOOKS}
-    problems: list[str] = []
+    """Call each ``register_*`` hook plugin by plugin, so every spec knows who provided it.
+
+    Two phases: every hook's registrations are collected first, and only plugins whose hooks
+    all returned fill the registries. A plugin whose ``register_*`` hook raises is unregistered
+    from the plugin manager and leaves nothing behind: not what it registered before raising,
+    not its other hooks (``validate_config``, ``step_end``, ...), not a name clash it caused."""
+    collected: list[tuple[str, str, Any]] = []  # (kind, provider, spec), in hook order
+    failed: set[str] = set()
     for kind, hook_name in REGISTRY_HOOKS.items():
-        registry = registries[kind]
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             provider = impl.plugin_name
-            info = infos.get(provider)
-
-            register = _callback(registry, kind, provider, info, problems)
+            specs: list[Any] = []
             try:
-                impl.function(register=register)
+                impl.function(register=_collector(specs, kind, provider))
             except Exception as exc:  # reported like an import failure, not fatal to the rest
-                if info is not None:
+                failed.add(provider)
+                info = infos.get(provider)
+                if info is not None and info.error is None:
                     info.error = f"{hook_name}: {type(exc).__name__}: {exc}"
+                continue
+            collected += [(kind, provider, spec) for spec in specs]
+    for provider in failed:
+        plugin = pm.get_plugin(provider)
+        if plugin is not None:
+            pm.unregister(plugin)
+        if provider in infos:
+            infos[provider].registers.clear()
+    registries: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in REGISTRY_HOOKS}
+    problems: list[str] = []
+    for kind, provider, spec in collected:
+        if provider not in failed:
+            _callback(registries[kind], kind, provider, infos.get(provider), problems)(spec)
     return registries, problems
+
+
+def _collector(specs: list[Any], kind: str, provider: str):
+    """The ``register`` a plugin's hook receives: it keeps each spec for the second phase."""
+
+    def register(spec: Any) -> None:
+        name = getattr(spec, "name", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{provider} registered a {kind} without a name: {spec!r}")
+        specs.append(spec)
+
+    return register
 
 
 def _callback(
     registry: Registry[Any], kind: str, provider: str, info: PluginInfo | None, problems: list[str]
 ):
-    """The ``register`` a plugin's hook receives: it records which plugin provided each spec."""
+    """Adds one spec to its registry, recording which plugin provided it."""
 
     def register(spec: Any) -> None:
         try:

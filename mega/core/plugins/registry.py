@@ -22,11 +22,16 @@ class Entry(Generic[T]):
 
 
 class Registry(Generic[T]):
-    """Specs of one kind (models, tokenizers, ...), keyed by ``spec.name``."""
+    """Specs of one kind (models, tokenizers, ...), keyed by ``spec.name``.
+
+    A name two plugins registered is a clash: the first provider's entry stays listed, but
+    ``get`` refuses the name (naming both plugins), so a command that uses that very name stops
+    and one that does not is unaffected (docs/plugins.md section 7)."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
+        self.clashes: dict[str, str] = {}  # name -> the message naming both providers
 
     def add(self, spec: T, provider: str) -> None:
         name = getattr(spec, "name", None)
@@ -34,18 +39,31 @@ class Registry(Generic[T]):
             raise TypeError(f"{provider} registered a {self.kind} without a name: {spec!r}")
         if name in self._entries:
             first = self._entries[name].provider
-            raise DuplicateNameError(
+            message = (
                 f"{self.kind} '{name}' is registered by two plugins: '{first}' and '{provider}'"
                 " (block one with MEGA_BLOCK_PLUGINS)"
             )
+            self.clashes.setdefault(name, message)
+            raise DuplicateNameError(message)
         self._entries[name] = Entry(spec, provider)
 
+    def check_name(self, name: str) -> None:
+        """Raise ``MegaUsageError`` if two plugins registered ``name``."""
+        if name in self.clashes:
+            raise MegaUsageError(self.clashes[name])
+
     def get(self, name: str) -> T:
-        """The spec called ``name``; unknown names list what exists and the closest match."""
+        """The spec called ``name``; unknown names list what exists and the closest match, and a
+        name two plugins registered is refused (naming both)."""
+        self.check_name(name)
         try:
             return self._entries[name].spec
         except KeyError:
             raise MegaUsageError(unknown_name_message(self.kind, name, self._entries)) from None
+
+    def peek(self, name: str) -> T:
+        """The first provider's spec even if the name clashes: for listings, never for use."""
+        return self._entries[name].spec
 
     def provider(self, name: str) -> str:
         return self._entries[name].provider

@@ -16,6 +16,10 @@ if TYPE_CHECKING:  # pragma: no cover - imported for type checkers only
     import torch
 
 
+# What a language-model sample holds, and what a GPT-style model and the engine's loss read.
+BATCH_KEYS: tuple[str, ...] = ("tokens", "labels", "loss_mask")
+
+
 @dataclass(frozen=True, kw_only=True)
 class BuildContext:
     """What a model, tokenizer or dataset factory may know about the run besides its own config."""
@@ -67,6 +71,9 @@ class DataRequest:
     data_path: tuple[str, ...]
     num_samples: tuple[int, int, int]  # train, valid, test
     cache_path: str | None = None
+    # --train-data-path/--valid-data-path/--test-data-path: each split's own prefixes (all of each
+    # dataset goes to that split; ``split`` does not apply), or None to split ``data_path``
+    split_paths: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +95,9 @@ class ModelSpec:
     # model config -> ParallelPlan (mega.parallel.plan); None: the model runs on one rank
     # per replica only (data parallel works, tensor/sequence parallel and recompute do not)
     parallel_plan: Callable[[Any], Any] | None = None
+    # The batch keys a micro-batch must hold for this model (and the engine's loss). A run whose
+    # dataset does not declare them all in ``DatasetSpec.provides`` is refused before launch.
+    needs: tuple[str, ...] = BATCH_KEYS
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +120,9 @@ class DatasetSpec:
     description: str = ""
     # The tokenizer used when the run does not choose one (None: the run must choose).
     default_tokenizer: str | None = None
+    # The keys every sample holds (``SampleSource.__getitem__``); checked against the model's
+    # ``ModelSpec.needs`` before launch. The default is a language-model sample's.
+    provides: tuple[str, ...] = BATCH_KEYS
 
 
 @dataclass(frozen=True, kw_only=True)

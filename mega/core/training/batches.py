@@ -45,8 +45,54 @@ def global_batch(
 
 
 def requested_samples(
-    train_iters: int, eval_interval: int, eval_iters: int, gbs: int
+    train_iters: int,
+    eval_interval: int,
+    eval_iters: int,
+    gbs: int,
+    train_samples: int | None = None,
 ) -> tuple[int, int, int]:
-    """Megatron's get_train_valid_test_num_samples: how many samples each split must hold."""
+    """Megatron's get_train_valid_test_num_samples: how many samples each split must hold
+    (``--train-samples`` itself when given, else iterations x global batch)."""
     evals = train_iters // eval_interval + 1
-    return train_iters * gbs, evals * eval_iters * gbs, eval_iters * gbs
+    train = train_samples if train_samples is not None else train_iters * gbs
+    return train, evals * eval_iters * gbs, eval_iters * gbs
+
+
+class BatchPrefetcher:
+    """``--num-workers N``: while a step runs, N threads build the next step's micro-batches (one
+    micro-batch per task), so reading samples overlaps with compute. 0 builds every batch in the
+    loop, when it is needed. The batches are the same either way: only when they are built moves.
+
+    ``build(source, first_sample, batch_size)`` is the engine's ``_microbatches``; a batch of
+    ``batch_size`` samples is cut into tasks of ``unit`` samples (micro-batch x data-parallel
+    size), each giving this rank's one micro-batch of that stretch."""
+
+    def __init__(self, workers: int, unit: int):
+        self.unit = unit
+        self._pool = None
+        if workers > 0:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="mega-batches")
+        self._pending: tuple[int, int, int, list] | None = None  # source id, start, size, futures
+
+    def ahead(self, build: Any, source: Any, start: int, size: int) -> None:
+        """Start building the batch of ``size`` samples at ``start`` (no-op without workers)."""
+        if self._pool is None:
+            return
+        futures = [
+            self._pool.submit(build, source, first, self.unit)
+            for first in range(start, start + size, self.unit)
+        ]
+        self._pending = (id(source), start, size, futures)
+
+    def take(self, build: Any, source: Any, start: int, size: int) -> list:
+        """The batch at ``start``: the prefetched one if it is that batch, else built now."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:3] == (id(source), start, size):
+            return [mb for future in pending[3] for mb in future.result()]
+        return build(source, start, size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

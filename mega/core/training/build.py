@@ -21,6 +21,8 @@ from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import requested_samples
 from mega.core.training.compile import compile_model
 from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters
+from mega.core.training.parameter_count import unpadded_parameter_count
+from mega.core.training.sample_schedule import schedule_lengths
 from mega.core.training.step import masked_mean, model_forward
 from mega.core.training.vocab import padded_vocab_size
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
@@ -80,8 +82,8 @@ def build_run(
         model = model_spec.build(config.model, ctx)  # fp32 on the CPU: the exact seeded init
     except ValueError as exc:
         raise MegaUsageError(f"model '{config.model_name}': {exc}") from None
-    num_parameters = sum(p.numel() for p in model.parameters())
     plan = model_spec.parallel_plan(config.model) if model_spec.parallel_plan else None
+    num_parameters = unpadded_parameter_count(model, plan, vocab, padded_vocab)
     pipeline, problems = pipeline_setup(config, plugins)
     if pipeline is None:  # resolve_config reported these already; a library caller may not have
         raise MegaUsageError(problems)
@@ -144,9 +146,14 @@ def _build_data(config: RunConfig, plugins: Plugins, ctx: BuildContext) -> Any:
         split=config.data.split,
         data_path=tuple(config.data.data_path),
         num_samples=requested_samples(
-            t.train_iters, t.eval_interval, t.eval_iters, config.global_batch_size
+            config.train_iters,
+            t.eval_interval,
+            t.eval_iters,
+            config.global_batch_size,
+            train_samples=t.train_samples,
         ),
         cache_path=config.data.data_cache_path,
+        split_paths=split_paths(config.data),
     )
     try:
         return plugins.datasets.get(config.dataset_name).build(config.dataset, request, ctx)
@@ -154,19 +161,29 @@ def _build_data(config: RunConfig, plugins: Plugins, ctx: BuildContext) -> Any:
         raise MegaUsageError(f"dataset '{config.dataset_name}': {exc}") from None
 
 
+def split_paths(data: Any) -> tuple[tuple[str, ...], ...] | None:
+    """--train-data-path/--valid-data-path/--test-data-path as a DataRequest's ``split_paths``."""
+    paths = (data.train_data_path, data.valid_data_path, data.test_data_path)
+    return tuple(tuple(p) for p in paths) if any(paths) else None
+
+
 def lr_schedule(config: RunConfig) -> LRSchedule:
     """The run's learning-rate schedule (Megatron's OptimizerParamScheduler)."""
-    s, t = config.scheduler, config.training
-    decay_iters = s.lr_decay_iters or t.train_iters
+    s = config.scheduler
+    # counted in iterations, or in samples with --train-samples (sample_schedule)
+    lengths = schedule_lengths(config)
+    decay_iters = lengths["decay_iters"]
     return LRSchedule(
         max_lr=config.optimizer.lr,
         min_lr=config.optimizer.min_lr,
         decay_style=s.lr_decay_style,
         decay_iters=decay_iters,
-        warmup_iters=resolve_warmup_iters(s.lr_warmup_iters, s.lr_warmup_fraction, decay_iters),
+        warmup_iters=resolve_warmup_iters(
+            lengths["warmup_iters"], s.lr_warmup_fraction, decay_iters
+        ),
         warmup_init=s.lr_warmup_init,
         wsd_decay_style=s.lr_wsd_decay_style,
-        wsd_decay_iters=s.lr_wsd_decay_iters,
+        wsd_decay_iters=lengths["wsd_decay_iters"],
     )
 
 

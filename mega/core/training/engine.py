@@ -10,6 +10,7 @@ by the one executor: there is one step path whatever the layout.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from mega import hookimpl
+from mega.core.checkpoint.resume_checks import nothing_to_train
 from mega.core.checkpoint.state import restore_training_state, training_state
 from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
 from mega.core.config.sections import RunConfig
@@ -25,9 +27,11 @@ from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog
 from mega.core.errors import MegaRunError
 from mega.core.plugins.manager import Plugins
-from mega.core.training.batches import global_batch
+from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
+from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
+from mega.core.training.sample_schedule import batch_schedule, samples_based
 from mega.core.training.step import StepResult
 from mega.parallel.distributed import join_job
 from mega.parallel.topology import Topology
@@ -53,6 +57,9 @@ class Engine:
         self.consumed_samples = 0
         self.skipped_total = 0
         self.nan_total = 0
+        # the LR schedule's count: successful steps, or their samples with --train-samples
+        self.scheduler_steps = 0
+        self.batches = batch_schedule(config)  # each step's global batch (--rampup-batch-size)
         self._last_saved: int | None = None
         self.interval = IntervalStats()  # what the next iteration line will summarise
         if not plugins.pm.has_plugin("mega-core"):
@@ -75,7 +82,7 @@ class Engine:
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
             self._load(cfg.checkpoint.load)
-        self.log.open(self.plugins)
+        self.log.open(self.plugins, self.iteration)
         gbs = cfg.global_batch_size
         self.display.panel(
             "mega",
@@ -84,10 +91,18 @@ class Engine:
                 f" {cfg.precision.params_dtype}",
                 f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
                 f"global batch {gbs} = {cfg.num_microbatches} micro-batches x {t.micro_batch_size}",
-                f"{self.topology.describe()} on {self.device}, schedule {cfg.parallel.parallel}",
+                f"{self.topology.describe()} on {self._device_text()},"
+                f" schedule {cfg.parallel.parallel}",
                 f"run directory {self.run_dir}",
             ],
         )
+
+    def _device_text(self) -> str:
+        """``cuda:0``, or ``cpu (2 CPU threads)``: on the CPU the thread count changes the bits."""
+        if self.device.type != "cpu":
+            return str(self.device)
+        threads = torch.get_num_threads()
+        return f"cpu ({threads} CPU thread{'s' if threads != 1 else ''})"
 
     # ------------------------------------------------------------------ one step
 
@@ -95,7 +110,7 @@ class Engine:
         """Forward/backward over the global batch through the schedule, then the optimizer."""
         # Megatron's scheduler advances only on successful steps, and a step uses the LR it held
         # before stepping; the line logs the LR after this step, as Megatron's does.
-        successful = iteration - 1 - self.skipped_total
+        successful = self.scheduler_steps
         lr = self.lr_schedule.lr_at(successful)
         self.buffer.start_step(len(microbatches))
         losses = self.executor.forward_backward(microbatches, grad_scale=self.optimizer.loss_scale)
@@ -105,9 +120,19 @@ class Engine:
             loss=self._batch_loss(losses),
             skipped=outcome.skipped,
             grad_norm=outcome.grad_norm,
-            learning_rate=self.lr_schedule.lr_at(successful + (0 if outcome.skipped else 1)),
+            learning_rate=self.lr_schedule.lr_at(
+                successful + (0 if outcome.skipped else self._schedule_increment(microbatches))
+            ),
             loss_scale=self.optimizer.loss_scale,
         )
+
+    def _schedule_increment(self, microbatches: list) -> int:
+        """How far a successful step moves the LR schedule: 1 iteration, or with
+        ``--train-samples`` the step's global batch (Megatron's scheduler counts samples)."""
+        if not samples_based(self.config):
+            return 1
+        dp = self.topology.data_parallel_size
+        return len(microbatches) * self.config.training.micro_batch_size * dp
 
     # ------------------------------------------------------------------ the loop
 
@@ -115,22 +140,32 @@ class Engine:
         """Train to ``--train-iters``; returns the metrics of the last iteration line."""
         cfg, t = self.config, self.config.training
         gbs, hook = cfg.global_batch_size, self.plugins.pm.hook
+        train_iters = cfg.train_iters  # --train-iters, or from --train-samples
         last: dict[str, float] = {}
         error: BaseException | None = None
         try:
             self.setup()
-            self.display.start_progress(t.train_iters, self.iteration, "training")
-            while self.iteration < t.train_iters:
+            self.display.start_progress(train_iters, self.iteration, "training")
+            prefetch = BatchPrefetcher(t.num_workers, self.batches.micro_times_dp)
+            train, build = self.splits.train, self._microbatches
+            while self.iteration < train_iters:
                 iteration = self.iteration + 1
                 self.model.train()
-                batch = self._microbatches(self.splits.train, self.consumed_samples)
+                step_gbs = self.batches.at(self.consumed_samples)  # grows with a ramp
+                self._save_if_microbatches_change(step_gbs)
+                batch = prefetch.take(build, train, self.consumed_samples, step_gbs)
+                if iteration < train_iters:  # the next step's batch while this one runs
+                    following = self.consumed_samples + step_gbs
+                    prefetch.ahead(build, train, following, self.batches.at(following))
                 result = hook.train_step(engine=self, microbatches=batch, iteration=iteration)
-                self.iteration, self.consumed_samples = iteration, self.consumed_samples + gbs
+                self.iteration, self.consumed_samples = iteration, self.consumed_samples + step_gbs
                 self.interval.add(result)
                 self.skipped_total += result.skipped
+                if not result.skipped:
+                    self.scheduler_steps += self._schedule_increment(batch)
                 metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
                 # iteration 1 too, so a run shows where its loss started
-                if iteration % t.log_interval == 0 or iteration in (1, t.train_iters):
+                if iteration % t.log_interval == 0 or iteration in (1, train_iters):
                     self._stop_if_nonfinite()  # the line syncs anyway
                     metrics.update(self._log_interval(result))
                     last = metrics
@@ -148,11 +183,18 @@ class Engine:
                 save_every = cfg.checkpoint.save_interval
                 if cfg.checkpoint.save and save_every and iteration % save_every == 0:
                     self.save()
+            prefetch.close()
             self._stop_if_nonfinite()
             if cfg.checkpoint.save and self._last_saved != self.iteration:
                 self.save()
             self.display.stop_progress()
             self._final_evaluation()
+        except KeyboardInterrupt as exc:  # Ctrl-C: say where it stopped and how to go on
+            error = exc
+            self.display.stop_progress()
+            if self.display.enabled:
+                print(interrupted_message(self), file=sys.stderr, flush=True)
+            raise
         except BaseException as exc:
             error = exc
             raise
@@ -169,6 +211,8 @@ class Engine:
             "consumed_samples": self.consumed_samples,
             "skipped_total": self.skipped_total,
             "nan_total": self.nan_total,
+            # the last step's (it differs from --global-batch-size during a ramp)
+            "global_batch_size": getattr(self, "_previous_gbs", self.config.global_batch_size),
         }
         metrics, nan_count = self.log.iteration_line(self.interval, result, progress)
         self.nan_total += nan_count
@@ -187,13 +231,24 @@ class Engine:
                 f"{self.iteration}. Lower --lr, or use --fp16 loss scaling to skip such steps"
             )
 
-    def _microbatches(self, source: Any, first_sample: int) -> list[dict[str, torch.Tensor]]:
-        """This data-parallel rank's share of the global batch starting at ``first_sample``."""
+    def _save_if_microbatches_change(self, step_gbs: int) -> None:
+        """Megatron saves a checkpoint (with --save) before a step whose number of micro-batches
+        differs from the previous step's in this process, under --rampup-batch-size."""
+        before, self._previous_gbs = getattr(self, "_previous_gbs", step_gbs), step_gbs
+        save = self.config.checkpoint.save
+        if before != step_gbs and self.iteration and save and self._last_saved != self.iteration:
+            self.save()
+
+    def _microbatches(
+        self, source: Any, first_sample: int, batch_size: int | None = None
+    ) -> list[dict[str, torch.Tensor]]:
+        """This data-parallel rank's share of the global batch starting at ``first_sample``
+        (of ``batch_size`` samples: by default the batch of the step that starts there)."""
         t, topo = self.config.training, self.topology
         return global_batch(
             source,
             first_sample,
-            self.config.global_batch_size,
+            batch_size if batch_size is not None else self.batches.at(first_sample),
             t.micro_batch_size,
             self.device,
             topo.dp_rank,
@@ -215,7 +270,8 @@ class Engine:
         self.model.eval()
         losses = []
         for k in range(t.eval_iters):
-            losses += self.executor.forward_only(self._microbatches(source, first_sample + k * gbs))
+            batch = self._microbatches(source, first_sample + k * gbs, gbs)
+            losses += self.executor.forward_only(batch)
         self.model.train()
         return self.log.dp_mean([self._batch_loss(losses)])[0]
 
@@ -231,7 +287,7 @@ class Engine:
         if not t.eval_iters:
             return
         if self.splits.valid is not None:
-            first = (t.train_iters // t.eval_interval) * t.eval_iters * gbs
+            first = (self.config.train_iters // t.eval_interval) * t.eval_iters * gbs
             self._evaluate(self.splits.valid, first, "validation loss at the end of training")
         if self.splits.test is not None:
             self._evaluate(self.splits.test, 0, "test loss at the end of training")
@@ -261,3 +317,6 @@ class Engine:
         restore_training_state(self, directory, state)
         self._last_saved = self.iteration
         self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")
+        late = nothing_to_train(self.iteration, self.config.train_iters)
+        if late:
+            self.display.warn(late)

@@ -10,7 +10,8 @@ iterations gives the same learning rates up to float rounding (checked: within 4
 relative for GBS 1, 8, 12 and 1000; bit for bit when GBS is a power of two, except for
 inverse-square-root, whose sqrt(GBS) factors cancel exactly only for powers of four). The
 equivalence breaks under ``--rampup-batch-size`` (a varying GBS), which Megatron allows only
-with sample-based training; mega does not model that here.
+with sample-based training: there (``--train-samples``) the schedule is built in samples and
+evaluated at the samples of the successful steps, exactly as Megatron's (``sample_schedule``).
 
 Iteration-count convention of :meth:`LRSchedule.lr_at` (exact):
 

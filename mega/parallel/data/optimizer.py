@@ -32,6 +32,7 @@ import torch
 from mega.core.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 from mega.parallel import comm
 from mega.parallel.data.flat_adamw import adamw_flat_
+from mega.parallel.data.flat_sgd import sgd_flat_
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 
 
@@ -127,8 +128,11 @@ class MixedPrecisionAdamW:
         self.segments: list[Segment] = segments
         self.grads = [main_grad[s.lo : s.hi] for s in segments]
         device = main_grad.device
+        # --optimizer sgd keeps one state tensor, its momentum buffer, in ``exp_avg``
+        self.kind = getattr(optim, "optimizer", "adam")
         self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(offset, dtype=torch.float32, device=device)
+        second = offset if self.kind == "adam" else 0
+        self.exp_avg_sq = torch.zeros(second, dtype=torch.float32, device=device)
         self.master = None  # fp32 runs update the parameters in place
         if self.mixed:
             self.master = torch.cat([buffer.param_data[s.lo : s.hi].float() for s in segments])
@@ -144,9 +148,8 @@ class MixedPrecisionAdamW:
             lowp = params if self.mixed else None
             self._operands.append((master, grad, self.exp_avg[state], self.exp_avg_sq[state], lowp))
         # one kernel per segment on a GPU; the CPU runs the same expression eagerly
-        self._update = (
-            torch.compile(adamw_flat_, dynamic=True) if device.type == "cuda" else adamw_flat_
-        )
+        update = adamw_flat_ if self.kind == "adam" else sgd_flat_
+        self._update = torch.compile(update, dynamic=True) if device.type == "cuda" else update
         # (iteration, gradient norm) of the first step whose norm was not finite; -1: none yet
         self._first_bad_iteration = torch.full((), -1, dtype=torch.int64, device=device)
         self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
@@ -211,17 +214,19 @@ class MixedPrecisionAdamW:
         self._step += (~bad).float()  # a skipped step does not count (as torch's AdamW)
         self._lr.fill_(lr)
         o = self.optim
+        if self.kind == "adam":
+            hyper = {"beta1": o.adam_beta1, "beta2": o.adam_beta2, "eps": o.adam_eps}
+        else:
+            hyper = {"momentum": o.sgd_momentum}
         for segment, tensors in zip(self.segments, self._operands, strict=True):
             self._update(
                 *tensors,
                 lr=self._lr,
                 weight_decay=o.weight_decay if segment.decay else 0.0,
-                beta1=o.adam_beta1,
-                beta2=o.adam_beta2,
-                eps=o.adam_eps,
                 step=self._step,
                 grad_scale=grad_scale,
                 skip=bad,
+                **hyper,
             )
         self.buffer.gather_params()
         return StepOutcome(skipped=False, grad_norm=grad_norm)
@@ -240,6 +245,7 @@ class MixedPrecisionAdamW:
     def state_dict(self) -> dict[str, Any]:
         state = {
             "format": "mega-flat-adamw/1",
+            "optimizer": self.kind,
             "step": self._step.clone(),
             "exp_avg": self.exp_avg.clone(),
             "exp_avg_sq": self.exp_avg_sq.clone(),
@@ -254,6 +260,12 @@ class MixedPrecisionAdamW:
         if state.get("format") != "mega-flat-adamw/1":
             raise ValueError(
                 f"optimizer state format {state.get('format')!r} is not mega-flat-adamw/1"
+            )
+        saved_kind = state.get("optimizer", "adam")
+        if saved_kind != self.kind:
+            raise ValueError(
+                f"the checkpoint's optimizer is {saved_kind}, this run's --optimizer {self.kind}"
+                " (--no-load-optim or --finetune starts a fresh one)"
             )
         names = ["exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
         for name in names:

@@ -6,7 +6,7 @@ their zero-bubble variants, no pipelining), ``simulate`` (proves a table finishe
 bubble), ``schedules`` (looking schedules up in the registry, the checks before a launch),
 ``layout`` (which layers each virtual stage holds), ``setup`` (the run's schedule and layout from
 its config), ``split`` (cutting a built model into this rank's chunks), ``executor`` (runs any
-table on real stages), ``render``/``png`` (pictures of a simulated table).
+table on real stages), ``render``/``timeline_plot`` (pictures of a simulated table).
 
 Importing this package does not import torch: ``mega schedule`` and the checks before a launch use
 the table side; ``PipelineExecutor`` and ``split_for_pipeline`` load torch on first use.

@@ -34,6 +34,7 @@ def schedule_spec(plugins: Any, name: str) -> PipelineScheduleSpec:
     """The pipeline schedule called ``name`` in ``plugins.parallel`` (``plugins`` from
     ``mega.core.plugins.manager.make_plugins()``); ``MegaUsageError`` naming the pipeline schedules, with
     the closest one, if there is none or ``name`` is another kind of parallel spec."""
+    plugins.parallel.check_name(name)  # a name two plugins registered: use neither
     schedules = pipeline_schedules(plugins)
     if name in schedules:
         return schedules[name]

@@ -215,5 +215,14 @@ def register_datasets(register: Any) -> None:
             description="Megatron BERT: whole-word n-gram masking + NSP sentence pairs "
             "(sentence-split .bin/.idx).",
             default_tokenizer="BertWordPieceLowerCase",
+            provides=(
+                "text",
+                "types",
+                "labels",
+                "is_random",
+                "padding_mask",
+                "loss_mask",
+                "truncated",
+            ),
         )
     )

@@ -221,5 +221,14 @@ def register_datasets(register: Any) -> None:
             description="Megatron T5 span corruption: sentinels, geometric span lengths, separate "
             "encoder/decoder lengths (sentence-split .bin/.idx).",
             default_tokenizer="BertWordPieceLowerCase",
+            provides=(
+                "text_enc",
+                "text_dec",
+                "labels",
+                "loss_mask",
+                "truncated",
+                "enc_mask",
+                "dec_mask",
+            ),
         )
     )

@@ -58,6 +58,8 @@ def build_gpt(config: GPTDatasetConfig, request: DataRequest, ctx: BuildContext)
     """The engine's factory: train/valid/test sources for ``request.num_samples``."""
     from mega.plugins.datasets.gpt.builder import build_gpt_splits
 
+    if getattr(request, "split_paths", None):
+        return _build_per_split(config, request, ctx)
     if not request.data_path:
         raise ValueError("the gpt dataset needs --data-path PREFIX (or weight/prefix pairs)")
     if ctx.tokenizer is None:
@@ -74,8 +76,53 @@ def build_gpt(config: GPTDatasetConfig, request: DataRequest, ctx: BuildContext)
         cache_path=request.cache_path,
         surplus=config.mid_level_dataset_surplus,
     )
+    _check_vocabulary(request, ctx.tokenizer)
     train, valid, test = built.splits
     return DatasetSplits(train=train, valid=valid, test=test)
+
+
+def _check_vocabulary(request: DataRequest, tokenizer: Any) -> None:
+    """Refuse data whose token ids the tokenizer does not have (before any step runs)."""
+    from mega.plugins.datasets.gpt.blending import parse_blend
+    from mega.plugins.datasets.gpt.builder import default_cache_dir
+    from mega.plugins.datasets.token_range import vocabulary_problems
+
+    prefixes = parse_blend(request.data_path)[0]
+    cache_dir = request.cache_path or default_cache_dir(prefixes)
+    name = type(tokenizer).__name__
+    problems = vocabulary_problems(prefixes, tokenizer, name, cache_dir)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+# Megatron's blend_per_split: each split takes all of its own datasets (megatron-core builds
+# split i of a per-split blend with the split spoofed to (0.0, 1.0) for i and None elsewhere).
+WHOLE_SPLIT = ("1,0,0", "0,1,0", "0,0,1")
+
+
+def _build_per_split(
+    config: GPTDatasetConfig, request: DataRequest, ctx: BuildContext
+) -> DatasetSplits:
+    """--train-data-path/--valid-data-path/--test-data-path: every split from its own prefixes;
+    a split without prefixes is None (no validation or test then, as in Megatron)."""
+    from mega.plugins.datasets.gpt.builder import build_gpt_splits
+
+    splits: list[Any] = [None, None, None]
+    for index, paths in enumerate(request.split_paths):
+        if not paths:
+            continue
+        built = build_gpt_splits(
+            paths,
+            WHOLE_SPLIT[index],
+            tuple(int(n) for n in request.num_samples),
+            seed=ctx.seed,
+            options=sample_options(config, ctx.seq_length, ctx.tokenizer),
+            cache_path=request.cache_path,
+            surplus=config.mid_level_dataset_surplus,
+            wanted=tuple(i == index for i in range(3)),
+        )
+        splits[index] = built.splits[index]
+    return DatasetSplits(train=splits[0], valid=splits[1], test=splits[2])
 
 
 @hookimpl
@@ -88,3 +135,13 @@ def register_datasets(register: Any) -> None:
             description="Megatron .bin/.idx corpora (--data-path), samples as megatron-core's GPTDataset.",
         )
     )
+
+
+@hookimpl
+def validate_config(config: Any) -> list[str]:
+    """The ``--data-path`` blend and its files, checked with every other config problem."""
+    if config.dataset_name != "gpt":
+        return []
+    from mega.plugins.datasets.gpt.path_checks import data_path_problems
+
+    return data_path_problems(config.data.data_path)

@@ -31,6 +31,13 @@ def parse_blend(data_path: list[str] | tuple[str, ...]) -> tuple[list[str], list
     if not items:
         raise ValueError("--data-path is empty")
     if len(items) % 2 == 1:
+        numbers = [item for item in items if _is_number(item) and not _is_prefix(item)]
+        if numbers and len(items) > 1:  # "0.7 a b": a blend missing a weight or a prefix
+            raise ValueError(
+                f"--data-path {' '.join(items)}: {numbers[0]!r} looks like a blend weight, but a"
+                f" blend is weight/prefix pairs (w1 p1 w2 p2 ...) and these {len(items)} items"
+                " do not pair up; give every prefix its weight, or no weights at all"
+            )
         return [item.strip() for item in items], None
     weights: list[float | None] = []
     for raw in items[0::2]:
@@ -49,6 +56,21 @@ def parse_blend(data_path: list[str] | tuple[str, ...]) -> tuple[list[str], list
     if any(not math.isfinite(w) or w <= 0 for w in floats):
         raise ValueError(f"--data-path weights must be positive numbers, got {floats}")
     return [item.strip() for item in items[1::2]], floats
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_prefix(text: str) -> bool:
+    """A dataset whose prefix happens to be a number (``0.7.bin``/``0.7.idx``) is still one."""
+    import os
+
+    return os.path.isfile(f"{text.strip()}.idx")
 
 
 def normalize(weights: list[float]) -> list[float]:

@@ -28,7 +28,10 @@ class PreprocessConfig:
         None, "Output prefix: writes PREFIX_KEY_document.bin/.idx (or _sentence)."
     )
     json_keys: list[str] = option(
-        ["text"], "JSON keys to tokenize; each key becomes its own dataset.", nargs="+"
+        ["text"],
+        "JSON keys to tokenize; each key becomes its own dataset.",
+        nargs="+",
+        aliases=("--json-key",),  # the spelling of older Megatron guides
     )
     tokenizer_type: str | None = option(
         None, "Tokenizer plugin (its own flags follow, as in mega train)."

@@ -78,9 +78,12 @@ _STARTED: Any = None
 def init_worker(
     tokenizer: Any, options: EncodeOptions, threads_per_worker: int, started: Any = None
 ) -> None:
-    """Worker start-up: Ctrl-C is the parent's to handle, SIGTERM (the parent stopping us) ends
-    the worker; size the tokenizer's own threads."""
+    """Worker start-up: die with the parent; Ctrl-C is the parent's to handle, SIGTERM (the
+    parent stopping us) ends the worker; size the tokenizer's own threads."""
     global _TOKENIZER, _OPTIONS, _STARTED
+    from mega.plugins.datasets.preprocess.orphans import die_with_parent
+
+    die_with_parent()  # a SIGKILLed parent runs no cleanup: the kernel ends the workers
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _TOKENIZER, _OPTIONS, _STARTED = tokenizer, options, started

@@ -27,6 +27,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 from collections import deque
 from collections.abc import Iterable
@@ -39,7 +40,7 @@ import numpy as np
 
 from mega.core.errors import MegaUsageError
 from mega.plugins.datasets.indexed import IndexedDatasetBuilder, optimal_dtype
-from mega.plugins.datasets.preprocess import stopping
+from mega.plugins.datasets.preprocess import orphans, stopping
 from mega.plugins.datasets.preprocess.config import PreprocessConfig, available_cores
 from mega.plugins.datasets.preprocess.encode import (
     EncodeOptions,
@@ -112,6 +113,8 @@ def preprocess(
     files = expand_inputs(config.input)
     outputs = output_prefixes(config.output_prefix, config.json_keys, config.split_sentences)
     check_output_prefixes(config.output_prefix, outputs)
+    for path in orphans.remove_stale_temporaries(outputs):  # left by a killed earlier run
+        print(f"removed {path}, left by an earlier run that was killed", file=stream or sys.stderr)
     dtype = np.dtype(optimal_dtype(getattr(tokenizer, "vocab_size", None)))
     eod = None
     if config.append_eod:
@@ -147,7 +150,7 @@ def preprocess(
                 run.process(executor, groups[0], builders)
             else:
                 tmpdir = tempfile.mkdtemp(
-                    prefix=".mega-preprocess-", dir=os.path.dirname(outputs[0]) or "."
+                    prefix=orphans.temporary_dir_prefix(), dir=os.path.dirname(outputs[0]) or "."
                 )
                 parts = []
                 for i, group in enumerate(groups):

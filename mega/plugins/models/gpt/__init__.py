@@ -10,7 +10,7 @@ from mega import BuildContext, ModelSpec, hookimpl
 from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
 from mega.plugins.models.gpt.plan import gpt_parallel_plan
 
-__all__ = ["GPTConfig", "flops_per_token", "register_models"]
+__all__ = ["GPTConfig", "flops_per_token", "register_models", "validate_config"]
 
 
 def _build(cfg: GPTConfig, ctx: BuildContext):  # -> torch.nn.Module, imported lazily
@@ -31,3 +31,42 @@ def register_models(register) -> None:
             description="Decoder-only GPT (Megatron-style)",
         )
     )
+
+
+@hookimpl
+def validate_config(config) -> list[str]:
+    """What the GPT model would refuse at build time, found with every other config problem."""
+    if config.model_name != "gpt" or not isinstance(config.model, GPTConfig):
+        return []
+    seq_length = config.training.seq_length
+    max_positions = config.model.max_position_embeddings
+    problems = []
+    if (
+        config.model.position_embedding_type == "learned_absolute"
+        and max_positions is not None
+        and seq_length > max_positions
+    ):
+        problems.append(
+            f"--seq-length ({seq_length}) exceeds --max-position-embeddings ({max_positions})"
+        )
+    if (
+        config.model.attention_backend == "flash"
+        and config.model.attention_dropout > 0
+        and _runs_on_cpu(config.training.device)
+    ):
+        # PyTorch's CPU flash kernel has no dropout: SDPA would fail at the first step
+        problems.append(
+            "--attention-backend flash (--use-flash-attn) on the CPU needs --attention-dropout 0"
+            " (PyTorch's CPU flash attention has no dropout)"
+        )
+    return problems
+
+
+def _runs_on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch  # only reached with --attention-backend flash
+
+    return not torch.cuda.is_available()

@@ -54,6 +54,9 @@ class GPTConfig:
         "(PyTorch's choice: cuDNN on Hopper GPUs with torch 2.11).",
         choices=ATTENTION_BACKENDS,
     )
+    use_flash_attn: bool = option(
+        False, "Megatron's older switch for --attention-backend flash (FlashAttention)."
+    )
     init_method_std: float = option(0.02, "Std of the normal distribution initialising weights.")
     add_bias_linear: bool = option(
         True,
@@ -61,6 +64,16 @@ class GPTConfig:
         flag="--disable-bias-linear",
         store=False,
     )
+
+    def __post_init__(self) -> None:
+        # --use-flash-attn becomes the backend it names, so the resolved config says what runs
+        if self.use_flash_attn:
+            if self.attention_backend not in ("auto", "flash"):
+                raise ValueError(
+                    "--use-flash-attn means --attention-backend flash, but --attention-backend"
+                    f" {self.attention_backend} is given"
+                )
+            self.attention_backend, self.use_flash_attn = "flash", False
 
     # ---- derived sizes -------------------------------------------------------------------------
 

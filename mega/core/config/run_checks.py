@@ -1,0 +1,77 @@
+"""Checks of a resolved run that would otherwise fail only after launch (issue 15, item 2): the
+device, the data files, what the dataset gives the model, and flags that would do nothing.
+
+Each returns messages (``validate_run`` collects them with every other problem); nothing here
+imports torch unless the run asks for CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_problems(config: Any, plugins: Any) -> list[str]:
+    """Every problem below, one line each."""
+    return [
+        *device_problems(config.training.device),
+        *batch_key_problems(config, plugins),
+        *no_op_problems(config),
+    ]
+
+
+def device_problems(device: str) -> list[str]:
+    """``--device cuda`` on a machine where torch sees no CUDA GPU."""
+    if not device.startswith("cuda"):
+        return []
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        return [
+            f"--device {device}: this torch build has no CUDA support (torch {torch.__version__})"
+        ]
+    count = torch.cuda.device_count()  # NVML where available: no CUDA context in this process
+    if count == 0:
+        return [f"--device {device}: no CUDA GPU is visible (use --device cpu or auto)"]
+    index = device.partition(":")[2]
+    if index.isdigit() and int(index) >= count:
+        return [f"--device {device}: only {count} CUDA GPU(s) visible (0..{count - 1})"]
+    return []
+
+
+def batch_key_problems(config: Any, plugins: Any) -> list[str]:
+    """The model needs batch keys (``ModelSpec.needs``) the dataset does not give
+    (``DatasetSpec.provides``): ``--model gpt --dataset bert``."""
+    if config.model_name not in plugins.models or config.dataset_name not in plugins.datasets:
+        return []  # an unknown or clashing name is reported elsewhere
+    model = plugins.models.peek(config.model_name)
+    dataset = plugins.datasets.peek(config.dataset_name)
+    needs = tuple(getattr(model, "needs", ()) or ())
+    provides = getattr(dataset, "provides", None)
+    if provides is None:
+        return []
+    missing = [key for key in needs if key not in provides]
+    if not missing:
+        return []
+    return [
+        f"model '{config.model_name}' needs batch keys {', '.join(missing)} that dataset"
+        f" '{config.dataset_name}' does not provide (it gives {', '.join(provides) or 'none'});"
+        " choose a dataset made for this model"
+    ]
+
+
+def no_op_problems(config: Any) -> list[str]:
+    """Flags that would silently do nothing."""
+    c = config.checkpoint
+    if c.save_interval is not None and not c.save:
+        return [f"--save-interval {c.save_interval} saves nothing without --save DIR"]
+    return []
+
+
+def schedule_inputs_ok(config: Any) -> bool:
+    """Whether the learning-rate schedule's checks can say anything new: with a bad ``--lr`` or
+    ``--train-iters`` (reported by their sections) they would only repeat it (``--lr -1`` gave
+    three errors, ``--train-iters -1`` two)."""
+    import math
+
+    lr, iters = config.optimizer.lr, config.training.train_iters
+    return math.isfinite(lr) and lr > 0 and (iters is None or iters >= 1)
