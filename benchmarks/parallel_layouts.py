@@ -120,7 +120,7 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
     forward and backward time per chunk."""
     from mega.core.plugins.manager import make_plugins
     from mega.parallel.pipeline.schedules import schedule_spec
-    from mega.parallel.pipeline.simulate import simulate
+    from mega.parallel.pipeline.simulator import simulate
 
     ranks = []
     for path in sorted(timing.glob("rank*.jsonl")):

@@ -21,7 +21,7 @@ from mega.parallel.pipeline.actions import (
     transfer_of,
     virtual_stage,
 )
-from mega.parallel.pipeline.simulate import rendezvous_delay
+from mega.parallel.pipeline.simulator import rendezvous_delay
 
 
 def _transfers(rank: int, op: Compute, pp: int, last: int) -> tuple[Recv | None, Send | None]:

@@ -13,7 +13,7 @@ import math
 from fractions import Fraction
 
 from mega.parallel.pipeline.actions import WeightGrad, label
-from mega.parallel.pipeline.simulate import SimulationResult
+from mega.parallel.pipeline.simulator import SimulationResult
 
 MAX_SLOTS = 20_000  # beyond this many slots the time step is coarsened (labels may overlap)
 

@@ -14,7 +14,7 @@ import colorsys
 from typing import Any
 
 from mega.parallel.pipeline.actions import label
-from mega.parallel.pipeline.simulate import SimulationResult
+from mega.parallel.pipeline.simulator import SimulationResult
 
 GOLDEN = 0.618033988749895
 INCH_PER_TIME = 0.42  # horizontal size of one time unit, within the bounds below
