@@ -456,11 +456,9 @@ def test_flag_errors_are_collected(tmp_path):
     assert_one_line_error(result, "--tokenizer-type is required")
 
 
-@pytest.mark.parametrize(
-    ("signum", "code", "message"),
-    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
-)
-def test_ctrl_c_or_sigterm_leaves_no_output(tmp_path, signum, code, message):
+def _slow_preprocess(tmp_path: Path, *more: str) -> subprocess.Popen:
+    """``mega preprocess`` of 2000 documents with a slow tokenizer and small chunks, so a test
+    can signal it while it works; stderr carries its progress lines."""
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "batch_tokenizers.py").write_text(BATCH_TOKENIZERS)
@@ -472,10 +470,18 @@ def test_ctrl_c_or_sigterm_leaves_no_output(tmp_path, signum, code, message):
         "MEGA_PREPROCESS_CHUNK_BYTES": "256",
     }
     args = ["--input", "d.jsonl", "--output-prefix", "o", "--tokenizer-type", "SlowByte"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mega", "preprocess", *args, "--log-interval", "5"],
+    return subprocess.Popen(
+        [sys.executable, "-m", "mega", "preprocess", *args, *more, "--log-interval", "5"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "message"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+)
+def test_ctrl_c_or_sigterm_leaves_no_output(tmp_path, signum, code, message):
+    proc = _slow_preprocess(tmp_path)
     line = proc.stderr.readline()
     while line.startswith("warning: plugin"):  # other plugins that fail to import
         line = proc.stderr.readline()
@@ -514,21 +520,7 @@ def _running(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_sigkill_ends_the_workers_and_a_later_run_removes_the_stale_temporaries(tmp_path):
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    (plugins / "batch_tokenizers.py").write_text(BATCH_TOKENIZERS)
-    write_jsonl(tmp_path / "d.jsonl", [{"text": f"doc {i}"} for i in range(2000)])
-    env = {
-        **os.environ,
-        "MEGA_DISABLE_PLUGIN_AUTOLOAD": "1",
-        "MEGA_PLUGINS_DIR": str(plugins),
-        "MEGA_PREPROCESS_CHUNK_BYTES": "256",
-    }
-    args = ["--input", "d.jsonl", "--output-prefix", "o", "--tokenizer-type", "SlowByte"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mega", "preprocess", *args, "--workers", "2", "--log-interval", "5"],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = _slow_preprocess(tmp_path, "--workers", "2")
     workers: list[int] = []
     try:
         line = proc.stderr.readline()
@@ -554,7 +546,8 @@ def test_sigkill_ends_the_workers_and_a_later_run_removes_the_stale_temporaries(
     alive = tmp_path / f"o_text_document.bin.tmp-{os.getpid()}"
     alive.write_bytes(b"")
 
-    again = run_mega(["preprocess", *args[:-1], "ByteTokenizer"], tmp_path)
+    args = ["--input", "d.jsonl", "--output-prefix", "o", "--tokenizer-type", "ByteTokenizer"]
+    again = run_mega(["preprocess", *args], tmp_path)
     assert again.returncode == 0, again.stderr
     assert f"removed {stale.name}" in again.stderr or f"removed {stale}" in again.stderr
     assert not stale.exists() and alive.exists()

@@ -4,10 +4,17 @@ resume is the one without the interruption."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
-from mega.core.checkpoint.resume_checks import check_schedule, data_changes, data_order
+from mega.core.checkpoint.resume_checks import (
+    check_schedule,
+    data_changes,
+    data_order,
+    nothing_to_train,
+)
+from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
 from mega.core.errors import MegaUsageError
@@ -99,3 +106,32 @@ def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) 
     engine.scheduler_steps = int(
         state.get("scheduler_steps", engine.iteration - engine.skipped_total)
     )
+
+
+def save_run(engine: Any) -> Path:
+    """Write the engine's state as a complete checkpoint under ``--save`` through the
+    ``--ckpt-format`` backend; the time it takes is not training time."""
+    cfg = engine.config.checkpoint
+    backend = engine.plugins.checkpoint_backends.get(cfg.ckpt_format)
+    started = time.perf_counter()
+    path = save_checkpoint(cfg.save, engine.iteration, training_state(engine), backend)
+    engine.interval.excluded += time.perf_counter() - started
+    engine.last_saved = engine.iteration
+    engine.display.print(f" saved checkpoint at iteration {engine.iteration:8d} to {path}")
+    engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=engine.iteration)
+    return path
+
+
+def load_run(engine: Any, path: str) -> None:
+    """``--load``: the newest complete checkpoint under ``path`` into the engine, or a fresh
+    start when there is none yet (``--save D --load D`` on a first run)."""
+    if find_checkpoint(path) is None:
+        engine.display.print(f" no checkpoint in {path} yet: starting from scratch")
+        return
+    directory, state = load_checkpoint(path, engine.plugins.checkpoint_backends)
+    restore_training_state(engine, directory, state)
+    engine.last_saved = engine.iteration
+    engine.display.print(f" loaded checkpoint {directory} at iteration {engine.iteration}")
+    late = nothing_to_train(engine.iteration, engine.config.train_iters)
+    if late:
+        engine.display.warn(late)

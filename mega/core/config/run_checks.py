@@ -1,5 +1,5 @@
-"""Checks of a resolved run that would otherwise fail only after launch (issue 15, item 2): the
-device, the data files, what the dataset gives the model, and flags that would do nothing.
+"""Checks of a resolved run that would otherwise fail only after launch: the device, what the
+dataset gives the model, and flags that would do nothing.
 
 Each returns messages (``validate_run`` collects them with every other problem); nothing here
 imports torch unless the run asks for CUDA.

@@ -144,3 +144,11 @@ class RunLog:
         self.display.print(format_eval_line(label, loss))
         key = "test_lm_loss" if label.startswith("test") else "valid_lm_loss"
         self.write({"iteration": iteration, key: loss})
+
+
+def device_text(device: torch.device) -> str:
+    """``cuda:0``, or ``cpu (2 CPU threads)``: on the CPU the thread count changes the bits."""
+    if device.type != "cpu":
+        return str(device)
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} CPU thread{'s' if threads != 1 else ''})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from mega.core.errors import MegaUsageError, unknown_name_message
 
@@ -90,8 +90,3 @@ REGISTRY_HOOKS: dict[str, str] = {
     "checkpoint backend": "register_checkpoint_backends",
     "command": "register_commands",
 }
-
-
-def command_name(command: Any) -> str:
-    """Commands are click objects; give them the ``name`` attribute registries key on."""
-    return command.name

@@ -18,20 +18,18 @@ from typing import Any
 import torch
 
 from mega import hookimpl
-from mega.core.checkpoint.resume_checks import nothing_to_train
-from mega.core.checkpoint.state import restore_training_state, training_state
-from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
+from mega.core.checkpoint.state import load_run, save_run
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
-from mega.core.console.run_log import RunLog
+from mega.core.console.run_log import RunLog, device_text
 from mega.core.errors import MegaRunError
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
 from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
-from mega.core.training.sample_schedule import batch_schedule, samples_based
+from mega.core.training.sample_schedule import batch_schedule, schedule_increment
 from mega.core.training.step import StepResult
 from mega.parallel.distributed import join_job
 from mega.parallel.topology import Topology
@@ -60,7 +58,10 @@ class Engine:
         # the LR schedule's count: successful steps, or their samples with --train-samples
         self.scheduler_steps = 0
         self.batches = batch_schedule(config)  # each step's global batch (--rampup-batch-size)
-        self._last_saved: int | None = None
+        self.last_saved: int | None = (
+            None  # the iteration of the newest checkpoint written or loaded
+        )
+        self._previous_gbs: int | None = None  # the last step's global batch (a ramp changes it)
         self.interval = IntervalStats()  # what the next iteration line will summarise
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
@@ -81,7 +82,7 @@ class Engine:
         self.log = RunLog(cfg, self.topology, self.device, self.display, parts.flops_per_token)
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
-            self._load(cfg.checkpoint.load)
+            load_run(self, cfg.checkpoint.load)
         self.log.open(self.plugins, self.iteration)
         gbs = cfg.global_batch_size
         self.display.panel(
@@ -91,20 +92,17 @@ class Engine:
                 f" {cfg.precision.params_dtype}",
                 f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
                 f"global batch {gbs} = {cfg.num_microbatches} micro-batches x {t.micro_batch_size}",
-                f"{self.topology.describe()} on {self._device_text()},"
+                f"{self.topology.describe()} on {device_text(self.device)},"
                 f" schedule {cfg.parallel.parallel}",
                 f"run directory {self.run_dir}",
             ],
         )
 
-    def _device_text(self) -> str:
-        """``cuda:0``, or ``cpu (2 CPU threads)``: on the CPU the thread count changes the bits."""
-        if self.device.type != "cpu":
-            return str(self.device)
-        threads = torch.get_num_threads()
-        return f"cpu ({threads} CPU thread{'s' if threads != 1 else ''})"
-
     # ------------------------------------------------------------------ one step
+
+    def _schedule_step(self, microbatches: list) -> int:
+        dp = self.topology.data_parallel_size
+        return schedule_increment(self.config, len(microbatches), dp)
 
     def run_step(self, microbatches: list[dict[str, torch.Tensor]], iteration: int) -> StepResult:
         """Forward/backward over the global batch through the schedule, then the optimizer."""
@@ -121,18 +119,10 @@ class Engine:
             skipped=outcome.skipped,
             grad_norm=outcome.grad_norm,
             learning_rate=self.lr_schedule.lr_at(
-                successful + (0 if outcome.skipped else self._schedule_increment(microbatches))
+                successful + (0 if outcome.skipped else self._schedule_step(microbatches))
             ),
             loss_scale=self.optimizer.loss_scale,
         )
-
-    def _schedule_increment(self, microbatches: list) -> int:
-        """How far a successful step moves the LR schedule: 1 iteration, or with
-        ``--train-samples`` the step's global batch (Megatron's scheduler counts samples)."""
-        if not samples_based(self.config):
-            return 1
-        dp = self.topology.data_parallel_size
-        return len(microbatches) * self.config.training.micro_batch_size * dp
 
     # ------------------------------------------------------------------ the loop
 
@@ -162,7 +152,7 @@ class Engine:
                 self.interval.add(result)
                 self.skipped_total += result.skipped
                 if not result.skipped:
-                    self.scheduler_steps += self._schedule_increment(batch)
+                    self.scheduler_steps += self._schedule_step(batch)
                 metrics = {"iteration": iteration, "consumed_samples": self.consumed_samples}
                 # iteration 1 too, so a run shows where its loss started
                 if iteration % t.log_interval == 0 or iteration in (1, train_iters):
@@ -185,7 +175,7 @@ class Engine:
                     self.save()
             prefetch.close()
             self._stop_if_nonfinite()
-            if cfg.checkpoint.save and self._last_saved != self.iteration:
+            if cfg.checkpoint.save and self.last_saved != self.iteration:
                 self.save()
             self.display.stop_progress()
             self._final_evaluation()
@@ -212,7 +202,7 @@ class Engine:
             "skipped_total": self.skipped_total,
             "nan_total": self.nan_total,
             # the last step's (it differs from --global-batch-size during a ramp)
-            "global_batch_size": getattr(self, "_previous_gbs", self.config.global_batch_size),
+            "global_batch_size": self._previous_gbs or self.config.global_batch_size,
         }
         metrics, nan_count = self.log.iteration_line(self.interval, result, progress)
         self.nan_total += nan_count
@@ -234,9 +224,9 @@ class Engine:
     def _save_if_microbatches_change(self, step_gbs: int) -> None:
         """Megatron saves a checkpoint (with --save) before a step whose number of micro-batches
         differs from the previous step's in this process, under --rampup-batch-size."""
-        before, self._previous_gbs = getattr(self, "_previous_gbs", step_gbs), step_gbs
+        before, self._previous_gbs = self._previous_gbs or step_gbs, step_gbs
         save = self.config.checkpoint.save
-        if before != step_gbs and self.iteration and save and self._last_saved != self.iteration:
+        if before != step_gbs and self.iteration and save and self.last_saved != self.iteration:
             self.save()
 
     def _microbatches(
@@ -294,29 +284,6 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> dict[str, Any]:
-        return training_state(self)
-
     def save(self) -> Path:
         self._stop_if_nonfinite()
-        cfg = self.config.checkpoint
-        backend = self.plugins.checkpoint_backends.get(cfg.ckpt_format)
-        started = time.perf_counter()
-        path = save_checkpoint(cfg.save, self.iteration, self.state_dict(), backend)
-        self.interval.excluded += time.perf_counter() - started  # not training time
-        self._last_saved = self.iteration
-        self.display.print(f" saved checkpoint at iteration {self.iteration:8d} to {path}")
-        self.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=self.iteration)
-        return path
-
-    def _load(self, path: str) -> None:
-        if find_checkpoint(path) is None:  # --load == --save on a first run: start fresh
-            self.display.print(f" no checkpoint in {path} yet: starting from scratch")
-            return
-        directory, state = load_checkpoint(path, self.plugins.checkpoint_backends)
-        restore_training_state(self, directory, state)
-        self._last_saved = self.iteration
-        self.display.print(f" loaded checkpoint {directory} at iteration {self.iteration}")
-        late = nothing_to_train(self.iteration, self.config.train_iters)
-        if late:
-            self.display.warn(late)
+        return save_run(self)

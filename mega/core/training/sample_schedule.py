@@ -176,3 +176,11 @@ def sample_schedule_problems(config: Any) -> list[str]:
             f"--train-samples ({config.training.train_samples}) is less than one global batch"
         )
     return problems
+
+
+def schedule_increment(config: Any, num_microbatches: int, data_parallel_size: int) -> int:
+    """How far a successful step moves the LR schedule: 1 iteration, or with ``--train-samples``
+    the step's global batch (Megatron's scheduler then counts samples)."""
+    if not samples_based(config):
+        return 1
+    return num_microbatches * config.training.micro_batch_size * data_parallel_size
