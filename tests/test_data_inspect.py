@@ -92,6 +92,21 @@ def test_summary_counts_tokens_per_split(corpus, capsys):
     assert f"samples {(int(lengths[90:].sum()) - 1) // 8:,}" in valid_line
 
 
+def test_train_data_path_is_the_whole_train_split(corpus, capsys):
+    """As mega train's --train-data-path: every document of the prefix is train data."""
+    code, out, err = inspect(
+        ["--train-data-path", corpus, "--seq-length", "8", "--seed", "3", "--sample", "0:4",
+         "--json"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    train = expected_train(corpus, split="1,0,0")
+    assert [json.loads(line)["tokens"] for line in out.splitlines()] == [
+        train[i]["tokens"].tolist() for i in range(4)
+    ]
+    assert "documents 100," in err
+
+
 def test_second_run_loads_the_cache(corpus, capsys):
     args = ["--data-path", corpus, "--seq-length", "8", "--sample", "0", "--json"]
     assert inspect(args, capsys)[0] == 0
@@ -106,7 +121,11 @@ def test_second_run_loads_the_cache(corpus, capsys):
             ["--data-path", "/nope/corpus"],
             "error: --data-path /nope/corpus: no such file /nope/corpus.idx",
         ),
-        (["--seq-length", "8"], "error: --data-path is required"),
+        (["--seq-length", "8"], "error: --data-path (or --train-data-path) is required"),
+        (
+            ["--data-path", "x", "--train-data-path", "y"],
+            "error: --data-path and --train-data-path: give one of them",
+        ),
         (
             ["--sample", "10000:10002"],
             "error: --sample 10000:10002: out of range; the train split has",
@@ -115,10 +134,18 @@ def test_second_run_loads_the_cache(corpus, capsys):
         (["--seq-length", "4000"], "too few for one sample of --seq-length 4000"),
         (["--bogus"], "error: unknown flag --bogus"),
     ],
-    ids=["missing-prefix", "no-data-path", "sample-range", "sample-syntax", "too-short", "flag"],
+    ids=[
+        "missing-prefix",
+        "no-data-path",
+        "both-paths",
+        "sample-range",
+        "sample-syntax",
+        "too-short",
+        "flag",
+    ],
 )
 def test_errors_are_one_line_with_exit_code_2(args, message, corpus, capsys):
-    if "--data-path" not in args and message != "error: --data-path is required":
+    if "--data-path" not in args and "is required" not in message:
         args = ["--data-path", corpus, *args]
     code, out, err = inspect(args, capsys)
     assert code == 2

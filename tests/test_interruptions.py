@@ -30,7 +30,9 @@ ARGS = [*TINY, "--train-iters", "8", "--log-interval", "1", "--eval-interval", "
         "--eval-iters", "1"]  # fmt: skip
 
 
-def _interrupt(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
+def _interrupt(tmp_path: Path, args: list[str], ranks: int = 1) -> subprocess.CompletedProcess:
+    """Run ``mega train args`` until each of its ``ranks`` is held in iteration STOP, then Ctrl-C
+    it as a terminal does: SIGINT to the whole process group (launcher and workers)."""
     plugin_dir = tmp_path / "hang"
     plugin_dir.mkdir(exist_ok=True)
     (plugin_dir / "hang_in_step_end.py").write_text(HANG_PLUGIN)
@@ -38,13 +40,14 @@ def _interrupt(tmp_path: Path, args: list[str]) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(
         [sys.executable, "-m", "mega", "train", *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
     )  # fmt: skip
     out = []
     try:
         for line in proc.stdout:
             out.append(line)
-            if f"STEP-{STOP}-DONE" in line:
-                proc.send_signal(signal.SIGINT)
+            if "".join(out).count(f"STEP-{STOP}-DONE") == ranks:  # ranks' lines may share one
+                os.killpg(proc.pid, signal.SIGINT)
                 break
         rest, err = proc.communicate(timeout=60)
     finally:
@@ -71,6 +74,19 @@ def test_ctrl_c_without_a_checkpoint_says_so(tmp_path: Path):
     assert line == (
         f"interrupted after iteration {STOP} of 8; no checkpoint to resume from"
         " (--save DIR --save-interval N writes them)"
+    )
+
+
+def test_ctrl_c_of_a_launched_job_prints_one_line(tmp_path: Path):
+    """The launcher and both workers get the SIGINT (and elastic forwards it once more): still
+    rank 0's one line, exit 130, no blank line from the launcher or a worker."""
+    stopped = _interrupt(
+        tmp_path, [*ARGS, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run")], ranks=2
+    )
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr == (
+        f"interrupted after iteration {STOP} of 8; no checkpoint to resume from"
+        " (--save DIR --save-interval N writes them)\n"
     )
 
 

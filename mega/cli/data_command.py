@@ -31,6 +31,9 @@ class InspectConfig:
     data_path: list[str] = option(
         [], "Dataset prefixes, optionally weighted: [w1] p1 [w2] p2.", nargs="+"
     )
+    train_data_path: list[str] = option(
+        [], "The train split's own prefixes (as mega train's): all of their documents.", nargs="+"
+    )
     split: str = option("969,30,1", "Train/valid/test proportions, e.g. 949,50,1.")
     seq_length: int = option(
         default_of(TrainingConfig.__dataclass_fields__["seq_length"]), "Tokens per sample."
@@ -48,8 +51,10 @@ class InspectConfig:
 
     def validate(self) -> list[str]:
         errors = []
-        if not self.data_path:
-            errors.append("--data-path is required")
+        if not self.data_path and not self.train_data_path:
+            errors.append("--data-path (or --train-data-path) is required")
+        if self.data_path and self.train_data_path:
+            errors.append("--data-path and --train-data-path: give one of them")
         if self.seq_length < 1:
             errors.append("--seq-length must be at least 1")
         if self.train_samples is not None and self.train_samples < 1:
@@ -73,7 +78,7 @@ def parse_sample_range(text: str, length: int) -> range:
 
 
 INSPECT_USAGE = """\
-Usage: mega data inspect --data-path PREFIX [FLAGS...]
+Usage: mega data inspect (--data-path | --train-data-path) PREFIX [FLAGS...]
 
 Print train samples of a .bin/.idx dataset as `mega train` would read them, and a
 summary of documents, tokens and samples per split. Tokenizer flags appear once
@@ -164,6 +169,10 @@ def run_inspect(args: list[str], plugins: Any) -> None:
     from mega.plugins.datasets.gpt.builder import build_gpt_splits
 
     dataset_config: Any = parsed["dataset"]
+    if config.train_data_path:  # the train split is all of these, as in mega train
+        from mega.plugins.datasets.gpt import WHOLE_SPLIT
+
+        config.data_path, config.split = config.train_data_path, WHOLE_SPLIT[0]
     try:
         prefixes, weights = parse_blend(config.data_path)
         built = build_gpt_splits(

@@ -203,7 +203,7 @@ def _worker(argv: list[str]) -> None:
     # ranks that did not fail with SIGTERM: they should just end. Ctrl-C is a KeyboardInterrupt.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, _interrupt_once)
     import torch
 
     # A forked worker's OpenMP runtime read OMP_NUM_THREADS when the parent loaded torch, before
@@ -219,6 +219,14 @@ def _worker(argv: list[str]) -> None:
         traceback.print_exc()
         sys.stderr.flush()
         raise SystemExit(1) from None
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    """Ctrl-C in a worker: one KeyboardInterrupt. A terminal's Ctrl-C reaches the worker, and
+    then elastic forwards the parent's SIGINT to it too; a second KeyboardInterrupt would land in
+    the middle of the first one's message or cleanup."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 @contextlib.contextmanager

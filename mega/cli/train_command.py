@@ -82,7 +82,10 @@ def train_command(args_list: list[str], plugins: Any) -> None:
     if launch.needs_launch(config):
         # --nproc-per-node/--nnodes and no torchrun/SLURM around us: start the workers, which run
         # this same command (they see RANK etc., so they train instead of launching)
-        launch.launch_workers(config, args_list)
+        try:
+            launch.launch_workers(config, args_list)
+        except KeyboardInterrupt:  # rank 0 has said where it stopped: exit 130, no blank line
+            raise click.exceptions.Exit(130) from None
         return
 
     from mega.core.training.engine import Engine
