@@ -88,6 +88,7 @@ def _train(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[st
         "grad_norms": capture.grad_norms,
         "params": params if rank == 0 else None,
         "state_bytes": engine.optimizer.state_bytes(),
+        "vocab_rows": engine.vocab_rows,  # {name: real rows} of the vocabulary-padded ones
         "engine_buckets": len(engine.buffer.buckets),
     }
 

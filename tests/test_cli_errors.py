@@ -47,7 +47,10 @@ def test_load_missing_directory(tmp_path: Path):
 
 def test_load_corrupt_checkpoint(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
-    ok = run_mega(["train", *TINY, "--train-iters", "2", "--save", str(ckpt)], tmp_path)
+    ok = run_mega(
+        ["train", *TINY, "--train-iters", "2", "--save", str(ckpt), "--ckpt-format", "torch"],
+        tmp_path,
+    )
     assert ok.returncode == 0, ok.stderr
     state = ckpt / "iter_0000002" / "state.pt"
     data = bytearray(state.read_bytes())

@@ -41,6 +41,9 @@ def _interrupt(tmp_path: Path, args: list[str], ranks: int = 1) -> subprocess.Co
         [sys.executable, "-m", "mega", "train", *args],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
+        # a terminal's foreground job takes Ctrl-C; a job started with & from a script (a CI
+        # runner's) inherits SIGINT ignored, and Python keeps it ignored: undo that in the child
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     out = []
     try:

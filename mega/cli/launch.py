@@ -17,8 +17,9 @@ Forking is safe only while the parent has not initialised CUDA, and it never doe
 torch but runs nothing on a device, and the ``torch.cuda.is_available()`` in elastic's own
 LaunchConfig (which would initialise the driver) asks NVML instead, through torch's documented
 fork-safe check ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. If something did initialise CUDA in the
-parent (a plugin at import, say), spawn is chosen instead. ``MEGA_START_METHOD=spawn`` forces it,
-e.g. after a parent has used tensorstore, which aborts forked children.
+parent (a plugin at import, say), or tensorstore was used here (it aborts forked children that
+use it: ``mega.parallel.fork_safety``), spawn is chosen instead. ``MEGA_START_METHOD=spawn``
+forces it.
 
 A failure on one rank ends the job: elastic notices the worker's exit within ``MONITOR_INTERVAL``
 and stops the others (SIGTERM); the parent then prints one line naming the rank that failed first
@@ -100,8 +101,10 @@ def start_method() -> str:
         return "spawn"
     import torch
 
+    from mega.parallel.fork_safety import fork_unsafe_reason
+
     # is_initialized() reads a flag; it does not initialise CUDA itself
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    return "spawn" if torch.cuda.is_initialized() or fork_unsafe_reason() else "fork"
 
 
 def launch_workers(config: RunConfig, argv: list[str]) -> None:

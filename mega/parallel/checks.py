@@ -40,9 +40,17 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
     errors += pipeline_setup(config, plugins)[1]
     if p.sequence_parallel:
         errors += sequence_parallel_problems(config.training.seq_length, tp)
-    if config.world_size > 1 and (config.checkpoint.save or config.checkpoint.load):
-        errors.append(
-            "--save/--load with more than one process are not supported yet (sharded "
-            "checkpoints are a later feature); train without them or on one process"
-        )
+    ckpt = config.checkpoint
+    backends = plugins.checkpoint_backends
+    if ckpt.ckpt_format in backends:
+        sharded = backends.get(ckpt.ckpt_format).sharded
+        if config.world_size > 1 and ckpt.save and not sharded:
+            errors.append(
+                f"--ckpt-format {ckpt.ckpt_format} writes one process's state; with"
+                f" {config.world_size} processes use --ckpt-format zarr"
+            )
+        if ckpt.async_save and not sharded:
+            errors.append(
+                f"--async-save needs a sharded --ckpt-format (zarr), not {ckpt.ckpt_format}"
+            )
     return errors

@@ -62,6 +62,19 @@ def _child(fn, rank, world_size, port, results, args, env) -> None:
         os._exit(code)  # skip pytest's atexit handlers, inherited through fork
 
 
+def _context() -> Any:
+    """fork; once this process has used a library that forbids forking (tensorstore, after an
+    in-process checkpoint), fork from a forkserver instead: a fresh interpreter that has
+    imported torch and the engine once and never used tensorstore, so ranks still start fast."""
+    from mega.parallel.fork_safety import fork_unsafe_reason
+
+    if not fork_unsafe_reason():
+        return mp.get_context("fork")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "mega.core.training.engine", __name__])
+    return context
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -70,7 +83,7 @@ def run_ranks(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """``fn(rank, world_size, *args)`` on ``world_size`` forked ranks; their results by rank."""
-    context = mp.get_context("fork")
+    context = _context()
     results = context.Queue()
     port = free_port()
     procs = [

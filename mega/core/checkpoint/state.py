@@ -14,7 +14,13 @@ from mega.core.checkpoint.resume_checks import (
     data_order,
     nothing_to_train,
 )
-from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, save_checkpoint
+from mega.core.checkpoint.sharded_store import load_sharded, start_sharded_save
+from mega.core.checkpoint.store import (
+    find_checkpoint,
+    load_checkpoint,
+    read_marker,
+    save_checkpoint,
+)
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
 from mega.core.errors import MegaUsageError
@@ -24,8 +30,9 @@ from mega.core.training.rng import capture_rng_state, restore_rng_state
 FORMAT = "mega-torch/1"
 
 
-def training_state(engine: Any) -> dict[str, Any]:
-    """The ``Engine``'s state as a checkpoint backend stores it."""
+def common_state(engine: Any) -> dict[str, Any]:
+    """What every rank of a run shares, without the model and optimizer tensors: counters,
+    schedules, the config, the layout it was written with."""
     return {
         "format": FORMAT,
         "iteration": engine.iteration,
@@ -33,15 +40,54 @@ def training_state(engine: Any) -> dict[str, Any]:
         "skipped_total": engine.skipped_total,
         "scheduler_steps": engine.scheduler_steps,  # the LR schedule's count (sample_schedule)
         "nan_total": engine.nan_total,
-        "model": engine.model.state_dict(),
-        "optimizer": engine.optimizer.state_dict(),
-        "rng": capture_rng_state(),
         "lr_schedule": engine.lr_schedule.state_dict(),
         "interval": engine.interval.state_dict(),  # so a mid-interval resume logs the same
         "config": resolved_as_dict(engine.config),
         "data_order": data_order(engine.config),  # as used: no unset (None) values
         "cpu_threads": cpu_threads(engine.device),
+        "layout": layout_of(engine),
+        "optimizer_scalars": engine.optimizer.scalar_state(),
     }
+
+
+def training_state(engine: Any) -> dict[str, Any]:
+    """The ``Engine``'s whole state as a whole-state (one-process) backend stores it."""
+    return {
+        **common_state(engine),
+        "model": engine.model.state_dict(),
+        "optimizer": engine.optimizer.state_dict(),
+        "rng": capture_rng_state(),
+    }
+
+
+def layout_of(engine: Any) -> dict[str, Any]:
+    """The parallel layout a checkpoint is written with (RNG states are per rank of it)."""
+    topo, p = engine.topology, engine.config.parallel
+    return {
+        "world_size": topo.world_size,
+        "tensor_model_parallel_size": topo.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": topo.pipeline_model_parallel_size,
+        "data_parallel_size": topo.data_parallel_size,
+        "context_parallel_size": topo.context_parallel_size,
+        "expert_model_parallel_size": topo.expert_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": engine.executor.layout.vpp,
+        "sequence_parallel": bool(p.sequence_parallel),
+        "use_distributed_optimizer": bool(p.use_distributed_optimizer),
+    }
+
+
+def sharded_tensors(engine: Any, *, for_load: bool = False, with_optimizer: bool = True) -> list:
+    """The engine's model and optimizer as this rank's ``ShardedTensor``s."""
+    from mega.parallel.sharded_state import training_tensors
+
+    return training_tensors(
+        engine.model,
+        engine.optimizer,
+        engine.topology,
+        engine.vocab_rows,
+        with_optimizer=with_optimizer,
+        for_load=for_load,
+    )
 
 
 def cpu_threads(device: Any) -> int | None:
@@ -64,7 +110,9 @@ def _thread_warning(saved: int | None, now: int | None) -> str | None:
     )
 
 
-def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) -> None:
+def restore_training_state(
+    engine: Any, directory: Path, state: dict[str, Any], tensors_loaded: bool = False
+) -> None:
     """Put ``state`` (read from ``directory``) back into ``engine``; a checkpoint of another
     model is a ``MegaUsageError``, a changed data or schedule setting a warning or an error.
 
@@ -74,9 +122,12 @@ def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) 
     ckpt = engine.config.checkpoint
     load_optim = ckpt.load_optim and not ckpt.finetune
     try:
-        engine.model.load_state_dict(state["model"])
-        if load_optim:
-            engine.optimizer.load_state_dict(state["optimizer"])
+        if not tensors_loaded:
+            engine.model.load_state_dict(state["model"])
+            if load_optim:
+                engine.optimizer.load_state_dict(state["optimizer"])
+        elif load_optim:
+            engine.optimizer.load_scalar_state(state["optimizer_scalars"])
     except (RuntimeError, KeyError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0]
         raise MegaUsageError(f"--load {directory}: does not match this model ({first})") from None
@@ -95,7 +146,7 @@ def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) 
     threads = _thread_warning(state.get("cpu_threads"), cpu_threads(engine.device))
     if threads:
         engine.display.warn(threads)
-    if ckpt.load_rng:
+    if ckpt.load_rng and state.get("rng") is not None:
         restore_rng_state(state["rng"])
     engine.interval = IntervalStats.from_state_dict(state["interval"])
     engine.iteration = int(state["iteration"])
@@ -108,17 +159,66 @@ def restore_training_state(engine: Any, directory: Path, state: dict[str, Any]) 
     )
 
 
+def _rank_rng(engine: Any, state: dict[str, Any], ranks: list[dict[str, Any]]) -> Any:
+    """This rank's RNG state from a sharded checkpoint: only at the layout that wrote it (at
+    another, ranks draw from freshly seeded generators; it matters only with dropout)."""
+    if state.get("layout") == layout_of(engine):
+        return ranks[engine.topology.rank].get("rng")
+    if engine.config.checkpoint.load_rng and not engine.config.checkpoint.finetune:
+        engine.display.print(
+            " note: the checkpoint was written at another parallel layout; random states are"
+            " seeded afresh (dropout masks differ from an uninterrupted run)"
+        )
+    return None
+
+
+def iteration_path(root: str, iteration: int) -> Path:
+    from mega.core.checkpoint.store import iteration_dir
+
+    return iteration_dir(root, iteration)
+
+
 def save_run(engine: Any) -> Path:
     """Write the engine's state as a complete checkpoint under ``--save`` through the
     ``--ckpt-format`` backend; the time it takes is not training time."""
     cfg = engine.config.checkpoint
     backend = engine.plugins.checkpoint_backends.get(cfg.ckpt_format)
     started = time.perf_counter()
-    path = save_checkpoint(cfg.save, engine.iteration, training_state(engine), backend)
+    finish_pending_save(engine)
+    if backend.sharded:
+        pending = start_sharded_save(
+            cfg.save,
+            engine.iteration,
+            sharded_tensors(engine),
+            common_state(engine),
+            {"rng": capture_rng_state()},
+            backend,
+            copy=cfg.async_save,
+        )
+        if cfg.async_save:  # finished at the next save or the end of training
+            engine.pending_save = pending
+            engine.last_saved = engine.iteration
+            engine.interval.excluded += time.perf_counter() - started
+            return iteration_path(cfg.save, engine.iteration)
+        path = pending.finish()
+    else:
+        path = save_checkpoint(cfg.save, engine.iteration, training_state(engine), backend)
     engine.interval.excluded += time.perf_counter() - started
     engine.last_saved = engine.iteration
     engine.display.print(f" saved checkpoint at iteration {engine.iteration:8d} to {path}")
     engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=engine.iteration)
+    return path
+
+
+def finish_pending_save(engine: Any) -> Path | None:
+    """Complete an ``--async-save`` checkpoint still being written (every rank calls it)."""
+    pending = getattr(engine, "pending_save", None)
+    if pending is None:
+        return None
+    engine.pending_save = None
+    path = pending.finish()
+    engine.display.print(f" saved checkpoint at iteration {pending.iteration:8d} to {path}")
+    engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=pending.iteration)
     return path
 
 
@@ -128,8 +228,18 @@ def load_run(engine: Any, path: str) -> None:
     if find_checkpoint(path) is None:
         engine.display.print(f" no checkpoint in {path} yet: starting from scratch")
         return
-    directory, state = load_checkpoint(path, engine.plugins.checkpoint_backends)
-    restore_training_state(engine, directory, state)
+    directory, marker, backend = read_marker(path, engine.plugins.checkpoint_backends)
+    if marker.get("sharded"):
+        ckpt = engine.config.checkpoint
+        with_optimizer = ckpt.load_optim and not ckpt.finetune
+        tensors = sharded_tensors(engine, for_load=True, with_optimizer=with_optimizer)
+        metadata = load_sharded(directory, marker, tensors, backend)
+        state = dict(metadata["common"])
+        state["rng"] = _rank_rng(engine, state, metadata["ranks"])
+        restore_training_state(engine, directory, state, tensors_loaded=True)
+    else:
+        directory, state = load_checkpoint(path, engine.plugins.checkpoint_backends)
+        restore_training_state(engine, directory, state)
     engine.last_saved = engine.iteration
     engine.display.print(f" loaded checkpoint {directory} at iteration {engine.iteration}")
     late = nothing_to_train(engine.iteration, engine.config.train_iters)

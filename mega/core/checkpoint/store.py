@@ -150,18 +150,29 @@ def validate_checkpoint_dirs(cfg: Any) -> list[str]:
     return errors
 
 
-def load_checkpoint(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any]]:
-    """Read the checkpoint ``--load`` names, verifying every file against its marker."""
+def read_marker(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any], Any]:
+    """(directory, its marker, its backend) of the checkpoint ``--load`` names."""
     directory = find_checkpoint(path)
     if directory is None:
         raise MegaUsageError(f"--load {path}: no complete checkpoint there")
     try:
         marker = json.loads((directory / MARKER).read_text())
-        files = marker["files"]
-        backend = backends.get(marker["backend"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        marker["files"].items()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise MegaUsageError(f"--load {directory}: unreadable {MARKER} ({exc})") from None
-    for name, expected in files.items():
+    name = marker.get("backend")
+    if name not in backends:
+        raise MegaUsageError(
+            f"--load {directory}: written by checkpoint backend {name!r}, which is not installed"
+        )
+    return directory, marker, backends.get(name)
+
+
+def load_checkpoint(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any]]:
+    """Read the whole-state checkpoint ``--load`` names, verifying every file against its
+    marker."""
+    directory, marker, backend = read_marker(path, backends)
+    for name, expected in marker["files"].items():
         file = directory / name
         if not file.is_file() or _sha256(file) != expected:
             raise MegaUsageError(f"--load {directory}: {name} is missing or corrupt (checksum)")

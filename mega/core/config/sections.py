@@ -188,7 +188,27 @@ class CheckpointConfig:
     save: str | None = option(None, "Directory to save checkpoints to.")
     load: str | None = option(None, "Directory to resume from (its latest complete checkpoint).")
     save_interval: int | None = option(None, "Save every N iterations (and at the end).")
-    ckpt_format: str = option("torch", "Checkpoint backend plugin.")
+    ckpt_format: str = option(
+        "zarr",
+        "Checkpoint backend plugin: zarr (sharded global tensors, any layout, reshards on load)"
+        " or torch (one torch.save file, one process only).",
+    )
+    async_save: bool = option(
+        False,
+        "Write checkpoints in the background from a copy while training goes on; the next"
+        " save or the end of training waits for it (zarr backend).",
+    )
+    exit_signal_handler: bool = option(
+        False,
+        "On SIGTERM (what SLURM sends before a time limit): finish the step, save (with"
+        " --save), exit with code 0.",
+    )
+    exit_interval: int | None = option(
+        None, "Exit after the iteration that is a multiple of N (saving first, with --save)."
+    )
+    exit_duration_in_mins: float | None = option(
+        None, "Exit after this many minutes of training (saving first, with --save)."
+    )
     load_optim: bool = option(
         True,
         "On --load, do not restore the optimizer state (moments, masters, loss scale).",
@@ -216,6 +236,10 @@ class CheckpointConfig:
             errors.append("--save-interval must be at least 1")
         if self.use_checkpoint_args and not self.load:
             errors.append("--use-checkpoint-args needs --load")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            errors.append("--exit-interval must be at least 1")
+        if self.exit_duration_in_mins is not None and not self.exit_duration_in_mins > 0:
+            errors.append("--exit-duration-in-mins must be > 0")
         return errors
 
 

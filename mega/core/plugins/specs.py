@@ -155,15 +155,43 @@ class PipelineScheduleSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointBackendSpec:
-    """Stores one checkpoint's state in a directory the engine created for it.
+    """Stores one checkpoint's state in a directory the engine created for it. Two kinds:
 
-    ``save(directory, state)`` writes a nested dict of tensors and plain Python values
-    (str, int, float, bool, None, list, dict). ``load(directory)`` returns it, and must never
-    unpickle arbitrary code. The engine owns directory naming, the completion marker and
-    the ``latest`` tracker; a backend only writes and reads files.
+    *Whole-state* (one process): ``save(directory, state)`` writes a nested dict of tensors and
+    plain Python values (str, int, float, bool, None, list, dict) and returns the file names it
+    wrote; ``load(directory)`` returns it, and must never unpickle arbitrary code.
+
+    *Sharded* (any layout; docs/plugins.md has the contract): every rank calls, on the same
+    ``directory``, ``create(directory, tensors)`` for the global arrays it was chosen to create
+    (``ShardedTensor`` with ``global_shape``, ``dtype`` and ``chunks``; pieces unused), then,
+    after all ranks created theirs, ``write(directory, tensors, copy)`` for the tensors it
+    writes; that returns a function that waits for the writes and raises ``OSError`` naming the
+    tensor on failure (``copy``: the caller changes its tensors meanwhile, write from copies).
+    ``read(directory, tensors)`` fills each piece, in place, from the array ``tensor.key``;
+    a missing, truncated or mis-shaped array raises ``OSError`` naming it.
+
+    The engine owns directory naming, the metadata file, the completion marker and the
+    ``latest`` tracker; a backend only writes and reads tensors.
     """
 
     name: str
-    save: Callable[[Any, dict[str, Any]], list[str]]  # returns the file names it wrote
-    load: Callable[[Any], dict[str, Any]]
+    save: Callable[[Any, dict[str, Any]], list[str]] | None = None
+    load: Callable[[Any], dict[str, Any]] | None = None
+    create: Callable[[Any, list[Any]], None] | None = None
+    write: Callable[..., Callable[[], None]] | None = None
+    read: Callable[[Any, list[Any]], None] | None = None
     description: str = ""
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this backend writes global tensors piece by piece (any layout)."""
+        return self.write is not None
+
+    def __post_init__(self) -> None:
+        whole = self.save is not None and self.load is not None
+        sharded = None not in (self.create, self.write, self.read)
+        if whole == sharded:
+            raise ValueError(
+                f"checkpoint backend {self.name!r}: give either save and load, or create,"
+                " write and read"
+            )

@@ -31,6 +31,7 @@ from mega.parallel.parallelize import parallelize
 from mega.parallel.pipeline.executor import PipelineExecutor
 from mega.parallel.pipeline.setup import PipelineSetup, pipeline_setup
 from mega.parallel.pipeline.split import tied_weights
+from mega.parallel.sharded_state import vocab_rows
 from mega.parallel.topology import Topology
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,6 +43,7 @@ class RunParts:
 
     tokenizer: Any
     padded_vocab: int
+    vocab_rows: dict[str, int]  # parameters whose rows are the padded vocabulary: real rows
     splits: Any  # DatasetSplits
     model: torch.nn.Module  # this rank's part; global parameter names
     num_parameters: int  # of the whole model, before sharding
@@ -128,6 +130,7 @@ def build_run(
     return RunParts(
         tokenizer=tokenizer,
         padded_vocab=padded_vocab,
+        vocab_rows=vocab_rows(model, plan.layers, vocab, padded_vocab) if plan else {},
         splits=splits,
         model=model,
         num_parameters=num_parameters,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mega import hookimpl
-from mega.core.checkpoint.state import load_run, save_run
+from mega.core.checkpoint.state import finish_pending_save, load_run, save_run
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
@@ -27,6 +27,7 @@ from mega.core.errors import MegaRunError
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
+from mega.core.training.exit_conditions import ExitConditions
 from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
 from mega.core.training.sample_schedule import batch_schedule, schedule_increment
@@ -62,6 +63,7 @@ class Engine:
             None  # the iteration of the newest checkpoint written or loaded
         )
         self._previous_gbs: int | None = None  # the last step's global batch (a ramp changes it)
+        self.pending_save: Any = None  # an --async-save checkpoint still being written
         self.interval = IntervalStats()  # what the next iteration line will summarise
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
@@ -77,6 +79,7 @@ class Engine:
         self.plugins.pm.hook.topology_ready(topology=self.topology)
         parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
         self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model
+        self.vocab_rows = parts.vocab_rows
         self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
         self.lr_schedule, self.flops_per_token = parts.lr_schedule, parts.flops_per_token
         self.log = RunLog(cfg, self.topology, self.device, self.display, parts.flops_per_token)
@@ -133,8 +136,11 @@ class Engine:
         train_iters = cfg.train_iters  # --train-iters, or from --train-samples
         last: dict[str, float] = {}
         error: BaseException | None = None
+        exits: ExitConditions | None = None
+        stop: str | None = None
         try:
             self.setup()
+            exits = ExitConditions(cfg.checkpoint, self.topology, self.device)
             self.display.start_progress(train_iters, self.iteration, "training")
             prefetch = BatchPrefetcher(t.num_workers, self.batches.micro_times_dp)
             train, build = self.splits.train, self._microbatches
@@ -173,11 +179,18 @@ class Engine:
                 save_every = cfg.checkpoint.save_interval
                 if cfg.checkpoint.save and save_every and iteration % save_every == 0:
                     self.save()
+                stop = exits.reason(iteration) if iteration < train_iters else None
+                if stop:
+                    break
             prefetch.close()
             self._stop_if_nonfinite()
             if cfg.checkpoint.save and self.last_saved != self.iteration:
                 self.save()
+            finish_pending_save(self)
             self.display.stop_progress()
+            if stop:  # as Megatron: saved, and no final evaluation
+                self.display.print(f" exiting after iteration {self.iteration}: {stop}")
+                return last
             self._final_evaluation()
         except KeyboardInterrupt as exc:  # Ctrl-C: say where it stopped and how to go on
             error = exc
@@ -189,6 +202,8 @@ class Engine:
             error = exc
             raise
         finally:
+            if exits is not None:
+                exits.close()
             self.display.stop_progress()
             hook.shutdown(engine=self, exc=error)
             if hasattr(self, "log"):

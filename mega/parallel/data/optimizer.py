@@ -237,6 +237,52 @@ class MixedPrecisionAdamW:
         iteration = int(self._first_bad_iteration)
         return (iteration, float(self._first_bad_norm)) if iteration >= 0 else None
 
+    def flat_states(self) -> dict[str, torch.Tensor]:
+        """This rank's flat per-element state by its checkpoint name: Adam's two moments (or
+        SGD's momentum) and, in bf16/fp16 runs, the fp32 master weights."""
+        if self.kind == "adam":
+            states = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        else:
+            states = {"momentum": self.exp_avg}
+        if self.mixed:
+            states["master"] = self.master
+        return states
+
+    def state_ranges(self, param: torch.nn.Parameter) -> list[tuple[int, int, int]]:
+        """Where ``param``'s elements sit in the flat states: ``(lo, hi, offset)`` for each
+        flat range ``[lo, hi)`` of the parameter (flattened) this rank updates, stored from
+        ``offset`` on. All of it, or with the distributed optimizer the part in its shards."""
+        if param not in self.buffer.ranges:
+            return []
+        lo, hi = self.buffer.ranges[param]
+        return [
+            (max(lo, s.lo) - lo, min(hi, s.hi) - lo, s.offset + max(lo, s.lo) - s.lo)
+            for s in self.segments
+            if max(lo, s.lo) < min(hi, s.hi)
+        ]
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The optimizer's state that is not per element: its kind, step count, loss scaler."""
+        state: dict[str, Any] = {"optimizer": self.kind, "step": float(self._step)}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Put back :meth:`scalar_state` after the flat states were filled in place; the
+        bf16/fp16 parameters are then set from their masters."""
+        if state.get("optimizer", "adam") != self.kind:
+            raise ValueError(
+                f"the checkpoint's optimizer is {state.get('optimizer')}, this run's --optimizer"
+                f" {self.kind} (--no-load-optim or --finetune starts a fresh one)"
+            )
+        with torch.no_grad():
+            self._step.fill_(float(state["step"]))
+            if self.mixed:
+                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
         tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.mixed else [])

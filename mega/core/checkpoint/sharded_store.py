@@ -1,0 +1,281 @@
+"""Saving and loading a sharded checkpoint together: every rank its pieces, rank 0 the rest.
+
+Save, on every rank at the same point (it is a collective):
+
+1. rank 0 makes the hidden ``<save>/.iter_0000100.tmp`` (removing a crashed save's leftovers);
+2. the ranks exchange which global tensors they write (key, shape, dtype, chunks); the lowest
+   rank writing a tensor creates its array, so each array is created once;
+3. each rank writes its pieces (``write=True``) through the backend, in parallel;
+4. finalize: each rank waits for its writes, the ranks agree that all succeeded, and rank 0 writes
+   ``metadata.json`` (the tensors, the layout, the small state, every rank's RNG state), then
+   ``complete.json`` (the metadata's sha256) last, renames the directory into place and updates
+   the tracker. A failure anywhere leaves the previous checkpoint as it was.
+
+With ``--async-save`` the writes of step 3 go on while training continues (from copies), and
+step 4 runs at the next save or at the end of training.
+
+Load: every rank reads the metadata (checked against the marker) and fills its own tensors'
+pieces from the arrays, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mega.core.checkpoint.json_state import from_json, to_json
+from mega.core.checkpoint.sharded import ShardedTensor
+from mega.core.checkpoint.store import MARKER, TRACKER, atomic_write_text, iteration_dir
+from mega.core.errors import MegaRunError, MegaUsageError
+
+METADATA = "metadata.json"
+FORMAT = "mega-sharded/1"
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _barrier() -> None:
+    dist = _dist()
+    if dist is not None:
+        dist.barrier()
+
+
+def _all_gather(value: Any) -> list[Any]:
+    dist = _dist()
+    if dist is None:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _rank() -> int:
+    dist = _dist()
+    return dist.get_rank() if dist is not None else 0
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _arrays(tensors: list[ShardedTensor]) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """The global arrays every rank writes (``{key: {shape, dtype, chunks}}``) and the keys this
+    rank creates: those whose lowest writing rank it is."""
+    mine = {
+        t.key: {
+            "shape": list(t.global_shape),
+            "dtype": _dtype_name(t.dtype),
+            "chunks": list(t.chunks) if t.chunks else None,
+        }
+        for t in tensors
+        if t.write and t.pieces
+    }
+    union: dict[str, dict[str, Any]] = {}
+    creators: dict[str, int] = {}
+    for rank, theirs in enumerate(_all_gather(mine)):
+        for key, meta in theirs.items():
+            seen = union.setdefault(key, meta)
+            if (seen["shape"], seen["dtype"]) != (meta["shape"], meta["dtype"]):
+                raise MegaRunError(
+                    f"checkpoint tensor {key}: ranks disagree on its shape or dtype"
+                    f" ({seen['shape']} {seen['dtype']} and {meta['shape']} {meta['dtype']})"
+                )
+            creators.setdefault(key, rank)
+    me = _rank()
+    return union, {key for key, rank in creators.items() if rank == me}
+
+
+class PendingSave:
+    """A sharded save whose writes were started; :meth:`finish` (a collective) completes it."""
+
+    def __init__(self, finish: Callable[[], Path], iteration: int) -> None:
+        self._finish = finish
+        self.iteration = iteration
+
+    def finish(self) -> Path:
+        return self._finish()
+
+
+def start_sharded_save(
+    root: str | Path,
+    iteration: int,
+    tensors: list[ShardedTensor],
+    common: dict[str, Any],
+    rank_state: dict[str, Any],
+    backend: Any,
+    *,
+    copy: bool = False,
+) -> PendingSave:
+    """Steps 1-3 of the module docstring for ``<root>/iter_<iteration>``; the returned save's
+    ``finish()`` is step 4, which also updates the tracker."""
+    root = Path(root)
+
+    def tracker() -> None:
+        atomic_write_text(root / TRACKER, f"{iteration}\n")
+
+    return start_save_into(
+        iteration_dir(root, iteration), iteration, tensors, common, rank_state, backend,
+        copy=copy, after=tracker,
+    )  # fmt: skip
+
+
+def start_save_into(
+    final: Path,
+    iteration: int,
+    tensors: list[ShardedTensor],
+    common: dict[str, Any],
+    rank_state: dict[str, Any],
+    backend: Any,
+    *,
+    copy: bool = False,
+    after: Callable[[], None] | None = None,
+) -> PendingSave:
+    """Save into the directory ``final`` (written as a hidden sibling, renamed at the end);
+    ``after`` runs on rank 0 once it is in place."""
+    root = final.parent
+    tmp = root / f".{final.name}.tmp"
+    failure = None
+    if _rank() == 0:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)  # a previous crash's leftovers
+            tmp.mkdir(parents=True)
+        except OSError as exc:
+            failure = f"cannot create {tmp}: {exc.strerror or exc}"
+    _raise_if_any(failure, iteration)
+    arrays, mine = _arrays(tensors)
+    try:
+        backend.create(tmp, [t for t in tensors if t.key in mine and t.write and t.pieces])
+    except OSError as exc:
+        failure = str(exc)
+    _raise_if_any(failure, iteration)
+    wait = backend.write(tmp, [t for t in tensors if t.write and t.pieces], copy)
+    rank_states = _all_gather(to_json(rank_state))
+
+    def finish() -> Path:
+        error = None
+        try:
+            wait()
+        except OSError as exc:
+            error = str(exc)
+        _raise_if_any(error, iteration)
+        if _rank() == 0:
+            metadata = {
+                "format": FORMAT,
+                "iteration": iteration,
+                "backend": backend.name,
+                "tensors": arrays,
+                "common": to_json(common),
+                "ranks": rank_states,
+            }
+            _finalize(tmp, final, iteration, metadata, common.get("config"))
+            if after is not None:
+                after()
+        _barrier()  # no rank goes on (or reads the tracker) before the checkpoint is in place
+        return final
+
+    return PendingSave(finish, iteration)
+
+
+def _raise_if_any(error: str | None, iteration: int) -> None:
+    """Every rank raises if any rank failed (a collective: all ranks call it at the same point)."""
+    errors = _all_gather(error)
+    for rank, message in enumerate(errors):
+        if message is not None:
+            raise MegaRunError(
+                f"the checkpoint at iteration {iteration} was not saved (rank {rank}: {message});"
+                " the previous checkpoint is kept"
+            )
+
+
+def _finalize(tmp: Path, final: Path, iteration: int, metadata: dict, config: Any) -> None:
+    root = final.parent
+    text = json.dumps(metadata)
+    atomic_write_text(tmp / METADATA, text)
+    marker = {
+        "iteration": iteration,
+        "backend": metadata["backend"],
+        "sharded": True,
+        "files": {METADATA: hashlib.sha256(text.encode()).hexdigest()},
+    }
+    if isinstance(config, dict):  # read by --use-checkpoint-args without torch
+        marker["config"] = config
+    atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1))  # the marker goes last
+    if final.exists():  # re-saving an iteration: move the old one aside before replacing it
+        old = root / f".{final.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_metadata(directory: Path, marker: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's metadata, checked against the marker's checksum."""
+    path = directory / METADATA
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise MegaUsageError(f"--load {directory}: cannot read {METADATA} ({exc})") from None
+    expected = marker.get("files", {}).get(METADATA)
+    if expected != hashlib.sha256(text.encode()).hexdigest():
+        raise MegaUsageError(f"--load {directory}: {METADATA} is corrupt (checksum)")
+    metadata = json.loads(text)
+    metadata["common"] = from_json(metadata["common"])
+    metadata["ranks"] = [from_json(r) for r in metadata["ranks"]]
+    return metadata
+
+
+def resolve_keys(
+    directory: Path, metadata: dict[str, Any], tensors: list[ShardedTensor]
+) -> list[ShardedTensor]:
+    """The tensors to read, each with the key it is stored under (its own or its fallback);
+    optional ones that are not stored are left out, a required missing one is an error."""
+    stored = metadata["tensors"]
+    chosen, missing = [], []
+    for t in tensors:
+        key = t.key if t.key in stored else t.fallback if t.fallback in stored else None
+        if key is None:
+            if not t.optional:
+                missing.append(t.key)
+            continue
+        shape = tuple(stored[key]["shape"])
+        if shape != tuple(t.global_shape):
+            raise MegaUsageError(
+                f"--load {directory}: does not match this model ({key} is {list(shape)} there,"
+                f" {list(t.global_shape)} here)"
+            )
+        if key != t.key:
+            t = ShardedTensor(key, t.global_shape, t.dtype, t.pieces, t.write, t.chunks)
+        chosen.append(t)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise MegaUsageError(
+            f"--load {directory}: does not match this model (no {missing[0]}{more} there)"
+        )
+    return chosen
+
+
+def load_sharded(
+    directory: Path, marker: dict[str, Any], tensors: list[ShardedTensor], backend: Any
+) -> dict[str, Any]:
+    """Fill ``tensors`` from the checkpoint in ``directory``; returns its metadata."""
+    metadata = read_metadata(directory, marker)
+    chosen = resolve_keys(directory, metadata, tensors)
+    try:
+        backend.read(directory, [t for t in chosen if t.pieces])
+    except OSError as exc:
+        raise MegaUsageError(f"--load {directory}: {exc}") from None
+    return metadata

@@ -1,0 +1,127 @@
+"""A rank's model and optimizer as global tensors (``ShardedTensor``) for sharded checkpoints.
+
+Keys are layout-free: ``model/<parameter>`` with the full model's parameter names (pipeline
+ranks keep them), and ``optimizer/<state>/<parameter>`` for ``exp_avg``, ``exp_avg_sq`` (SGD:
+``momentum``) and, in bf16/fp16 runs, the fp32 ``master``. Every tensor has its global shape:
+tensor-parallel shards are placed by their ``ShardSpec``, distributed-optimizer ranges by their
+flat position, and vocabulary-sized tensors lose the padding rows (whose number depends on TP).
+
+Who writes what is decided here, identically on every rank, so each value is written once:
+
+- a tensor-parallel replicated tensor (a norm weight, a row-parallel bias): TP rank 0;
+- the last pipeline stage's copy of a tied embedding: never (the first stage writes it);
+- a tensor that every data-parallel rank holds (the model, the optimizer without
+  ``--use-distributed-optimizer``): one DP rank per tensor, in turn, so the writing is spread;
+- a distributed-optimizer range: the rank that owns it.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Any
+
+import torch
+
+from mega.core.checkpoint.sharded import Piece, ShardedTensor
+from mega.parallel.boxes import flat_boxes, global_shape, place
+from mega.parallel.shard import ShardSpec
+from mega.parallel.topology import Topology
+
+
+def vocab_rows(model: torch.nn.Module, layers: str, vocab: int, padded: int) -> dict[str, int]:
+    """``{name: vocab}`` for the parameters whose rows are the padded vocabulary: those outside
+    the transformer layers (module path ``layers``) with ``padded`` global rows."""
+    if vocab == padded:
+        return {}
+    rows = {}
+    for name, param in model.named_parameters():
+        spec = getattr(param, "shard", None)
+        shape = spec.global_shape if spec is not None else tuple(param.shape)
+        inside = bool(layers) and name.startswith(layers + ".")
+        if shape and shape[0] == padded and not inside:
+            rows[name] = vocab
+    return rows
+
+
+def _chunks(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One chunk per shard piece along the split dimension (whole along the others)."""
+    if spec is None:
+        return shape
+    chunks = list(shape)
+    chunks[spec.split_dim] = spec.piece
+    return tuple(chunks)
+
+
+def _pieces(
+    flat: torch.Tensor, shape: tuple[int, ...], lo: int, hi: int, spec: Any, rows: Any
+) -> list[Piece]:
+    """The pieces of the flat range ``[lo, hi)`` of a local tensor of ``shape`` whose values
+    are ``flat`` (``flat[0]`` is element ``lo``)."""
+    pieces = []
+    for box in flat_boxes(shape, lo, hi):
+        start = box.flat - lo
+        data = flat[start : start + prod(box.shape)].view(box.shape)
+        pieces += [Piece(s, v) for s, v in place(data, box.start, spec, rows)]
+    return pieces
+
+
+def training_tensors(
+    model: torch.nn.Module,
+    optimizer: Any,
+    topology: Topology,
+    rows: dict[str, int],
+    *,
+    with_optimizer: bool = True,
+    for_load: bool = False,
+) -> list[ShardedTensor]:
+    """This rank's ``ShardedTensor``s of ``model`` and its ``optimizer`` (a
+    ``MixedPrecisionAdamW``). ``for_load``: the keys a load reads first (in an fp32 run the
+    parameters prefer a checkpoint's fp32 masters to its bf16 weights)."""
+    dp, dp_rank, tp_rank = topology.data_parallel_size, topology.dp_rank, topology.tp_rank
+    distributed = optimizer is not None and optimizer.buffer.distributed
+    states = optimizer.flat_states() if with_optimizer and optimizer is not None else {}
+    mixed = "master" in states
+    tensors = []
+    for index, (name, param) in enumerate(model.named_parameters()):
+        spec = getattr(param, "shard", None)
+        row_limit = rows.get(name)
+        shape = global_shape(spec, tuple(param.shape), row_limit)
+        chunks = _chunks(spec, shape)
+        # written by one rank: TP rank 0 for replicated tensors, never the tied copy
+        unique = (spec is not None or tp_rank == 0) and not getattr(param, "tied_copy", False)
+        replica_turn = index % dp == dp_rank
+        data = param.detach()
+        start = (0,) * data.dim()
+        key, fallback = f"model/{name}", None
+        if for_load and not mixed and param.dtype == torch.float32:
+            # an fp32 run reads a bf16 checkpoint's fp32 masters rather than its bf16 weights
+            key, fallback = f"optimizer/master/{name}", key
+        tensors.append(
+            ShardedTensor(
+                key=key,
+                global_shape=shape,
+                dtype=param.dtype,
+                pieces=[Piece(s, v) for s, v in place(data, start, spec, row_limit)],
+                write=unique and replica_turn,
+                chunks=chunks,
+                fallback=fallback,
+            )
+        )
+        for state, flat in states.items():
+            pieces = []
+            for lo, hi, offset in optimizer.state_ranges(param):
+                values = flat[offset : offset + hi - lo]
+                pieces += _pieces(values, tuple(param.shape), lo, hi, spec, row_limit)
+            tensors.append(
+                ShardedTensor(
+                    key=f"optimizer/{state}/{name}",
+                    global_shape=shape,
+                    dtype=torch.float32,
+                    pieces=pieces,
+                    write=unique and (distributed or replica_turn),
+                    chunks=chunks,
+                    # a checkpoint written in fp32 has no masters: the weights are the masters
+                    fallback=f"model/{name}" if state == "master" else None,
+                )
+            )
+    return tensors
