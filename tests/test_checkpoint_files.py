@@ -84,6 +84,18 @@ def test_plain_tensorstore_and_zarr_read_the_global_tensors_of_a_tp2_checkpoint(
         expected = value[: rows.get(name, value.shape[0])].numpy()
         np.testing.assert_array_equal(stored[f"model/{name}"], expected, err_msg=name)
 
+    listed = run_mega(["checkpoint", "inspect", "--json", str(ckpt)], tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    info = json.loads(listed.stdout)
+    assert info["iteration"] == 2 and info["layout"]["tensor_model_parallel_size"] == 2
+    for key, array in stored.items():
+        assert info["tensors"][key]["shape"] == list(array.shape)
+        assert info["tensors"][key]["bytes"] >= array.size * 4
+    assert {k.split("/")[1] for k in info["tensors"] if k.startswith("optimizer/")} == {
+        "exp_avg",
+        "exp_avg_sq",
+    }
+
 
 def test_bf16_weights_are_bfloat16_arrays_next_to_fp32_masters(tmp_path):
     ckpt = tmp_path / "ckpt"

@@ -269,10 +269,16 @@ def resolve_keys(
 
 
 def load_sharded(
-    directory: Path, marker: dict[str, Any], tensors: list[ShardedTensor], backend: Any
+    directory: Path,
+    marker: dict[str, Any],
+    tensors: list[ShardedTensor],
+    backend: Any,
+    metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Fill ``tensors`` from the checkpoint in ``directory``; returns its metadata."""
-    metadata = read_metadata(directory, marker)
+    """Fill ``tensors`` from the checkpoint in ``directory``; returns its metadata (read here
+    unless given)."""
+    if metadata is None:
+        metadata = read_metadata(directory, marker)
     chosen = resolve_keys(directory, metadata, tensors)
     try:
         backend.read(directory, [t for t in chosen if t.pieces])

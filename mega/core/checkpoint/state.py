@@ -14,7 +14,7 @@ from mega.core.checkpoint.resume_checks import (
     data_order,
     nothing_to_train,
 )
-from mega.core.checkpoint.sharded_store import load_sharded, start_sharded_save
+from mega.core.checkpoint.sharded_store import load_sharded, read_metadata, start_sharded_save
 from mega.core.checkpoint.store import (
     find_checkpoint,
     load_checkpoint,
@@ -225,6 +225,11 @@ def finish_pending_save(engine: Any) -> Path | None:
 def load_run(engine: Any, path: str) -> None:
     """``--load``: the newest complete checkpoint under ``path`` into the engine, or a fresh
     start when there is none yet (``--save D --load D`` on a first run)."""
+    partials = sorted(Path(path).glob(".iter_*.tmp")) if engine.topology.is_rank0 else []
+    for partial in partials:  # a save that never finished: said once, by rank 0
+        engine.display.warn(
+            f"ignoring {partial}: an unfinished checkpoint (the save was interrupted)"
+        )
     if find_checkpoint(path) is None:
         engine.display.print(f" no checkpoint in {path} yet: starting from scratch")
         return
@@ -232,12 +237,26 @@ def load_run(engine: Any, path: str) -> None:
     if marker.get("sharded"):
         ckpt = engine.config.checkpoint
         with_optimizer = ckpt.load_optim and not ckpt.finetune
+        metadata = read_metadata(directory, marker)
+        saved_kind = metadata["common"].get("optimizer_scalars", {}).get("optimizer", "adam")
+        if with_optimizer and saved_kind != engine.optimizer.kind:
+            raise MegaUsageError(
+                f"--load {directory}: the checkpoint's optimizer is {saved_kind}, this run's"
+                f" --optimizer {engine.optimizer.kind} (--no-load-optim or --finetune starts a"
+                " fresh one)"
+            )
         tensors = sharded_tensors(engine, for_load=True, with_optimizer=with_optimizer)
-        metadata = load_sharded(directory, marker, tensors, backend)
+        load_sharded(directory, marker, tensors, backend, metadata)
         state = dict(metadata["common"])
         state["rng"] = _rank_rng(engine, state, metadata["ranks"])
         restore_training_state(engine, directory, state, tensors_loaded=True)
     else:
+        if engine.topology.world_size > 1:
+            raise MegaUsageError(
+                f"--load {directory}: a --ckpt-format {marker.get('backend')} checkpoint holds"
+                " one process's state; load it in one process and save it with --ckpt-format"
+                " zarr to continue at another layout"
+            )
         directory, state = load_checkpoint(path, engine.plugins.checkpoint_backends)
         restore_training_state(engine, directory, state)
     engine.last_saved = engine.iteration
