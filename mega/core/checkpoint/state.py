@@ -17,6 +17,7 @@ from mega.core.checkpoint.resume_checks import (
 from mega.core.checkpoint.sharded_store import load_sharded, read_metadata, start_sharded_save
 from mega.core.checkpoint.store import (
     find_checkpoint,
+    iteration_dir,
     load_checkpoint,
     read_marker,
     save_checkpoint,
@@ -172,12 +173,6 @@ def _rank_rng(engine: Any, state: dict[str, Any], ranks: list[dict[str, Any]]) -
     return None
 
 
-def iteration_path(root: str, iteration: int) -> Path:
-    from mega.core.checkpoint.store import iteration_dir
-
-    return iteration_dir(root, iteration)
-
-
 def save_run(engine: Any) -> Path:
     """Write the engine's state as a complete checkpoint under ``--save`` through the
     ``--ckpt-format`` backend; the time it takes is not training time."""
@@ -199,7 +194,7 @@ def save_run(engine: Any) -> Path:
             engine.pending_save = pending
             engine.last_saved = engine.iteration
             engine.interval.excluded += time.perf_counter() - started
-            return iteration_path(cfg.save, engine.iteration)
+            return iteration_dir(cfg.save, engine.iteration)
         path = pending.finish()
     else:
         path = save_checkpoint(cfg.save, engine.iteration, training_state(engine), backend)
