@@ -411,3 +411,28 @@ def test_use_flash_attn_trains_on_the_cpu_without_attention_dropout(mega_cli, tm
     refused = mega_cli(["train", *base, "--use-flash-attn"])
     assert refused.exit_code == 2
     assert "needs --attention-dropout 0" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("ckpt_format", ["torch", "zarr"])
+def test_a_fresh_optimizer_takes_its_fp32_masters_from_the_loaded_weights(
+    tmp_path, mega_cli, plugins, ckpt_format
+):
+    """--finetune / --no-load-optim in a bf16 run: as Megatron's reload_model_params, the masters
+    are the loaded weights (not the initial ones, which the first step would otherwise update)."""
+    ckpt = tmp_path / "ckpt"
+    done = mega_cli(["train", *SMALL, "--bf16", "--train-iters", "3", "--save", str(ckpt),
+                     "--ckpt-format", ckpt_format, "--run-dir", str(tmp_path / "s")])  # fmt: skip
+    assert done.exit_code == 0, done.stderr
+    for flag in ("--finetune", "--no-load-optim"):
+        engine = _engine(plugins, "--bf16", "--train-iters", "3", "--load", str(ckpt), flag,
+                         "--run-dir", str(tmp_path / flag))  # fmt: skip
+        fresh = _engine(plugins, "--bf16", "--run-dir", str(tmp_path / f"{flag}-fresh"))
+        for (name, param), (_, initial) in zip(
+            engine.model.named_parameters(), fresh.model.named_parameters(), strict=True
+        ):
+            master = engine.optimizer.master_of(param).view_as(param)
+            assert torch.equal(master, param.float()), name
+            if param.dim() == 2:  # trained away from the init (bf16 keeps norm weights at 1)
+                assert not torch.equal(param, initial), name
+        engine.log.close()
+        fresh.log.close()

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from mega.core.errors import MegaRunError, MegaUsageError, unknown_name_message
+from mega.core.errors import MegaRunError, MegaUsageError, first_line, unknown_name_message
 
 
 class MegaGroup(click.Group):
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None, plugins=None) -> None:
         # Another rank failed or died, so this rank's collective broke: a consequence, not the
         # cause. Let the launcher name the rank that failed first, then say what happened here.
         wait_for_launcher()
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        first = first_line(exc)
         click.echo(
             f"{_rank_prefix()}error: communication with the other ranks failed (another rank"
             f" has probably failed; its message says why): {first}",

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mega.core.config.sections import RunConfig
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.errors import MegaRunError, MegaUsageError, first_line
 from mega.parallel.distributed import process_place, url_host
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -187,7 +187,7 @@ def _failure_error(exc: Any) -> MegaRunError | MegaUsageError:
 
 def _rendezvous_message(exc: BaseException, config: RunConfig) -> str:
     launch = config.launch
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    first = first_line(exc)
     where = f"{launch.master_addr}:{launch.master_port}"
     if "EADDRINUSE" in first or "address already in use" in first.lower():
         return (

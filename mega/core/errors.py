@@ -18,6 +18,12 @@ class MegaRunError(Exception):
     """A run that cannot go on (e.g. NaN gradients): one ``error:`` line, exit code 1."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name if it has none): how a
+    library's multi-line error becomes part of one ``error:`` line."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance with adjacent transpositions (``gtp`` -> ``gpt`` is 1)."""
     previous2: list[int] = []

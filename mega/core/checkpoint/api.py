@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mega.core.checkpoint.sharded import ShardedTensor
-from mega.core.checkpoint.sharded_store import load_sharded, start_save_into
+from mega.core.checkpoint.sharded_store import load_sharded, start_sharded_save
 from mega.core.checkpoint.store import MARKER
 from mega.core.errors import MegaUsageError
 
@@ -60,7 +60,7 @@ def save(
 ) -> Path:
     """Write ``state`` as the checkpoint ``directory`` (a collective: every rank calls it)."""
     chosen = _backend(backend)
-    pending = start_save_into(
+    pending = start_sharded_save(
         Path(directory), 0, list(state.values()), dict(extra or {}), {}, chosen
     )
     return pending.finish()

@@ -49,3 +49,8 @@ class ShardedTensor:
     chunks: tuple[int, ...] | None = None
     fallback: str | None = None
     optional: bool = False
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype as zarr and the metadata name it: ``float32``, ``bfloat16``, ..."""
+    return str(dtype).removeprefix("torch.")

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mega.core.checkpoint.json_state import from_json, to_json
-from mega.core.checkpoint.sharded import ShardedTensor
-from mega.core.checkpoint.store import MARKER, TRACKER, atomic_write_text, iteration_dir
+from mega.core.checkpoint.sharded import ShardedTensor, dtype_name
+from mega.core.checkpoint.store import MARKER, atomic_write_text, put_in_place
 from mega.core.errors import MegaRunError, MegaUsageError
 
 METADATA = "metadata.json"
@@ -63,17 +62,13 @@ def _rank() -> int:
     return dist.get_rank() if dist is not None else 0
 
 
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _arrays(tensors: list[ShardedTensor]) -> tuple[dict[str, dict[str, Any]], set[str]]:
     """The global arrays every rank writes (``{key: {shape, dtype, chunks}}``) and the keys this
     rank creates: those whose lowest writing rank it is."""
     mine = {
         t.key: {
             "shape": list(t.global_shape),
-            "dtype": _dtype_name(t.dtype),
+            "dtype": dtype_name(t.dtype),
             "chunks": list(t.chunks) if t.chunks else None,
         }
         for t in tensors
@@ -106,29 +101,6 @@ class PendingSave:
 
 
 def start_sharded_save(
-    root: str | Path,
-    iteration: int,
-    tensors: list[ShardedTensor],
-    common: dict[str, Any],
-    rank_state: dict[str, Any],
-    backend: Any,
-    *,
-    copy: bool = False,
-) -> PendingSave:
-    """Steps 1-3 of the module docstring for ``<root>/iter_<iteration>``; the returned save's
-    ``finish()`` is step 4, which also updates the tracker."""
-    root = Path(root)
-
-    def tracker() -> None:
-        atomic_write_text(root / TRACKER, f"{iteration}\n")
-
-    return start_save_into(
-        iteration_dir(root, iteration), iteration, tensors, common, rank_state, backend,
-        copy=copy, after=tracker,
-    )  # fmt: skip
-
-
-def start_save_into(
     final: Path,
     iteration: int,
     tensors: list[ShardedTensor],
@@ -139,8 +111,9 @@ def start_save_into(
     copy: bool = False,
     after: Callable[[], None] | None = None,
 ) -> PendingSave:
-    """Save into the directory ``final`` (written as a hidden sibling, renamed at the end);
-    ``after`` runs on rank 0 once it is in place."""
+    """Steps 1-3 of the module docstring for the checkpoint directory ``final`` (written as a
+    hidden sibling); the returned save's ``finish()`` is step 4. ``after`` runs on rank 0 once
+    the directory is in place (the engine updates the tracker there)."""
     root = final.parent
     tmp = root / f".{final.name}.tmp"
     failure = None
@@ -197,7 +170,6 @@ def _raise_if_any(error: str | None, iteration: int) -> None:
 
 
 def _finalize(tmp: Path, final: Path, iteration: int, metadata: dict, config: Any) -> None:
-    root = final.parent
     text = json.dumps(metadata)
     atomic_write_text(tmp / METADATA, text)
     marker = {
@@ -209,17 +181,7 @@ def _finalize(tmp: Path, final: Path, iteration: int, metadata: dict, config: An
     if isinstance(config, dict):  # read by --use-checkpoint-args without torch
         marker["config"] = config
     atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1))  # the marker goes last
-    if final.exists():  # re-saving an iteration: move the old one aside before replacing it
-        old = root / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-    tmp.rename(final)
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    put_in_place(tmp, final)
 
 
 def read_metadata(directory: Path, marker: dict[str, Any]) -> dict[str, Any]:

@@ -21,10 +21,11 @@ from mega.core.checkpoint.store import (
     load_checkpoint,
     read_marker,
     save_checkpoint,
+    write_tracker,
 )
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
-from mega.core.errors import MegaUsageError
+from mega.core.errors import MegaUsageError, first_line
 from mega.core.training.lr_schedule import LRSchedule
 from mega.core.training.rng import capture_rng_state, restore_rng_state
 
@@ -130,8 +131,11 @@ def restore_training_state(
         elif load_optim:
             engine.optimizer.load_scalar_state(state["optimizer_scalars"])
     except (RuntimeError, KeyError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise MegaUsageError(f"--load {directory}: does not match this model ({first})") from None
+        raise MegaUsageError(
+            f"--load {directory}: does not match this model ({first_line(exc)})"
+        ) from None
+    if not load_optim:  # a fresh optimizer: its fp32 masters from the loaded weights
+        engine.optimizer.masters_from_params()
     if ckpt.finetune:
         return  # a new run from these weights: the counters stay at 0
     s = engine.config.scheduler
@@ -181,14 +185,16 @@ def save_run(engine: Any) -> Path:
     started = time.perf_counter()
     finish_pending_save(engine)
     if backend.sharded:
+        iteration = engine.iteration
         pending = start_sharded_save(
-            cfg.save,
-            engine.iteration,
+            iteration_dir(cfg.save, iteration),
+            iteration,
             sharded_tensors(engine),
             common_state(engine),
             {"rng": capture_rng_state()},
             backend,
             copy=cfg.async_save,
+            after=lambda: write_tracker(cfg.save, iteration),
         )
         if cfg.async_save:  # finished at the next save or the end of training
             engine.pending_save = pending
@@ -233,13 +239,10 @@ def load_run(engine: Any, path: str) -> None:
         ckpt = engine.config.checkpoint
         with_optimizer = ckpt.load_optim and not ckpt.finetune
         metadata = read_metadata(directory, marker)
-        saved_kind = metadata["common"].get("optimizer_scalars", {}).get("optimizer", "adam")
-        if with_optimizer and saved_kind != engine.optimizer.kind:
-            raise MegaUsageError(
-                f"--load {directory}: the checkpoint's optimizer is {saved_kind}, this run's"
-                f" --optimizer {engine.optimizer.kind} (--no-load-optim or --finetune starts a"
-                " fresh one)"
-            )
+        saved_kind = metadata["common"].get("optimizer_scalars", {}).get("optimizer")
+        problem = engine.optimizer.kind_mismatch(saved_kind) if with_optimizer else None
+        if problem:  # named before any tensor is read (their keys differ by kind)
+            raise MegaUsageError(f"--load {directory}: {problem}")
         tensors = sharded_tensors(engine, for_load=True, with_optimizer=with_optimizer)
         load_sharded(directory, marker, tensors, backend, metadata)
         state = dict(metadata["common"])

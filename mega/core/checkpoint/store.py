@@ -59,6 +59,23 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def put_in_place(tmp: Path, final: Path) -> None:
+    """Rename the finished directory ``tmp`` to ``final`` (replacing an older one of that name)
+    and make the rename durable."""
+    if final.exists():  # re-saving an iteration: move the old one aside before replacing it
+        old = final.parent / f".{final.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    """Point ``latest_checkpointed_iteration.txt`` at ``iteration`` (after it is in place)."""
+    atomic_write_text(Path(root) / TRACKER, f"{iteration}\n")
+
+
 def save_checkpoint(root: str | Path, iteration: int, state: dict[str, Any], backend: Any) -> Path:
     """Write one complete checkpoint through ``backend`` (a CheckpointBackendSpec)."""
     root = Path(root)
@@ -76,14 +93,8 @@ def save_checkpoint(root: str | Path, iteration: int, state: dict[str, Any], bac
     if isinstance(state.get("config"), dict):  # read by --use-checkpoint-args without torch
         marker["config"] = state["config"]
     atomic_write_text(tmp / MARKER, json.dumps(marker, indent=1))  # the marker goes last
-    if final.exists():  # re-saving an iteration: move the old one aside before replacing it
-        old = root / f".{final.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
-    tmp.rename(final)
-    _fsync_dir(root)
-    atomic_write_text(root / TRACKER, f"{iteration}\n")
+    put_in_place(tmp, final)
+    write_tracker(root, iteration)
     return final
 
 

@@ -268,20 +268,42 @@ class MixedPrecisionAdamW:
             state["scaler"] = self.scaler.state_dict()
         return state
 
+    def kind_mismatch(self, saved_kind: str | None) -> str | None:
+        """Why a checkpoint's optimizer state (of kind ``saved_kind``) cannot load here."""
+        saved_kind = saved_kind or "adam"
+        if saved_kind == self.kind:
+            return None
+        return (
+            f"the checkpoint's optimizer is {saved_kind}, this run's --optimizer {self.kind}"
+            " (--no-load-optim or --finetune starts a fresh one)"
+        )
+
     def load_scalar_state(self, state: dict[str, Any]) -> None:
         """Put back :meth:`scalar_state` after the flat states were filled in place; the
         bf16/fp16 parameters are then set from their masters."""
-        if state.get("optimizer", "adam") != self.kind:
-            raise ValueError(
-                f"the checkpoint's optimizer is {state.get('optimizer')}, this run's --optimizer"
-                f" {self.kind} (--no-load-optim or --finetune starts a fresh one)"
-            )
+        problem = self.kind_mismatch(state.get("optimizer"))
+        if problem:
+            raise ValueError(problem)
         with torch.no_grad():
             self._step.fill_(float(state["step"]))
-            if self.mixed:
-                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+        self._params_from_masters()
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+    def _params_from_masters(self) -> None:
+        """bf16/fp16 runs: the parameters this rank updates from their (loaded) fp32 masters."""
+        if self.mixed:
+            with torch.no_grad():
+                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+
+    def masters_from_params(self) -> None:
+        """bf16/fp16 runs: the fp32 masters from the parameters, after the model was loaded
+        without its optimizer state (Megatron's ``reload_model_params`` for --no-load-optim and
+        --finetune): otherwise the first step would update the initial weights' masters."""
+        if self.mixed:
+            with torch.no_grad():
+                for segment, master in zip(self.segments, self.masters, strict=True):
+                    master.copy_(self.buffer.param_data[segment.lo : segment.hi])
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
@@ -307,12 +329,9 @@ class MixedPrecisionAdamW:
             raise ValueError(
                 f"optimizer state format {state.get('format')!r} is not mega-flat-adamw/1"
             )
-        saved_kind = state.get("optimizer", "adam")
-        if saved_kind != self.kind:
-            raise ValueError(
-                f"the checkpoint's optimizer is {saved_kind}, this run's --optimizer {self.kind}"
-                " (--no-load-optim or --finetune starts a fresh one)"
-            )
+        problem = self.kind_mismatch(state.get("optimizer"))
+        if problem:
+            raise ValueError(problem)
         names = ["exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
         for name in names:
             if state[name].shape != getattr(self, name).shape:
@@ -324,7 +343,6 @@ class MixedPrecisionAdamW:
             self._step.copy_(state["step"])
             for name in names:
                 getattr(self, name).copy_(state[name])
-            if self.mixed:  # the bf16 parameters from the loaded masters
-                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+        self._params_from_masters()
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])

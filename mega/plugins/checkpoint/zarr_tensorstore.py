@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from mega import CheckpointBackendSpec, hookimpl
+from mega.core.checkpoint.sharded import dtype_name
+from mega.core.errors import first_line
 from mega.parallel.fork_safety import note_fork_unsafe
 
 CHUNK_BYTES = 64 << 20  # a chunk file is at most this large (fewer, larger files write faster)
@@ -31,10 +33,6 @@ def _ts():
 
     note_fork_unsafe("tensorstore")
     return tensorstore
-
-
-def _dtype_name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _numpy(tensor: Any, copy: bool = False) -> Any:
@@ -120,7 +118,7 @@ def create(directory: Path, tensors: list[Any]) -> None:
         itemsize = torch.empty((), dtype=t.dtype).element_size()
         metadata = {
             "shape": list(t.global_shape),
-            "data_type": _dtype_name(t.dtype),
+            "data_type": dtype_name(t.dtype),
             "chunk_grid": {
                 "name": "regular",
                 "configuration": {"chunk_shape": _chunk_shape(t.global_shape, t.chunks, itemsize)},
@@ -158,7 +156,7 @@ def write(directory: Path, tensors: list[Any], copy: bool = False) -> Any:
             try:
                 future.result()
             except Exception as exc:  # tensorstore's errors are ValueError/OSError-like
-                raise OSError(f"{key}: {_first_line(exc)}") from None
+                raise OSError(f"{key}: {first_line(exc)}") from None
 
     return wait
 
@@ -177,7 +175,7 @@ def read(directory: Path, tensors: list[Any]) -> None:
             try:
                 values = future.result()
             except Exception as exc:
-                raise OSError(f"{key}: {_first_line(exc)}") from None
+                raise OSError(f"{key}: {first_line(exc)}") from None
             piece.data.copy_(_torch(values))
         window.clear()
 
@@ -185,7 +183,7 @@ def read(directory: Path, tensors: list[Any]) -> None:
         try:
             array = future.result()
         except Exception as exc:
-            raise OSError(f"{t.key}: {_first_line(exc)}") from None
+            raise OSError(f"{t.key}: {first_line(exc)}") from None
         if tuple(array.shape) != tuple(t.global_shape):
             raise OSError(
                 f"{t.key}: stored shape {tuple(array.shape)}, this model's {tuple(t.global_shape)}"
@@ -199,10 +197,6 @@ def read(directory: Path, tensors: list[Any]) -> None:
                 drain()
                 in_flight = 0
     drain()
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 @hookimpl
