@@ -10,8 +10,10 @@ training step so that the optimizer state is real, then, in this order:
 
 * ``mega save``: the engine's sharded save (``save_run``: the same call ``--save`` makes), then
   ``mega load`` of it (``load_run``, the call ``--load`` makes);
-* ``mega async stall``: how long the step that starts an ``--async-save`` waits (the copy), and
-  the time until that save is complete;
+* ``mega async stall``: how long the step that starts an ``--async-save`` waits, for the first
+  save and a second one, and the time until each is complete; the one-off pinning of the host
+  buffer (``Engine.setup`` does it before the first step); how much of the stall creating the
+  empty arrays is;
 * ``dcp save``: ``torch.distributed.checkpoint.save`` of the same tensors (the model's
   parameters and the optimizer's flat fp32 state, this rank's), with DCP's file writer;
 * ``dcp load`` of what it wrote. Loads read a page cache warm from the save, for both: the
@@ -19,7 +21,8 @@ training step so that the optimizer state is real, then, in this order:
 * ``dd``: ``dd if=/dev/zero bs=16M count=... conv=fsync`` into the same directory.
 
 GB/s is the checkpoint's bytes on disk over the wall time, all ranks together (rank 0 reports).
-Peak host memory (RSS high-water mark) of rank 0 is recorded before and after the saves.
+Rank 0's resident host memory is recorded before the saves and at its peak during them
+(sampled every 20 ms; the pinned ``--async-save`` buffer counts).
 Writes ``benchmarks/results/checkpoint_io_<date>[_<label>].json`` with the command, device,
 versions and numbers.
 """
@@ -32,11 +35,11 @@ import importlib.metadata
 import json
 import os
 import platform
-import resource
 import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,7 +74,28 @@ def _timed(fn) -> float:
 
 
 def _rss_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB -> GB
+    """This process's resident host memory now, in GB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+class _PeakRss:
+    """The largest resident host memory seen while it runs (sampled every 20 ms)."""
+
+    def __init__(self) -> None:
+        self.peak = _rss_gb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.peak = max(self.peak, _rss_gb())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _rss_gb())
 
 
 def _dd(directory: Path, gigabytes: int) -> float:
@@ -98,7 +122,13 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from mega.core.checkpoint.state import finish_pending_save, load_run, save_run
+    from mega.core.checkpoint.state import (
+        finish_pending_save,
+        load_run,
+        prepare_async_save,
+        save_run,
+        sharded_tensors,
+    )
     from mega.core.config.resolve import resolve_config
     from mega.core.console.display import Display
     from mega.core.plugins.manager import make_plugins
@@ -120,6 +150,7 @@ def main() -> None:
         root.mkdir(parents=True, exist_ok=True)
     _sync()
     rss_before = _rss_gb()
+    peak_rss = _PeakRss()
     state_bytes = (
         sum(p.numel() * p.element_size() for p in engine.model.parameters())
         + engine.optimizer.state_bytes()
@@ -139,16 +170,30 @@ def main() -> None:
     clear(mega_dir)
 
     engine.config.checkpoint.async_save = True
-    _sync()
-    start = time.perf_counter()
-    save_run(engine)  # what the training step waits for
-    results["mega_async_stall_s"] = time.perf_counter() - start
-    results["mega_async_total_s"] = results["mega_async_stall_s"] + _timed(
-        lambda: finish_pending_save(engine)
+    # what Engine.setup does under --async-save: pin the host buffer before the first step
+    results["mega_async_pin_s"] = _timed(lambda: prepare_async_save(engine))
+    for attempt in ("first", "second"):  # the second reuses the buffer, as every later save
+        _sync()
+        start = time.perf_counter()
+        save_run(engine)  # what the training step waits for
+        results[f"mega_async_stall_s_{attempt}"] = time.perf_counter() - start
+        results[f"mega_async_total_s_{attempt}"] = results[
+            f"mega_async_stall_s_{attempt}"
+        ] + _timed(lambda: finish_pending_save(engine))
+        clear(mega_dir)
+    results["mega_async_pinned"] = engine.host_copy.pinned
+    results["mega_async_stall_s"] = max(
+        results["mega_async_stall_s_first"], results["mega_async_stall_s_second"]
     )
+    # the part of the stall that creating the empty arrays takes (metadata files)
+    backend = engine.plugins.checkpoint_backends.get("zarr")
+    arrays = [t for t in sharded_tensors(engine) if t.write and t.pieces]
+    results["mega_create_arrays_s"] = _timed(lambda: backend.create(root / "create", arrays))
+    results["arrays_written_rank0"] = len(arrays)
+    print(json.dumps(results), flush=True)  # so far, should a later part fail
+    clear(root / "create")
     engine.config.checkpoint.async_save = False
-    rss_after_saves = _rss_gb()
-    clear(mega_dir)
+    rss_peak_saves = peak_rss.stop()
 
     from torch.distributed import checkpoint as dcp
 
@@ -174,7 +219,8 @@ def main() -> None:
                 "dcp_save_gb_s": dcp_bytes / 1e9 / results["dcp_save_s"],
                 "dcp_load_gb_s": dcp_bytes / 1e9 / results["dcp_load_s"],
                 "rss_gb_before_saves": rss_before,
-                "rss_gb_peak_after_saves": rss_after_saves,
+                "rss_gb_peak_during_saves": rss_peak_saves,
+                "rss_gb_growth_during_saves": rss_peak_saves - rss_before,
             }
         )
         results["save_vs_dcp"] = results["mega_save_gb_s"] / results["dcp_save_gb_s"]

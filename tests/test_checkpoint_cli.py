@@ -60,8 +60,8 @@ import os, sys, time
 from mega import CheckpointBackendSpec, hookimpl
 from mega.plugins.checkpoint import zarr_tensorstore as z
 
-def write(directory, tensors, copy=False):
-    wait = z.write(directory, tensors, copy)
+def write(directory, tensors):
+    wait = z.write(directory, tensors)
     name = directory.name
     if name == f".iter_{int(os.environ.get('HOLD_AT', -1)):07d}.tmp":
         print("SAVE-STARTED", flush=True)

@@ -11,8 +11,10 @@ Save, on every rank at the same point (it is a collective):
    ``complete.json`` (the metadata's sha256) last, renames the directory into place and updates
    the tracker. A failure anywhere leaves the previous checkpoint as it was.
 
-With ``--async-save`` the writes of step 3 go on while training continues (from copies), and
-step 4 runs at the next save or at the end of training.
+With ``--async-save`` step 3 takes host copies of the pieces (``HostCopy``: on CUDA still in
+flight when the step returns) and a background thread writes them while training continues;
+step 4 runs at the next save or at the end of training. The collectives all stay on the main
+thread, so the background thread never races training's own communication.
 
 Load: every rank reads the metadata (checked against the marker) and fills its own tensors'
 pieces from the arrays, whatever layout wrote them.
@@ -23,14 +25,16 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mega.core.checkpoint.host_copy import HostCopy
 from mega.core.checkpoint.json_state import from_json, to_json
 from mega.core.checkpoint.sharded import ShardedTensor, dtype_name
 from mega.core.checkpoint.store import MARKER, atomic_write_text, put_in_place
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.errors import MegaRunError, MegaUsageError, first_line
 
 METADATA = "metadata.json"
 FORMAT = "mega-sharded/1"
@@ -92,12 +96,46 @@ def _arrays(tensors: list[ShardedTensor]) -> tuple[dict[str, dict[str, Any]], se
 class PendingSave:
     """A sharded save whose writes were started; :meth:`finish` (a collective) completes it."""
 
-    def __init__(self, finish: Callable[[], Path], iteration: int) -> None:
+    def __init__(
+        self, finish: Callable[[], Path], iteration: int, host_copy: HostCopy | None = None
+    ) -> None:
         self._finish = finish
+        self._host_copy = host_copy
         self.iteration = iteration
+
+    def before_update(self) -> None:
+        """Call before changing the saved tensors (the optimizer step): waits for the host
+        copies of an async save, on the GPU, without blocking the CPU."""
+        if self._host_copy is not None:
+            self._host_copy.before_update()
 
     def finish(self) -> Path:
         return self._finish()
+
+
+class _BackgroundWrite:
+    """The writes of an async save, in a thread: wait for the host copies, write, wait."""
+
+    def __init__(self, write: Callable[[], Callable[[], None]], host_copy: HostCopy) -> None:
+        self.error: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(write, host_copy), name="mega-async-save", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, write: Callable[[], Callable[[], None]], host_copy: HostCopy) -> None:
+        try:
+            host_copy.wait()
+            write()()
+        except OSError as exc:
+            self.error = str(exc)
+        except Exception as exc:  # a bug must fail the run, not vanish with the thread
+            self.error = f"{type(exc).__name__}: {first_line(exc)}"
+
+    def wait(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise OSError(self.error)
 
 
 def start_sharded_save(
@@ -108,12 +146,13 @@ def start_sharded_save(
     rank_state: dict[str, Any],
     backend: Any,
     *,
-    copy: bool = False,
+    host_copy: HostCopy | None = None,
     after: Callable[[], None] | None = None,
 ) -> PendingSave:
     """Steps 1-3 of the module docstring for the checkpoint directory ``final`` (written as a
-    hidden sibling); the returned save's ``finish()`` is step 4. ``after`` runs on rank 0 once
-    the directory is in place (the engine updates the tracker there)."""
+    hidden sibling); the returned save's ``finish()`` is step 4. ``host_copy`` (async save):
+    write from copies taken into it, in the background. ``after`` runs on rank 0 once the
+    directory is in place (the engine updates the tracker there)."""
     root = final.parent
     tmp = root / f".{final.name}.tmp"
     failure = None
@@ -130,7 +169,12 @@ def start_sharded_save(
     except OSError as exc:
         failure = str(exc)
     _raise_if_any(failure, iteration)
-    wait = backend.write(tmp, [t for t in tensors if t.write and t.pieces], copy)
+    written = [t for t in tensors if t.write and t.pieces]
+    if host_copy is None:
+        wait = backend.write(tmp, written)
+    else:
+        copies = host_copy.take(written)
+        wait = _BackgroundWrite(lambda: backend.write(tmp, copies), host_copy).wait
     rank_states = _all_gather(to_json(rank_state))
 
     def finish() -> Path:
@@ -155,7 +199,7 @@ def start_sharded_save(
         _barrier()  # no rank goes on (or reads the tracker) before the checkpoint is in place
         return final
 
-    return PendingSave(finish, iteration)
+    return PendingSave(finish, iteration, host_copy)
 
 
 def _raise_if_any(error: str | None, iteration: int) -> None:

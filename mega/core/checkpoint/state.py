@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mega.core.checkpoint.host_copy import HostCopy, bytes_needed
 from mega.core.checkpoint.resume_checks import (
     check_schedule,
     data_changes,
@@ -193,7 +194,7 @@ def save_run(engine: Any) -> Path:
             common_state(engine),
             {"rng": capture_rng_state()},
             backend,
-            copy=cfg.async_save,
+            host_copy=_host_copy(engine) if cfg.async_save else None,
             after=lambda: write_tracker(cfg.save, iteration),
         )
         if cfg.async_save:  # finished at the next save or the end of training
@@ -209,6 +210,23 @@ def save_run(engine: Any) -> Path:
     engine.display.print(f" saved checkpoint at iteration {engine.iteration:8d} to {path}")
     engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=engine.iteration)
     return path
+
+
+def _host_copy(engine: Any) -> HostCopy:
+    if getattr(engine, "host_copy", None) is None:
+        engine.host_copy = HostCopy()
+    return engine.host_copy
+
+
+def prepare_async_save(engine: Any) -> None:
+    """``--async-save`` on a GPU: allocate and pin the host buffer before the first step (for GBs
+    of state that takes seconds), so that the step starting the first save does not wait for it."""
+    cfg = engine.config.checkpoint
+    backend = engine.plugins.checkpoint_backends.get(cfg.ckpt_format)
+    if not (cfg.save and cfg.async_save and backend.sharded and engine.device.type == "cuda"):
+        return
+    written = [t for t in sharded_tensors(engine) if t.write]
+    _host_copy(engine).reserve(bytes_needed(written), engine.device)
 
 
 def finish_pending_save(engine: Any) -> Path | None:

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 from mega import hookimpl
-from mega.core.checkpoint.state import finish_pending_save, load_run, save_run
+from mega.core.checkpoint.state import (
+    finish_pending_save,
+    load_run,
+    prepare_async_save,
+    save_run,
+)
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
@@ -64,6 +69,7 @@ class Engine:
         )
         self._previous_gbs: int | None = None  # the last step's global batch (a ramp changes it)
         self.pending_save: Any = None  # an --async-save checkpoint still being written
+        self.host_copy: Any = None  # --async-save's host buffer, kept between saves
         self.interval = IntervalStats()  # what the next iteration line will summarise
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
@@ -86,6 +92,7 @@ class Engine:
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
             load_run(self, cfg.checkpoint.load)
+        prepare_async_save(self)
         self.log.open(self.plugins, self.iteration)
         gbs = cfg.global_batch_size
         self.display.panel(
@@ -116,6 +123,8 @@ class Engine:
         self.buffer.start_step(len(microbatches))
         losses = self.executor.forward_backward(microbatches, grad_scale=self.optimizer.loss_scale)
         self.buffer.finish_grad_sync()
+        if self.pending_save is not None:  # its copies must read the values before the update
+            self.pending_save.before_update()
         outcome = self.optimizer.step(lr, iteration)
         return StepResult(
             loss=self._batch_loss(losses),

@@ -35,17 +35,11 @@ def _ts():
     return tensorstore
 
 
-def _numpy(tensor: Any, copy: bool = False) -> Any:
-    """A host numpy array of ``tensor``'s values (bf16 as ml_dtypes' bfloat16); ``copy``: never
-    a view of ``tensor``'s memory."""
+def _numpy(tensor: Any) -> Any:
+    """A host numpy array of ``tensor``'s values (bf16 as ml_dtypes' bfloat16)."""
     import torch
 
-    t = tensor.detach()
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    elif copy:
-        t = t.clone()
-    t = t.contiguous()
+    t = tensor.detach().to("cpu").contiguous()
     if t.dtype == torch.bfloat16:
         import ml_dtypes
 
@@ -134,10 +128,10 @@ def create(directory: Path, tensors: list[Any]) -> None:
         future.result()
 
 
-def write(directory: Path, tensors: list[Any], copy: bool = False) -> Any:
+def write(directory: Path, tensors: list[Any]) -> Any:
     """Start writing every piece of ``tensors`` into their arrays; returns a function that waits
-    for the writes and raises the first failure. ``copy``: take host copies of the values first,
-    so the caller may change its tensors while the writes go on (async save)."""
+    for the writes and raises the first failure. The pieces' values do not change until then,
+    so tensorstore writes from them without copying them first."""
     ts = _ts()
     pending = []
     opened = [
@@ -147,9 +141,10 @@ def write(directory: Path, tensors: list[Any], copy: bool = False) -> Any:
     for t, future in opened:
         array = future.result()
         for piece in t.pieces:
-            values = _numpy(piece.data, copy)
+            values = _numpy(piece.data)
             box = tuple(slice(s, s + n) for s, n in zip(piece.start, values.shape, strict=True))
-            pending.append((t.key, array[box].write(values), values))
+            future = array[box].write(values, can_reference_source_data_indefinitely=True)
+            pending.append((t.key, future, values))
 
     def wait() -> None:
         for key, future, _ in pending:
