@@ -14,6 +14,7 @@ from mega.core.errors import MegaRunError, MegaUsageError
 from mega.core.plugins.specs import (
     BuildContext,
     CheckpointBackendSpec,
+    CheckpointConverterSpec,
     DataRequest,
     DatasetSpec,
     DatasetSplits,
@@ -30,6 +31,7 @@ hookimpl = pluggy.HookimplMarker("mega")
 __all__ = [
     "BuildContext",
     "CheckpointBackendSpec",
+    "CheckpointConverterSpec",
     "DataRequest",
     "DatasetSpec",
     "DatasetSplits",

@@ -151,6 +151,8 @@ def launch_workers(config: RunConfig, argv: list[str]) -> None:
         try:
             elastic_launch(elastic_config, _worker)(list(argv))
         except ChildFailedError as exc:
+            if exc.get_first_failure()[1].exitcode == 130:  # a rank ended on Ctrl-C before
+                raise KeyboardInterrupt from None  # the launcher handled the SIGINT itself
             raise _failure_error(exc) from None
         except SignalException as exc:  # elastic has already stopped the workers
             if exc.sigval == signal.SIGINT:
@@ -227,8 +229,12 @@ def _worker(argv: list[str]) -> None:
 def _interrupt_once(signum: int, frame: Any) -> None:
     """Ctrl-C in a worker: one KeyboardInterrupt. A terminal's Ctrl-C reaches the worker, and
     then elastic forwards the parent's SIGINT to it too; a second KeyboardInterrupt would land in
-    the middle of the first one's message or cleanup."""
+    the middle of the first one's message or cleanup. SIGTERM is ignored from then on too: when
+    another rank ends first, elastic stops the rest with SIGTERM, which would cut rank 0 off
+    before its one-line message (seen once in a CI run on a loaded machine); elastic still
+    SIGKILLs a worker whose cleanup hangs."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

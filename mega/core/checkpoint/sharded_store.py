@@ -66,18 +66,19 @@ def _rank() -> int:
     return dist.get_rank() if dist is not None else 0
 
 
+def _array_meta(t: ShardedTensor) -> dict[str, Any]:
+    """What metadata.json records of a stored array."""
+    return {
+        "shape": list(t.global_shape),
+        "dtype": dtype_name(t.dtype),
+        "chunks": list(t.chunks) if t.chunks else None,
+    }
+
+
 def _arrays(tensors: list[ShardedTensor]) -> tuple[dict[str, dict[str, Any]], set[str]]:
     """The global arrays every rank writes (``{key: {shape, dtype, chunks}}``) and the keys this
     rank creates: those whose lowest writing rank it is."""
-    mine = {
-        t.key: {
-            "shape": list(t.global_shape),
-            "dtype": dtype_name(t.dtype),
-            "chunks": list(t.chunks) if t.chunks else None,
-        }
-        for t in tensors
-        if t.write and t.pieces
-    }
+    mine = {t.key: _array_meta(t) for t in tensors if t.write and t.pieces}
     union: dict[str, dict[str, Any]] = {}
     creators: dict[str, int] = {}
     for rank, theirs in enumerate(_all_gather(mine)):
@@ -185,15 +186,7 @@ def start_sharded_save(
             error = str(exc)
         _raise_if_any(error, iteration)
         if _rank() == 0:
-            metadata = {
-                "format": FORMAT,
-                "iteration": iteration,
-                "backend": backend.name,
-                "tensors": arrays,
-                "common": to_json(common),
-                "ranks": rank_states,
-            }
-            _finalize(tmp, final, iteration, metadata, common.get("config"))
+            _finalize(tmp, final, iteration, backend, arrays, common, rank_states)
             if after is not None:
                 after()
         _barrier()  # no rank goes on (or reads the tracker) before the checkpoint is in place
@@ -213,7 +206,25 @@ def _raise_if_any(error: str | None, iteration: int) -> None:
             )
 
 
-def _finalize(tmp: Path, final: Path, iteration: int, metadata: dict, config: Any) -> None:
+def _finalize(
+    tmp: Path,
+    final: Path,
+    iteration: int,
+    backend: Any,
+    arrays: dict[str, Any],
+    common: dict[str, Any],
+    ranks: list[Any],
+) -> None:
+    """Write metadata.json, then the marker, and rename the directory into place."""
+    metadata = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "backend": backend.name,
+        "tensors": arrays,
+        "common": to_json(common),
+        "ranks": ranks,
+    }
+    config = common.get("config")
     text = json.dumps(metadata)
     atomic_write_text(tmp / METADATA, text)
     marker = {
@@ -291,3 +302,38 @@ def load_sharded(
     except OSError as exc:
         raise MegaUsageError(f"--load {directory}: {exc}") from None
     return metadata
+
+
+def save_streamed(
+    final: Path,
+    iteration: int,
+    tensors: list[tuple[ShardedTensor, Callable[[], Any]]],
+    common: dict[str, Any],
+    backend: Any,
+) -> Path:
+    """One process writes a whole checkpoint one tensor at a time (``mega convert-checkpoint``):
+    each ``(tensor, load)`` pair is a ShardedTensor without pieces and the function that loads
+    its global values, called just before that tensor is written and dropped after. The same
+    directory layout, metadata and marker as :func:`start_sharded_save`."""
+    from mega.core.checkpoint.sharded import Piece
+
+    tmp = final.parent / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    backend.create(tmp, [t for t, _ in tensors])
+    arrays = {}
+    for t, load in tensors:
+        values = load()
+        if tuple(values.shape) != tuple(t.global_shape) or values.dtype != t.dtype:
+            raise MegaRunError(
+                f"{t.key}: loaded as {list(values.shape)} {dtype_name(values.dtype)},"
+                f" announced as {list(t.global_shape)} {dtype_name(t.dtype)}"
+            )
+        placed = ShardedTensor(t.key, t.global_shape, t.dtype, [Piece((0,) * values.dim(), values)])
+        try:
+            backend.write(tmp, [placed])()
+        except OSError as exc:
+            raise MegaRunError(f"writing {final}: {exc}") from None
+        arrays[t.key] = _array_meta(t)
+    _finalize(tmp, final, iteration, backend, arrays, common, [])
+    return final

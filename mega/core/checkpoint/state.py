@@ -257,6 +257,11 @@ def load_run(engine: Any, path: str) -> None:
         ckpt = engine.config.checkpoint
         with_optimizer = ckpt.load_optim and not ckpt.finetune
         metadata = read_metadata(directory, marker)
+        if with_optimizer and metadata["common"].get("weights_only"):
+            raise MegaUsageError(
+                f"--load {directory}: holds weights only (written by mega convert-checkpoint);"
+                " add --finetune to start a run from them"
+            )
         saved_kind = metadata["common"].get("optimizer_scalars", {}).get("optimizer")
         problem = engine.optimizer.kind_mismatch(saved_kind) if with_optimizer else None
         if problem:  # named before any tensor is read (their keys differ by kind)

@@ -86,6 +86,18 @@ def register_checkpoint_backends(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
+def register_checkpoint_converters(register: Callable[[Any], None]) -> None:
+    """Register checkpoint formats for ``mega convert-checkpoint``.
+
+    :param register: call ``register(CheckpointConverterSpec(...))``; users name one with
+        ``--to NAME`` (and SRC's is detected).
+
+    Called on: the process running ``mega convert-checkpoint``. When: once, while the plugin
+    manager is built.
+    """
+
+
+@hookspec
 def register_commands(register: Callable[[Any], None]) -> None:
     """Register command-line commands.
 

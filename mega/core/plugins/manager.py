@@ -76,6 +76,10 @@ class Plugins:
         return self.registries["checkpoint backend"]
 
     @property
+    def checkpoint_converters(self) -> Registry[Any]:
+        return self.registries["checkpoint converter"]
+
+    @property
     def commands(self) -> Registry[Any]:
         return self.registries["command"]
 

@@ -88,5 +88,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "dataset": "register_datasets",
     "parallel": "register_parallel",
     "checkpoint backend": "register_checkpoint_backends",
+    "checkpoint converter": "register_checkpoint_converters",
     "command": "register_commands",
 }

@@ -164,9 +164,9 @@ class CheckpointBackendSpec:
     *Sharded* (any layout; docs/plugins.md has the contract): every rank calls, on the same
     ``directory``, ``create(directory, tensors)`` for the global arrays it was chosen to create
     (``ShardedTensor`` with ``global_shape``, ``dtype`` and ``chunks``; pieces unused), then,
-    after all ranks created theirs, ``write(directory, tensors, copy)`` for the tensors it
-    writes; that returns a function that waits for the writes and raises ``OSError`` naming the
-    tensor on failure (``copy``: the caller changes its tensors meanwhile, write from copies).
+    after all ranks created theirs, ``write(directory, tensors)`` for the tensors it writes;
+    that returns a function that waits for the writes and raises ``OSError`` naming the tensor
+    on failure (the pieces' values stay unchanged until then).
     ``read(directory, tensors)`` fills each piece, in place, from the array ``tensor.key``;
     a missing, truncated or mis-shaped array raises ``OSError`` naming it.
 
@@ -195,3 +195,28 @@ class CheckpointBackendSpec:
                 f"checkpoint backend {self.name!r}: give either save and load, or create,"
                 " write and read"
             )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConverterSpec:
+    """A checkpoint format that ``mega convert-checkpoint`` reads from or writes to.
+
+    ``read(path) -> ModelWeights``: the model's architecture as mega's config and its tensors
+    under mega's global parameter names, each loaded only when asked (``mega.core.convert``).
+    ``write(path, weights)``: writes them in this format, one tensor at a time, into the empty
+    directory ``path`` (a hidden one that mega renames into place when ``write`` returns).
+    ``detect(path) -> bool``: whether ``path`` holds this format (how SRC's format is found).
+    A format may only read or only write.
+    """
+
+    name: str
+    read: Callable[[Any], Any] | None = None
+    write: Callable[[Any, Any], None] | None = None
+    detect: Callable[[Any], bool] | None = None
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.read is None and self.write is None:
+            raise ValueError(f"checkpoint converter {self.name!r}: give read, write or both")
+        if self.read is not None and self.detect is None:
+            raise ValueError(f"checkpoint converter {self.name!r}: a reader needs detect")

@@ -43,6 +43,9 @@ class GPTConfig:
     normalization: str = option("LayerNorm", "Normalization layer type.", choices=NORMALIZATIONS)
     norm_epsilon: float = option(1e-5, "Epsilon of the normalization layers.")
     swiglu: bool = option(False, "Use the gated SwiGLU MLP instead of GeLU.")
+    openai_gelu: bool = option(
+        False, "Use OpenAI's tanh approximation of GeLU (GPT-2's) instead of the exact one."
+    )
     untie_embeddings_and_output_weights: bool = option(
         False, "Give the output layer its own weights instead of reusing the word embeddings."
     )
@@ -164,6 +167,8 @@ class GPTConfig:
         head_dim = self.resolved_kv_channels()
         if self.position_embedding_type == "rope" and head_dim % 2:
             problems.append(f"rope needs an even head dim (--kv-channels), got {head_dim}")
+        if self.openai_gelu and self.swiglu:
+            problems.append("--openai-gelu and --swiglu: SwiGLU uses no GeLU; give one of them")
         return problems
 
 

@@ -191,6 +191,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = cfg.resolved_ffn_hidden_size()
         self.swiglu = cfg.swiglu
+        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         fc1_rows = 2 * ffn if cfg.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
         self.linear_fc1 = Linear(cfg.hidden_size, fc1_rows, bias=cfg.add_bias_linear)
         self.linear_fc2 = Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
@@ -201,7 +202,8 @@ class MLP(nn.Module):
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = F.silu(gate) * up
         else:
-            intermediate = F.gelu(intermediate)  # exact erf GeLU, as Megatron's default
+            # exact erf GeLU, as Megatron's default; --openai-gelu: GPT-2's tanh approximation
+            intermediate = F.gelu(intermediate, approximate=self.gelu_approximate)
         return self.linear_fc2(intermediate)
 
 

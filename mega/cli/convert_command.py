@@ -1,0 +1,58 @@
+"""``mega convert-checkpoint SRC DST``: a model's weights from one checkpoint format to another.
+
+Formats are plugins (``register_checkpoint_converters``): built in, ``mega`` (the sharded zarr
+checkpoint of ``mega train --save``) and ``hf`` (Hugging Face ``config.json`` + safetensors of
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``). SRC's format is detected; ``--to`` defaults to
+``hf`` from a mega checkpoint and to ``mega`` otherwise. One tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mega import hookimpl
+
+
+@click.command("convert-checkpoint")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--to", "to", default=None, help="Target format (see `mega plugins`): mega, hf.")
+@click.option("--from", "source", default=None, help="SRC's format, if detection is not enough.")
+def convert_command(src: Path, dst: Path, to: str | None, source: str | None) -> None:
+    """Convert the checkpoint SRC into the new directory DST (mega <-> Hugging Face)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    from mega.core.convert.convert import convert
+    from mega.core.plugins.manager import make_plugins
+
+    converters = make_plugins().checkpoint_converters
+    bar = Progress(
+        TextColumn("converting"), BarColumn(), DownloadColumn(), TextColumn("{task.description}"),
+        transient=True, disable=not click.get_text_stream("stdout").isatty(),
+    )  # fmt: skip
+    task: Any = None
+
+    def start(weights: Any) -> None:
+        nonlocal task
+        total = sum(t.nbytes for t in weights.tensors.values())
+        task = bar.add_task("", total=total)
+
+    def advance(name: str, nbytes: int) -> None:
+        bar.update(task, advance=nbytes, description=name)
+
+    with bar:
+        report = convert(src, dst, converters, to, source, progress=advance, start=start)
+    click.echo(
+        f"converted {src} ({report.source_format}) -> {dst} ({report.target_format}):"
+        f" {report.tensors} tensors, {report.bytes / 1e9:.2f} GB in {report.seconds:.1f} s"
+    )
+    if report.target_format == "mega":
+        click.echo(f"train from it: mega train --load {dst} --finetune --use-checkpoint-args ...")
+
+
+@hookimpl
+def register_commands(register: Any) -> None:
+    register(convert_command)

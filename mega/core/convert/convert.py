@@ -1,0 +1,103 @@
+"""Converting a model's weights from one checkpoint format to another, one tensor at a time.
+
+SRC's format is the one whose ``detect`` accepts it (or the one named); its reader gives a
+``ModelWeights``, the target format's writer writes it into a hidden sibling of DST that is
+renamed to DST only when complete, so a failure or a crash never leaves a DST that looks whole.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mega.core.convert.weights import LazyTensor, ModelWeights
+from mega.core.errors import MegaUsageError
+
+
+@dataclass
+class ConversionReport:
+    source_format: str
+    target_format: str
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+def source_format(src: Path, converters: Any, named: str | None) -> Any:
+    """The converter that reads ``src``: the one named, or the first that detects it."""
+    if named is not None:
+        spec = converters.get(named)
+        if spec.read is None:
+            raise MegaUsageError(f"--from {named}: mega can only write this format")
+        return spec
+    readers = [converters.get(name) for name in converters if converters.get(name).read]
+    for spec in readers:
+        if spec.detect(src):
+            return spec
+    known = "; ".join(f"{s.name}: {s.description}" for s in readers)
+    raise MegaUsageError(f"{src}: not a checkpoint of any known format ({known})")
+
+
+def _counted(weights: ModelWeights, progress: Callable[[str, int], None]) -> ModelWeights:
+    """The same weights, calling ``progress(name, bytes)`` as each tensor is loaded."""
+
+    def wrap(name: str, t: LazyTensor) -> LazyTensor:
+        def load() -> Any:
+            values = t.load()
+            progress(name, t.nbytes)
+            return values
+
+        return LazyTensor(t.shape, t.dtype, load)
+
+    tensors = {name: wrap(name, t) for name, t in weights.tensors.items()}
+    return ModelWeights(
+        weights.model, weights.seq_length, weights.vocab_size, tensors, weights.tokenizer
+    )
+
+
+def convert(
+    src: Path,
+    dst: Path,
+    converters: Any,
+    to: str | None = None,
+    source: str | None = None,
+    progress: Callable[[str, int], None] | None = None,
+    start: Callable[[ModelWeights], None] | None = None,
+) -> ConversionReport:
+    """Convert the checkpoint ``src`` into the new directory ``dst`` in format ``to``."""
+    if not src.exists():
+        raise MegaUsageError(f"{src}: does not exist")
+    if dst.exists():
+        raise MegaUsageError(f"{dst}: already exists; give a new directory")
+    if not dst.parent.is_dir():
+        raise MegaUsageError(f"{dst}: its parent directory {dst.parent} does not exist")
+    reader = source_format(src, converters, source)
+    target = converters.get(to or ("hf" if reader.name == "mega" else "mega"))
+    if target.write is None:
+        raise MegaUsageError(f"--to {target.name}: mega can only read this format")
+    started = time.perf_counter()
+    weights = reader.read(src)
+    if start is not None:
+        start(weights)
+    if progress is not None:
+        weights = _counted(weights, progress)
+    tmp = dst.parent / f".{dst.name}.converting"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        target.write(tmp, weights)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ConversionReport(
+        reader.name,
+        target.name,
+        len(weights.tensors),
+        sum(t.nbytes for t in weights.tensors.values()),
+        time.perf_counter() - started,
+    )

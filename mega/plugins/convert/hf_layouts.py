@@ -1,0 +1,339 @@
+"""How Hugging Face's GPT-2 and Llama models lay out the weights of mega's GPT, both ways.
+
+mega's (Megatron's) layouts differ from both: the QKV projection is one matrix whose rows are
+grouped per key/value head ``[np/ng query heads, key, value]``; SwiGLU's gate and up
+projections are one ``linear_fc1`` of ``[gate; up]`` rows. GPT-2's ``Conv1D`` stores every
+weight transposed (``[in, out]``) and its ``c_attn`` as ``[q | k | v]`` columns. The vocabulary
+is never padded here: mega stores it without padding rows, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.core.convert.weights import LazyTensor
+from mega.core.errors import MegaUsageError
+
+GPT2 = "GPT2LMHeadModel"
+LLAMA = "LlamaForCausalLM"
+
+
+def merge_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int
+) -> torch.Tensor:
+    """Separate Q ``[np*d, ...]``, K and V ``[ng*d, ...]`` -> mega's grouped QKV rows."""
+    d = k.shape[0] // groups
+    rest = q.shape[1:]
+    parts = (
+        q.reshape(groups, heads // groups, d, *rest),
+        k.reshape(groups, 1, d, *rest),
+        v.reshape(groups, 1, d, *rest),
+    )
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int, head_dim: int) -> list[torch.Tensor]:
+    """mega's grouped QKV rows -> [Q, K, V] (inverse of :func:`merge_qkv`)."""
+    per = heads // groups
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(groups, per + 2, head_dim, *rest)
+    q = grouped[:, :per].reshape(heads * head_dim, *rest)
+    k = grouped[:, per].reshape(groups * head_dim, *rest)
+    v = grouped[:, per + 1].reshape(groups * head_dim, *rest)
+    return [q.contiguous(), k.contiguous(), v.contiguous()]
+
+
+def _lazy(shape: tuple[int, ...], dtype: torch.dtype, make: Any) -> LazyTensor:
+    return LazyTensor(tuple(shape), dtype, make)
+
+
+def _transposed(t: LazyTensor) -> LazyTensor:
+    return _lazy(t.shape[::-1], t.dtype, lambda: t.load().t().contiguous())
+
+
+def _need(tensors: dict[str, LazyTensor], name: str, where: str) -> LazyTensor:
+    if name not in tensors:
+        raise MegaUsageError(f"{where}: no tensor {name}")
+    return tensors[name]
+
+
+# ----------------------------------------------------------------------------- GPT-2
+
+GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+
+
+def gpt2_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``GPT2LMHeadModel``."""
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in GPT2_GELUS:
+        raise MegaUsageError(f"{where}: activation_function {act!r} is not supported")
+    if cfg.get("scale_attn_by_inverse_layer_idx"):
+        raise MegaUsageError(f"{where}: scale_attn_by_inverse_layer_idx is not supported")
+    h, layers, heads = cfg["n_embd"], cfg["n_layer"], cfg["n_head"]
+    model = {
+        "name": "gpt",
+        "num_layers": layers,
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": cfg.get("n_inner") or 4 * h,
+        "max_position_embeddings": cfg["n_positions"],
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
+        "swiglu": False,
+        "openai_gelu": GPT2_GELUS[act],
+        "untie_embeddings_and_output_weights": False,
+        "hidden_dropout": cfg.get("resid_pdrop", 0.1),
+        "attention_dropout": cfg.get("attn_pdrop", 0.1),
+        "add_bias_linear": True,
+    }
+    p = "transformer." if "transformer.wte.weight" in hf else ""
+
+    def get(name: str) -> LazyTensor:
+        return _need(hf, p + name, where)
+
+    out = {
+        "embedding.word_embeddings.weight": get("wte.weight"),
+        "embedding.position_embeddings.weight": get("wpe.weight"),
+    }
+    for i in range(layers):
+        src, dst = f"h.{i}.", f"decoder.layers.{i}."
+        for hf_norm, mega_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            for kind in ("weight", "bias"):
+                out[f"{dst}{mega_norm}.{kind}"] = get(f"{src}{hf_norm}.{kind}")
+        c_attn_w, c_attn_b = get(f"{src}attn.c_attn.weight"), get(f"{src}attn.c_attn.bias")
+
+        def qkv_w(t: LazyTensor = c_attn_w) -> torch.Tensor:
+            q, k, v = t.load().t().chunk(3, dim=0)
+            return merge_qkv(q, k, v, heads, heads)
+
+        def qkv_b(t: LazyTensor = c_attn_b) -> torch.Tensor:
+            q, k, v = t.load().chunk(3, dim=0)
+            return merge_qkv(q, k, v, heads, heads)
+
+        out[f"{dst}self_attention.linear_qkv.weight"] = _lazy((3 * h, h), c_attn_w.dtype, qkv_w)
+        out[f"{dst}self_attention.linear_qkv.bias"] = _lazy((3 * h,), c_attn_b.dtype, qkv_b)
+        for hf_name, mega_name in (
+            ("attn.c_proj", "self_attention.linear_proj"),
+            ("mlp.c_fc", "mlp.linear_fc1"),
+            ("mlp.c_proj", "mlp.linear_fc2"),
+        ):
+            out[f"{dst}{mega_name}.weight"] = _transposed(get(f"{src}{hf_name}.weight"))
+            out[f"{dst}{mega_name}.bias"] = get(f"{src}{hf_name}.bias")
+    out["decoder.final_layernorm.weight"] = get("ln_f.weight")
+    out["decoder.final_layernorm.bias"] = get("ln_f.bias")
+    return model, out
+
+
+def mega_to_gpt2(
+    model: dict[str, Any], mega: dict[str, LazyTensor], vocab: int
+) -> tuple[dict, dict]:
+    """(config.json, HF tensors) of a ``GPT2LMHeadModel`` from a mega GPT."""
+    h, layers, heads = model["hidden_size"], model["num_layers"], model["num_attention_heads"]
+    positions = mega["embedding.position_embeddings.weight"].shape[0]
+    config = {
+        "architectures": [GPT2],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_embd": h,
+        "n_layer": layers,
+        "n_head": heads,
+        "n_inner": model.get("ffn_hidden_size") or 4 * h,
+        "n_positions": positions,
+        "n_ctx": positions,
+        "activation_function": "gelu_new" if model.get("openai_gelu") else "gelu",
+        "layer_norm_epsilon": model.get("norm_epsilon", 1e-5),
+        "resid_pdrop": model.get("hidden_dropout", 0.1),
+        "embd_pdrop": model.get("hidden_dropout", 0.1),
+        "attn_pdrop": model.get("attention_dropout", 0.1),
+        "initializer_range": model.get("init_method_std", 0.02),
+        "tie_word_embeddings": True,
+    }
+    d = h // heads
+    out = {
+        "transformer.wte.weight": mega["embedding.word_embeddings.weight"],
+        "transformer.wpe.weight": mega["embedding.position_embeddings.weight"],
+    }
+    for i in range(layers):
+        src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
+        for hf_norm, mega_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            for kind in ("weight", "bias"):
+                out[f"{dst}{hf_norm}.{kind}"] = mega[f"{src}{mega_norm}.{kind}"]
+        qkv_w = mega[f"{src}self_attention.linear_qkv.weight"]
+        qkv_b = mega[f"{src}self_attention.linear_qkv.bias"]
+
+        def c_attn_w(t: LazyTensor = qkv_w) -> torch.Tensor:
+            return torch.cat(split_qkv(t.load(), heads, heads, d), dim=0).t().contiguous()
+
+        def c_attn_b(t: LazyTensor = qkv_b) -> torch.Tensor:
+            return torch.cat(split_qkv(t.load(), heads, heads, d), dim=0)
+
+        out[f"{dst}attn.c_attn.weight"] = _lazy((h, 3 * h), qkv_w.dtype, c_attn_w)
+        out[f"{dst}attn.c_attn.bias"] = _lazy((3 * h,), qkv_b.dtype, c_attn_b)
+        for hf_name, mega_name in (
+            ("attn.c_proj", "self_attention.linear_proj"),
+            ("mlp.c_fc", "mlp.linear_fc1"),
+            ("mlp.c_proj", "mlp.linear_fc2"),
+        ):
+            out[f"{dst}{hf_name}.weight"] = _transposed(mega[f"{src}{mega_name}.weight"])
+            out[f"{dst}{hf_name}.bias"] = mega[f"{src}{mega_name}.bias"]
+    out["transformer.ln_f.weight"] = mega["decoder.final_layernorm.weight"]
+    out["transformer.ln_f.bias"] = mega["decoder.final_layernorm.bias"]
+    return config, out
+
+
+# ----------------------------------------------------------------------------- Llama
+
+
+def _llama_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    groups = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or h // heads
+    return h, heads, groups, head_dim
+
+
+def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``LlamaForCausalLM``."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise MegaUsageError(f"{where}: {flag} is true; mega's Llama-style GPT has no biases")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise MegaUsageError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported")
+    if cfg.get("rope_scaling"):
+        raise MegaUsageError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported")
+    theta = cfg.get("rope_theta", 10000.0)
+    if float(theta) != int(theta):
+        raise MegaUsageError(f"{where}: rope_theta {theta} is not a whole number")
+    h, heads, groups, head_dim = _llama_shape(cfg)
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    model = {
+        "name": "gpt",
+        "num_layers": cfg["num_hidden_layers"],
+        "hidden_size": h,
+        "num_attention_heads": heads,
+        "group_query_attention": groups != heads,
+        "ffn_hidden_size": cfg["intermediate_size"],
+        "position_embedding_type": "rope",
+        "rotary_base": int(theta),
+        "normalization": "RMSNorm",
+        "norm_epsilon": cfg.get("rms_norm_eps", 1e-6),
+        "swiglu": True,
+        "untie_embeddings_and_output_weights": not tied,
+        "hidden_dropout": 0.0,
+        "attention_dropout": cfg.get("attention_dropout", 0.0),
+        "add_bias_linear": False,
+    }
+    if groups != heads:
+        model["num_query_groups"] = groups
+    if head_dim != h // heads:
+        model["kv_channels"] = head_dim
+
+    def get(name: str) -> LazyTensor:
+        return _need(hf, name, where)
+
+    out = {"embedding.word_embeddings.weight": get("model.embed_tokens.weight")}
+    for i in range(cfg["num_hidden_layers"]):
+        src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = (get(f"{src}self_attn.{x}_proj.weight") for x in "qkv")
+
+        def qkv(q: LazyTensor = q, k: LazyTensor = k, v: LazyTensor = v) -> torch.Tensor:
+            return merge_qkv(q.load(), k.load(), v.load(), heads, groups)
+
+        rows = q.shape[0] + k.shape[0] + v.shape[0]
+        out[f"{dst}input_layernorm.weight"] = get(f"{src}input_layernorm.weight")
+        out[f"{dst}self_attention.linear_qkv.weight"] = _lazy((rows, h), q.dtype, qkv)
+        out[f"{dst}self_attention.linear_proj.weight"] = get(f"{src}self_attn.o_proj.weight")
+        out[f"{dst}pre_mlp_layernorm.weight"] = get(f"{src}post_attention_layernorm.weight")
+        gate, up = get(f"{src}mlp.gate_proj.weight"), get(f"{src}mlp.up_proj.weight")
+
+        def fc1(gate: LazyTensor = gate, up: LazyTensor = up) -> torch.Tensor:
+            return torch.cat([gate.load(), up.load()], dim=0)
+
+        out[f"{dst}mlp.linear_fc1.weight"] = _lazy((2 * gate.shape[0], h), gate.dtype, fc1)
+        out[f"{dst}mlp.linear_fc2.weight"] = get(f"{src}mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = get("model.norm.weight")
+    if not tied:
+        out["output_layer.weight"] = get("lm_head.weight")
+    return model, out
+
+
+def mega_to_llama(
+    model: dict[str, Any], mega: dict[str, LazyTensor], vocab: int
+) -> tuple[dict, dict]:
+    """(config.json, HF tensors) of a ``LlamaForCausalLM`` from a mega GPT."""
+    h, heads, layers = model["hidden_size"], model["num_attention_heads"], model["num_layers"]
+    groups = model.get("num_query_groups") or (1 if model.get("group_query_attention") else heads)
+    head_dim = model.get("kv_channels") or h // heads
+    ffn = mega["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
+    tied = not model.get("untie_embeddings_and_output_weights", False)
+    config = {
+        "architectures": [LLAMA],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": h,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": model.get("norm_epsilon", 1e-5),
+        "rope_theta": float(model.get("rotary_base", 10000)),
+        "max_position_embeddings": model.get("max_position_embeddings") or 4096,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": model.get("attention_dropout", 0.0),
+        "initializer_range": model.get("init_method_std", 0.02),
+        "tie_word_embeddings": tied,
+    }
+    out = {"model.embed_tokens.weight": mega["embedding.word_embeddings.weight"]}
+    for i in range(layers):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = mega[f"{src}self_attention.linear_qkv.weight"]
+        for index, (x, rows) in enumerate(
+            (("q", heads * head_dim), ("k", groups * head_dim), ("v", groups * head_dim))
+        ):
+
+            def part(t: LazyTensor = qkv, index: int = index) -> torch.Tensor:
+                return split_qkv(t.load(), heads, groups, head_dim)[index]
+
+            out[f"{dst}self_attn.{x}_proj.weight"] = _lazy((rows, h), qkv.dtype, part)
+        out[f"{dst}input_layernorm.weight"] = mega[f"{src}input_layernorm.weight"]
+        out[f"{dst}self_attn.o_proj.weight"] = mega[f"{src}self_attention.linear_proj.weight"]
+        out[f"{dst}post_attention_layernorm.weight"] = mega[f"{src}pre_mlp_layernorm.weight"]
+        fc1 = mega[f"{src}mlp.linear_fc1.weight"]
+        for index, x in enumerate(("gate", "up")):
+
+            def half(t: LazyTensor = fc1, index: int = index) -> torch.Tensor:
+                return t.load().chunk(2, dim=0)[index].contiguous()
+
+            out[f"{dst}mlp.{x}_proj.weight"] = _lazy((ffn, h), fc1.dtype, half)
+        out[f"{dst}mlp.down_proj.weight"] = mega[f"{src}mlp.linear_fc2.weight"]
+    out["model.norm.weight"] = mega["decoder.final_layernorm.weight"]
+    if not tied:
+        out["lm_head.weight"] = mega["output_layer.weight"]
+    return config, out
+
+
+def hf_architecture(model: dict[str, Any]) -> str:
+    """Which Hugging Face class a mega GPT's config is, or a one-line error naming why none."""
+    rope = model.get("position_embedding_type") == "rope"
+    rms = model.get("normalization") == "RMSNorm"
+    swiglu, bias = bool(model.get("swiglu")), bool(model.get("add_bias_linear", True))
+    if rope and rms and swiglu and not bias:
+        return LLAMA
+    if not rope and not rms and not swiglu and bias:
+        if model.get("untie_embeddings_and_output_weights"):
+            raise MegaUsageError(
+                f"{GPT2} ties its output layer to the embeddings; this model has"
+                " --untie-embeddings-and-output-weights"
+            )
+        return GPT2
+    raise MegaUsageError(
+        "this model is neither GPT-2-like (learned positions, LayerNorm, GeLU, biases) nor"
+        f" Llama-like (rope, RMSNorm, SwiGLU, --disable-bias-linear): position embedding"
+        f" {model.get('position_embedding_type')}, {model.get('normalization')},"
+        f" swiglu {swiglu}, biases {bias}"
+    )
