@@ -66,10 +66,12 @@ def mega_model(ckpt: Path) -> torch.nn.Module:
     """The mega GPT that a converted checkpoint describes, with its weights loaded."""
     from mega import BuildContext
     from mega.core.checkpoint.api import load, sharded_state
+    from mega.core.checkpoint.store import find_checkpoint
     from mega.plugins.models.gpt import GPTConfig
     from mega.plugins.models.gpt.model import GPTModel
 
-    marker = json.loads((ckpt / "iter_0000000" / "complete.json").read_text())
+    directory = find_checkpoint(ckpt)
+    marker = json.loads((directory / "complete.json").read_text())
     fields = dict(marker["config"]["model"])
     fields.pop("name")
     cfg = GPTConfig(**fields)
@@ -79,7 +81,7 @@ def mega_model(ckpt: Path) -> torch.nn.Module:
     )  # fmt: skip
     model = GPTModel(cfg, ctx).eval()
     rows = {"embedding.word_embeddings.weight": VOCAB, "output_layer.weight": VOCAB}
-    load(sharded_state(model, vocab_rows=rows), ckpt / "iter_0000000")
+    load(sharded_state(model, vocab_rows=rows), directory)
     return model
 
 
@@ -182,3 +184,29 @@ def test_mega_train_starts_from_a_converted_model_with_its_architecture(tmp_path
     assert done.returncode == 0, done.stderr
     # the converted GPT-2's size (hidden 48, 2 layers, 64 positions), not mega's defaults
     assert "model gpt: 69,456 parameters" in done.stdout
+
+
+def test_a_checkpoint_trained_at_tp2_pp2_exports_to_hf_as_the_one_process_model(tmp_path):
+    from conftest import run_mega
+
+    ckpt = tmp_path / "ckpt"
+    llama_like = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                  "--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--disable-bias-linear", "--untie-embeddings-and-output-weights"]  # fmt: skip
+    done = run_mega(
+        ["train", *llama_like, "--mock-data", "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", str(VOCAB - 1), "--seq-length", "32", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+         "--nproc-per-node", "4", "--tensor-model-parallel-size", "2",
+         "--pipeline-model-parallel-size", "2", "--save", str(ckpt)],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    convert(ckpt, tmp_path / "hf", _converters())
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    tokens = _tokens()
+    one_process = _mega_logits(mega_model(ckpt), tokens)
+    diff = (one_process - _hf_logits(tmp_path / "hf", tokens)).abs()
+    assert diff.max() <= 1e-4, f"max |logit difference| {diff.max():.3g} > 1e-4"
