@@ -210,3 +210,62 @@ def test_a_checkpoint_trained_at_tp2_pp2_exports_to_hf_as_the_one_process_model(
     one_process = _mega_logits(mega_model(ckpt), tokens)
     diff = (one_process - _hf_logits(tmp_path / "hf", tokens)).abs()
     assert diff.max() <= 1e-4, f"max |logit difference| {diff.max():.3g} > 1e-4"
+
+
+def _hf_greedy(path: Path, prompt: list[int], new: int) -> list[int]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # 32 tokens, whatever they are
+    model.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        out = model.eval().generate(
+            torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_gpt2, lambda tmp_path: _llama(tmp_path, initializer_range=0.2)],
+    ids=["gpt2", "llama"],
+)
+def test_greedy_generation_gives_transformers_tokens(tmp_path, make):
+    """32 new tokens with a KV cache, as transformers' generate; a left-padded batch of two
+    prompts of different lengths gives each prompt's tokens alone."""
+    from mega.plugins.models.gpt.generate import generate
+
+    hf = make(tmp_path)
+    convert(hf, tmp_path / "mega", _converters())
+    model = mega_model(tmp_path / "mega")
+    prompts = [[5, 17, 99, 3, 150, 42, 7], [8, 1, 64]]
+    expected = [_hf_greedy(hf, p, 32) for p in prompts]
+    alone = [generate(model, [p], 32, vocab_size=VOCAB)[0] for p in prompts]
+    assert alone == expected
+    assert generate(model, prompts, 32, vocab_size=VOCAB) == expected
+
+
+def test_sampling_is_seeded_and_stops_at_the_end_of_document(tmp_path):
+    from mega.plugins.models.gpt.generate import generate, pick_next
+
+    model = mega_model(_converted_gpt2(tmp_path))
+
+    def sample(seed: int) -> list[list[int]]:
+        return generate(
+            model, [[1, 2, 3]], 16, vocab_size=VOCAB, greedy=False, temperature=0.8,
+            top_k=50, top_p=0.9, generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    assert sample(1) == sample(1) and len(sample(1)[0]) == 16
+    first = sample(1)[0][0]
+    stopped = generate(model, [[1, 2, 3]], 16, vocab_size=VOCAB, greedy=False, eod=first,
+                       temperature=0.8, top_k=50, top_p=0.9,
+                       generator=torch.Generator().manual_seed(1))  # fmt: skip
+    assert stopped == [[first]]
+    # top-k 1 and a tiny top-p both leave only the argmax
+    logits = torch.randn(4, VOCAB)
+    for cut in ({"top_k": 1}, {"top_p": 1e-6}):
+        assert torch.equal(pick_next(logits, greedy=False, **cut), logits.argmax(-1))
+
+
+def _converted_gpt2(tmp_path: Path) -> Path:
+    convert(_gpt2(tmp_path), tmp_path / "mega", _converters())
+    return tmp_path / "mega"

@@ -151,6 +151,24 @@ class CoreAttention(nn.Module):
         )
 
 
+class KVCache:
+    """The keys and values of every position seen so far, per attention layer: generation feeds
+    only the new tokens and attends to these (``mega.plugins.models.gpt.generate``)."""
+
+    def __init__(self) -> None:
+        self._layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(
+        self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``key``/``value [b, s_new, ng, d]``; returns all of the layer's ``[b, s, ng, d]``."""
+        past = self._layers.get(id(layer))
+        if past is not None:
+            key, value = torch.cat((past[0], key), dim=1), torch.cat((past[1], value), dim=1)
+        self._layers[id(layer)] = (key, value)
+        return key, value
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -169,6 +187,7 @@ class SelfAttention(nn.Module):
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         per_group, d = self.heads_per_group, self.head_dim
         qkv = self.linear_qkv(hidden)
@@ -182,6 +201,8 @@ class SelfAttention(nn.Module):
         key, value = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [b, s, ng, d]
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        if kv_cache is not None:  # the mask then covers [new positions, all positions]
+            key, value = kv_cache.extend(self, key, value)
         context = self.core_attention(query, key, value, attention_mask)  # [b, s, np*d]
         return self.linear_proj(context)
 
@@ -223,8 +244,11 @@ class TransformerLayer(nn.Module):
         hidden: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), rotary, attention_mask)
+        attention = self.self_attention(
+            self.input_layernorm(hidden), rotary, attention_mask, kv_cache
+        )
         hidden = hidden + self.hidden_dropout(attention)
         return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
 
@@ -251,6 +275,7 @@ class TransformerBlock(nn.Module):
         hidden: torch.Tensor,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         rotary = None
         if self.rope:
@@ -259,7 +284,10 @@ class TransformerBlock(nn.Module):
                 seq_length, self.head_dim, self.rotary_base, hidden.device, position_ids
             )
         for layer in self.layers:
-            hidden = layer(hidden, rotary, attention_mask)
+            if kv_cache is None:  # the call parallel plugins and compile see
+                hidden = layer(hidden, rotary, attention_mask)
+            else:
+                hidden = layer(hidden, rotary, attention_mask, kv_cache)
         if self.final_layernorm is None:  # a pipeline stage before the last
             return hidden
         return self.final_layernorm(hidden)
@@ -368,9 +396,12 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """``tokens [b, s]``; optional ``position_ids [b, s]`` (--reset-position-ids) and
         ``attention_mask [b, 1, s, s]`` bool, True = masked (--reset-attention-mask).
+        ``kv_cache`` (generation): ``tokens`` are the new positions after those in the cache,
+        ``position_ids`` their positions, ``attention_mask [b, 1, s_new, s_all]``.
 
         As a pipeline stage (``plan.py``): ``hidden_states [b, s, h]`` is the previous stage's
         output and replaces the embedding; a stage without the output head returns its hidden
@@ -379,7 +410,10 @@ class GPTModel(nn.Module):
             hidden = self.embedding(tokens, position_ids)  # [b, s, h]
         else:
             hidden = hidden_states
-        hidden = self.decoder(hidden, position_ids, attention_mask)
+        if kv_cache is None:
+            hidden = self.decoder(hidden, position_ids, attention_mask)
+        else:
+            hidden = self.decoder(hidden, position_ids, attention_mask, kv_cache)
         if self.output_head is None:
             return hidden
         return self.output_head(hidden, self.output_weight(), labels)
