@@ -5,6 +5,7 @@ and mega -> HF -> mega is bit-exact."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -267,5 +268,31 @@ def test_sampling_is_seeded_and_stops_at_the_end_of_document(tmp_path):
 
 
 def _converted_gpt2(tmp_path: Path) -> Path:
-    convert(_gpt2(tmp_path), tmp_path / "mega", _converters())
-    return tmp_path / "mega"
+    # not "mega": `python -m mega` run there would import that directory as the package
+    convert(_gpt2(tmp_path), tmp_path / "converted", _converters())
+    return tmp_path / "converted"
+
+
+def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path):
+    from mega.plugins.models.gpt.generate import generate
+
+    from conftest import run_mega
+
+    ckpt = _converted_gpt2(tmp_path)
+    expected = generate(mega_model(ckpt), [[5, 17, 99], [1, 2]], 6, vocab_size=VOCAB)
+    base = ["generate", "--load", str(ckpt), "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB - 1), "--greedy", "--max-new-tokens", "6"]  # fmt: skip
+    one = run_mega([*base, "--prompt", "5 17 99"], tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout.split() == [str(t) for t in [5, 17, 99, *expected[0]]]
+    assert re.search(r"\d+ tokens in [\d.]+ s \([\d.]+ tokens/s, cpu\)", one.stderr)
+    (tmp_path / "prompts.txt").write_text("5 17 99\n\n1 2\n")
+    batch = run_mega([*base, "--prompts-file", str(tmp_path / "prompts.txt")], tmp_path)
+    assert batch.returncode == 0, batch.stderr
+    lines = batch.stdout.strip().splitlines()
+    assert [line.split() for line in lines] == [
+        [str(t) for t in [5, 17, 99, *expected[0]]],
+        [str(t) for t in [1, 2, *expected[1]]],
+    ]
+    missing = run_mega(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "1"], tmp_path)
+    assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
