@@ -296,3 +296,25 @@ def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path):
     ]
     missing = run_mega(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "1"], tmp_path)
     assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
+
+
+def test_a_converted_model_with_its_tokenizer_generates_without_tokenizer_flags(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mega.plugins.models.gpt.generate import generate
+
+    from conftest import run_mega
+
+    hf = _gpt2(tmp_path)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(hf / "tokenizer.json"))
+    done = run_mega(["convert-checkpoint", hf.name, "converted"], tmp_path)  # relative paths
+    assert done.returncode == 0, done.stderr
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    expected = generate(mega_model(tmp_path / "converted"), [[5, 17, 99]], 6, vocab_size=VOCAB)
+    out = run_mega(["generate", "--load", str(tmp_path / "converted"), "--prompt", "t5 t17 t99",
+                    "--greedy", "--max-new-tokens", "6"], elsewhere)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [f"t{i}" for i in [5, 17, 99, *expected[0]]]

@@ -55,7 +55,10 @@ def read(path: Path) -> ModelWeights:
     model, tensors = readers[architecture](config, read_lazy(path), str(path))
     tokenizer: dict[str, Any] = {}
     if (path / "tokenizer.json").is_file():
-        tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(path)}
+        tokenizer = {
+            "tokenizer_type": "HuggingFaceTokenizer",
+            "tokenizer_model": str(path.resolve()),
+        }
     seq_length = config.get("n_positions") if architecture == hf_layouts.GPT2 else None
     return ModelWeights(
         model=model,
