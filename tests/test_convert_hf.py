@@ -207,6 +207,7 @@ def test_a_checkpoint_trained_at_tp2_pp2_exports_to_hf_as_the_one_process_model(
     convert(ckpt, tmp_path / "hf", _converters())
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 2
+    assert config["max_position_embeddings"] == 32  # the sequence length it was trained at
     tokens = _tokens()
     one_process = _mega_logits(mega_model(ckpt), tokens)
     diff = (one_process - _hf_logits(tmp_path / "hf", tokens)).abs()

@@ -79,6 +79,9 @@ def write(path: Path, weights: ModelWeights) -> None:
     }
     architecture = hf_layouts.hf_architecture(weights.model)
     config, tensors = writers[architecture](weights.model, weights.tensors, weights.vocab_size)
+    if architecture == hf_layouts.LLAMA and not weights.model.get("max_position_embeddings"):
+        # rope has no position table; the length the model was trained at is the honest limit
+        config["max_position_embeddings"] = weights.seq_length or config["max_position_embeddings"]
     dtype = str(weights.tensors["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
     config["torch_dtype"] = DTYPE_NAMES.get(dtype, "float32")
     write_files(path, tensors)
