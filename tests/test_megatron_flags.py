@@ -230,8 +230,18 @@ def test_use_checkpoint_args_takes_the_architecture(plugins, saved):
     assert (config.model.num_layers, config.model.hidden_size) == (3, 48)
     without = resolve_config([*ARCHLESS, "--load", str(saved)], plugins).model
     assert (without.num_layers, without.hidden_size) == (4, 128)  # the defaults
-    config = resolve_config([*ARCHLESS, *load, "--num-layers", "2"], plugins)
-    assert (config.model.num_layers, config.model.hidden_size) == (2, 48)  # the flag wins
+    config = resolve_config(
+        [*ARCHLESS, *load, "--num-layers", "3", "--hidden-dropout", "0"], plugins
+    )
+    assert (config.model.num_layers, config.model.hidden_dropout) == (3, 0.0)  # agree, or free
+    with pytest.raises(MegaUsageError) as conflict:
+        resolve_config([*ARCHLESS, *load, "--num-layers", "2", "--swiglu"], plugins)
+    assert conflict.value.messages == [
+        "--num-layers 2: the checkpoint's model has num_layers = 3 (--use-checkpoint-args);"
+        " drop it or load another checkpoint",
+        "--swiglu: the checkpoint's model has swiglu = False (--use-checkpoint-args);"
+        " drop it or load another checkpoint",
+    ]
     with pytest.raises(MegaUsageError, match="--use-checkpoint-args needs --load"):
         resolve(plugins, "--use-checkpoint-args")
 

@@ -251,7 +251,34 @@ def _checkpoint_args(
                 placed.setdefault(section, {})[key] = flag.convert(value)
             except ValueError as exc:
                 errors.append(f"--use-checkpoint-args: {section}.{key}: {exc}")
+    errors += _architecture_conflicts(placed.get("model", {}), file_values, flag_values, table)
     return placed, errors
+
+
+def _architecture_conflicts(
+    saved: dict[str, Any], file_values: dict, flag_values: dict, table: FlagTable
+) -> list[str]:
+    """A flag (or config-file key) that sets the model's architecture other than the checkpoint
+    does would load its weights into another function, or fail on a shape far from the cause:
+    named here instead. Settings a model config lists in ``CHANGEABLE_ON_LOAD`` (dropout,
+    kernels) may differ."""
+    problems = []
+    for key, value in saved.items():
+        flag = table.by_key[key]
+        for source, values in (("", flag_values), ("config file ", file_values)):
+            given = values.get("model", {}).get(key, value)
+            if given == value or key in getattr(flag.cls, "CHANGEABLE_ON_LOAD", ()):
+                continue
+            if flag.base_type is not bool:
+                shown = f"{flag.flags[0]} {given}"
+            else:  # a switch names itself when it is on; a file's `false` shows as the key
+                shown = flag.flags[0] if given == flag.switch_value else f"{key} = {given}"
+            problems.append(
+                f"{source}{shown}: the checkpoint's model has {key} = {value}"
+                " (--use-checkpoint-args); drop it or load another checkpoint"
+            )
+            break
+    return problems
 
 
 def _drop(argv: list[str], name: str) -> list[str]:

@@ -7,6 +7,7 @@ the FLOPs formula and later the parallel plans all read one definition.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mega.core.config.fields import option
 
@@ -18,6 +19,13 @@ ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 @dataclass(kw_only=True)
 class GPTConfig:
     """A decoder-only transformer, pre-norm, with Megatron-core's parameter names."""
+
+    # what a run may set differently from the checkpoint it loads with --use-checkpoint-args:
+    # these leave the learned function as it is
+    CHANGEABLE_ON_LOAD: ClassVar[tuple[str, ...]] = (
+        "hidden_dropout", "attention_dropout", "attention_backend", "use_flash_attn",
+        "init_method_std",
+    )  # fmt: skip
 
     num_layers: int = option(4, "Number of transformer layers.")
     hidden_size: int = option(128, "Transformer hidden size.")
