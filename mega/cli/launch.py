@@ -107,8 +107,8 @@ def start_method() -> str:
     return "spawn" if torch.cuda.is_initialized() or fork_unsafe_reason() else "fork"
 
 
-def launch_workers(config: RunConfig, argv: list[str]) -> None:
-    """Run ``mega train argv`` as this node's ``--nproc-per-node`` workers; return when all finish.
+def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -> None:
+    """Run ``mega COMMAND argv`` (train, evaluate) as this node's ``--nproc-per-node`` workers; return when all finish.
 
     :raises MegaUsageError: the rank that failed first did so on bad input (its exit code 2).
     :raises MegaRunError: it failed otherwise or died from a signal, or the rendezvous failed.
@@ -149,7 +149,7 @@ def launch_workers(config: RunConfig, argv: list[str]) -> None:
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # error files, removed afterwards
         )
         try:
-            elastic_launch(elastic_config, _worker)(list(argv))
+            elastic_launch(elastic_config, _worker)(list(argv), command)
         except ChildFailedError as exc:
             if exc.get_first_failure()[1].exitcode == 130:  # a rank ended on Ctrl-C before
                 raise KeyboardInterrupt from None  # the launcher handled the SIGINT itself
@@ -199,8 +199,8 @@ def _rendezvous_message(exc: BaseException, config: RunConfig) -> str:
     return f"rendezvous at {where} (node {launch.node_rank} of {launch.nnodes}) failed: {first}"
 
 
-def _worker(argv: list[str]) -> None:
-    """One worker: ``mega train argv``, in a process that elastic started (RANK etc. are set)."""
+def _worker(argv: list[str], command: str) -> None:
+    """One worker: ``mega COMMAND argv``, in a process that elastic started (RANK etc. are set)."""
     global _launched_worker
     _launched_worker = True
     # A forked worker inherits elastic's handlers, which turn SIGTERM into a Python exception
@@ -219,7 +219,7 @@ def _worker(argv: list[str]) -> None:
     from mega.cli import main
 
     try:
-        main(["train", *argv])  # ends with SystemExit: 0, 1 (run error) or 2 (bad input)
+        main([command, *argv])  # ends with SystemExit: 0, 1 (run error) or 2 (bad input)
     except Exception:  # a bug, not an ordinary error: show it as Python would, then fail
         traceback.print_exc()
         sys.stderr.flush()

@@ -148,18 +148,25 @@ def _place_file_values(
     return placed, errors
 
 
-def resolve_config(argv: list[str], plugins: Plugins) -> RunConfig:
+def resolve_config(
+    argv: list[str], plugins: Plugins, base: dict[str, Any] | None = None
+) -> RunConfig:
     """Build the run's typed config from command-line tokens (everything after ``mega train``).
 
-    Raises ``MegaUsageError`` listing every problem found: unknown flags and file keys, bad
-    values, unknown plugin names, and each section's own ``validate()`` messages.
+    ``base``: values in a config file's shape under the file and the flags (``mega evaluate``
+    starts from the checkpoint's saved config). Raises ``MegaUsageError`` listing every problem
+    found: unknown flags and file keys, bad values, unknown plugin names, and each section's own
+    ``validate()`` messages.
     """
     selectors = scan_selectors(argv)  # a clashing plugin name is refused by Registry.get
-    file_model, file_sections = None, {}
+    file_model, file_sections = _file_sections(base) if base else (None, {})
     config_path = selectors.get("--config")
     argv = _drop(argv, "--config")
     if config_path:
-        file_model, file_sections = _file_sections(load_config_file(config_path))
+        named, sections = _file_sections(load_config_file(config_path))
+        file_model = named or file_model
+        for section, values in sections.items():
+            file_sections[section] = {**file_sections.get(section, {}), **values}
 
     file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
     model_name, dataset_name, tokenizer_name = plugin_choice(selectors, file_model, file_data)

@@ -28,7 +28,7 @@ from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog, device_text
-from mega.core.errors import MegaRunError
+from mega.core.errors import MegaRunError, MegaUsageError
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
@@ -297,17 +297,66 @@ class Engine:
         return loss
 
     def _final_evaluation(self) -> None:
-        t, gbs = self.config.training, self.config.global_batch_size
-        if not t.eval_iters:
-            return
+        t = self.config.training
+        first = (self.config.train_iters // t.eval_interval) * t.eval_iters
+        self._evaluate_splits(first * self.config.global_batch_size, "at the end of training")
+
+    def _evaluate_splits(self, first_valid: int, when: str) -> dict[str, float]:
+        """The validation split from sample ``first_valid`` and the test split from its start:
+        ``{"valid"/"test": loss}`` of those that exist."""
+        losses: dict[str, float] = {}
+        if not self.config.training.eval_iters:
+            return losses
         if self.splits.valid is not None:
-            first = (self.config.train_iters // t.eval_interval) * t.eval_iters * gbs
-            self._evaluate(self.splits.valid, first, "validation loss at the end of training")
+            label = f"validation loss {when}"
+            losses["valid"] = self._evaluate(self.splits.valid, first_valid, label)
         if self.splits.test is not None:
-            self._evaluate(self.splits.test, 0, "test loss at the end of training")
+            losses["test"] = self._evaluate(self.splits.test, 0, f"test loss {when}")
+        return losses
+
+    def evaluate_checkpoint(self, iteration: int) -> dict[str, float]:
+        """``mega evaluate``: set up (loading ``--load``), then evaluate on the validation
+        batches of the last evaluation the run printed with the checkpoint's weights (it was
+        written after ``iteration`` steps); ``{"valid"/"test": loss}``."""
+        error: BaseException | None = None
+        t = self.config.training
+        batches = last_evaluation_batch(
+            iteration, self.config.train_iters, t.eval_interval, t.eval_iters
+        )
+        try:
+            self.setup()
+            first = batches * self.config.global_batch_size
+            losses = self._evaluate_splits(first, f"of the checkpoint at iteration {iteration}")
+            if not losses:
+                raise MegaUsageError(
+                    "nothing to evaluate: the data has no validation or test split (see --split)"
+                )
+            return losses
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.plugins.pm.hook.shutdown(engine=self, exc=error)
+            if hasattr(self, "log"):
+                self.log.close()
 
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
         self._stop_if_nonfinite()
         return save_run(self)
+
+
+def last_evaluation_batch(iteration: int, train_iters: int, interval: int, eval_iters: int) -> int:
+    """The validation global batch where the evaluation of a checkpoint written after
+    ``iteration`` steps starts: the one the run's last evaluation with those weights started at.
+
+    Every evaluation goes on where the previous one stopped (Megatron's valid iterator). At
+    ``train_iters`` the run's last word on these weights is its end-of-training evaluation, after
+    the periodic ones; at an ``--eval-interval`` multiple before it, that iteration's periodic
+    one. Other weights were never evaluated: they get the batches the next evaluation would use.
+    """
+    done = iteration // interval  # periodic evaluations up to and including this iteration
+    if 0 < iteration < train_iters and iteration % interval == 0:
+        done -= 1
+    return done * eval_iters
