@@ -57,10 +57,32 @@ def training_state(engine: Any) -> dict[str, Any]:
     """The ``Engine``'s whole state as a whole-state (one-process) backend stores it."""
     return {
         **common_state(engine),
-        "model": engine.model.state_dict(),
+        "model": model_without_padding(engine.model.state_dict(), engine.vocab_rows),
+        "vocab_unpadded": True,  # older torch checkpoints kept the padding rows
         "optimizer": engine.optimizer.state_dict(),
         "rng": capture_rng_state(),
     }
+
+
+def model_without_padding(model: dict[str, Any], vocab_rows: dict[str, int]) -> dict[str, Any]:
+    """The model's tensors with vocabulary-sized ones cut to the real vocabulary, as sharded
+    checkpoints store them: their padding (which depends on TP and
+    --make-vocab-size-divisible-by) learns nothing, and a converter reads the real vocabulary."""
+    return {name: t[: vocab_rows[name]] if name in vocab_rows else t for name, t in model.items()}
+
+
+def _with_padding(engine: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` model tensors, vocabulary-sized ones grown back to this model's padded rows
+    (the padding keeps this model's values: it is masked out and never trained)."""
+    current = engine.model.state_dict()
+    out = dict(saved)
+    for name, rows in engine.vocab_rows.items():
+        t = saved.get(name)
+        if t is not None and name in current and t.shape[0] == rows < current[name].shape[0]:
+            full = current[name].detach().clone()
+            full[:rows] = t
+            out[name] = full
+    return out
 
 
 def layout_of(engine: Any) -> dict[str, Any]:
@@ -126,7 +148,7 @@ def restore_training_state(
     load_optim = ckpt.load_optim and not ckpt.finetune
     try:
         if not tensors_loaded:
-            engine.model.load_state_dict(state["model"])
+            engine.model.load_state_dict(_with_padding(engine, state["model"]))
             if load_optim:
                 engine.optimizer.load_state_dict(state["optimizer"])
         elif load_optim:
@@ -241,6 +263,13 @@ def finish_pending_save(engine: Any) -> Path | None:
     return path
 
 
+def _weights_only(directory: Path) -> MegaUsageError:
+    return MegaUsageError(
+        f"--load {directory}: holds weights only (written by mega convert-checkpoint);"
+        " add --finetune to start a run from them"
+    )
+
+
 def load_run(engine: Any, path: str) -> None:
     """``--load``: the newest complete checkpoint under ``path`` into the engine, or a fresh
     start when there is none yet (``--save D --load D`` on a first run)."""
@@ -257,11 +286,8 @@ def load_run(engine: Any, path: str) -> None:
         ckpt = engine.config.checkpoint
         with_optimizer = ckpt.load_optim and not ckpt.finetune
         metadata = read_metadata(directory, marker)
-        if with_optimizer and metadata["common"].get("weights_only"):
-            raise MegaUsageError(
-                f"--load {directory}: holds weights only (written by mega convert-checkpoint);"
-                " add --finetune to start a run from them"
-            )
+        if metadata["common"].get("weights_only") and not ckpt.finetune:
+            raise _weights_only(directory)
         saved_kind = metadata["common"].get("optimizer_scalars", {}).get("optimizer")
         problem = engine.optimizer.kind_mismatch(saved_kind) if with_optimizer else None
         if problem:  # named before any tensor is read (their keys differ by kind)
@@ -279,6 +305,9 @@ def load_run(engine: Any, path: str) -> None:
                 " zarr to continue at another layout"
             )
         directory, state = load_checkpoint(path, engine.plugins.checkpoint_backends)
+        ckpt = engine.config.checkpoint
+        if state.get("weights_only") and not ckpt.finetune:
+            raise _weights_only(directory)
         restore_training_state(engine, directory, state)
     engine.last_saved = engine.iteration
     engine.display.print(f" loaded checkpoint {directory} at iteration {engine.iteration}")

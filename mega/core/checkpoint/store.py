@@ -119,6 +119,19 @@ def find_checkpoint(path: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def peek_marker(path: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """(directory, marker) of the checkpoint ``path`` names, or None when there is none or its
+    marker is unreadable (for telling formats apart; loading reports what is wrong)."""
+    directory = find_checkpoint(path)
+    if directory is None:
+        return None
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return (directory, marker) if isinstance(marker, dict) else None
+
+
 def unwritable_reason(path: Path) -> str | None:
     """Why ``path`` could not become a writable directory, without creating anything."""
     existing = path
@@ -179,14 +192,19 @@ def read_marker(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any], 
     return directory, marker, backends.get(name)
 
 
-def load_checkpoint(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any]]:
-    """Read the whole-state checkpoint ``--load`` names, verifying every file against its
-    marker."""
-    directory, marker, backend = read_marker(path, backends)
+def verify_files(directory: Path, marker: dict[str, Any]) -> None:
+    """Every file the marker lists is there with its sha256 (not truncated, not altered)."""
     for name, expected in marker["files"].items():
         file = directory / name
         if not file.is_file() or _sha256(file) != expected:
             raise MegaUsageError(f"--load {directory}: {name} is missing or corrupt (checksum)")
+
+
+def load_checkpoint(path: str | Path, backends: Any) -> tuple[Path, dict[str, Any]]:
+    """Read the whole-state checkpoint ``--load`` names, verifying every file against its
+    marker."""
+    directory, marker, backend = read_marker(path, backends)
+    verify_files(directory, marker)
     try:
         return directory, backend.load(directory)
     except Exception as exc:

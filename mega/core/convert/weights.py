@@ -17,6 +17,9 @@ if TYPE_CHECKING:  # importing torch is left to the moment a tensor is touched
     import torch
 
 
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"  # its rows are the vocabulary
+
+
 @dataclass(frozen=True)
 class LazyTensor:
     """A tensor not yet read: its shape and dtype, and how to read it."""
@@ -54,3 +57,26 @@ class ModelWeights:
         if self.seq_length is not None:
             config["training"] = {"seq_length": self.seq_length}
         return config
+
+    @classmethod
+    def from_run_config(
+        cls, config: dict[str, Any], tensors: dict[str, LazyTensor], where: str
+    ) -> ModelWeights:
+        """A mega checkpoint's weights: ``config`` is the run's saved config (as
+        ``--use-checkpoint-args`` reads it); the vocabulary is the word embeddings' rows."""
+        from mega.core.errors import MegaUsageError
+
+        if not config.get("model"):
+            raise MegaUsageError(f"{where}: the checkpoint holds no model config")
+        if WORD_EMBEDDINGS not in tensors:
+            raise MegaUsageError(f"{where}: no {WORD_EMBEDDINGS} in the checkpoint")
+        tokenizer = dict(config.get("tokenizer", {}))
+        if config.get("data", {}).get("tokenizer_type"):
+            tokenizer["tokenizer_type"] = config["data"]["tokenizer_type"]
+        return cls(
+            model=dict(config["model"]),
+            seq_length=config.get("training", {}).get("seq_length"),
+            vocab_size=tensors[WORD_EMBEDDINGS].shape[0],
+            tensors=tensors,
+            tokenizer=tokenizer,
+        )

@@ -13,7 +13,6 @@ from mega.core.convert.weights import LazyTensor, ModelWeights
 from mega.core.errors import MegaUsageError
 
 PREFIX = "model/"
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
 
 
 def _backends() -> Any:
@@ -23,9 +22,10 @@ def _backends() -> Any:
 
 
 def detect(path: Path) -> bool:
-    from mega.core.checkpoint.store import find_checkpoint
+    from mega.core.checkpoint.store import peek_marker
 
-    return find_checkpoint(path) is not None
+    found = peek_marker(path)  # a one-file (--ckpt-format torch) one is mega-torch's
+    return found is not None and bool(found[1].get("sharded"))
 
 
 def read(path: Path) -> ModelWeights:
@@ -38,14 +38,11 @@ def read(path: Path) -> ModelWeights:
     directory, marker, backend = read_marker(path, _backends())
     if not marker.get("sharded"):
         raise MegaUsageError(
-            f"{directory}: a --ckpt-format {marker.get('backend')} checkpoint; convert-checkpoint"
-            " reads sharded (zarr) ones: load it in one process and save it with --ckpt-format zarr"
+            f"{directory}: a --ckpt-format {marker.get('backend')} checkpoint, not a sharded one"
+            " (read it with --from mega-torch)"
         )
     metadata = read_metadata(directory, marker)
     config = metadata["common"].get("config") or marker.get("config") or {}
-    model = dict(config.get("model", {}))
-    if not model:
-        raise MegaUsageError(f"{directory}: the checkpoint holds no model config")
 
     def lazy(key: str, meta: dict[str, Any]) -> LazyTensor:
         shape, dtype = tuple(meta["shape"]), getattr(torch, meta["dtype"])
@@ -63,18 +60,7 @@ def read(path: Path) -> ModelWeights:
         for key, meta in metadata["tensors"].items()
         if key.startswith(PREFIX)
     }
-    if WORD_EMBEDDINGS not in tensors:
-        raise MegaUsageError(f"{directory}: no {PREFIX}{WORD_EMBEDDINGS} in the checkpoint")
-    tokenizer = dict(config.get("tokenizer", {}))
-    if config.get("data", {}).get("tokenizer_type"):
-        tokenizer["tokenizer_type"] = config["data"]["tokenizer_type"]
-    return ModelWeights(
-        model=model,
-        seq_length=config.get("training", {}).get("seq_length"),
-        vocab_size=tensors[WORD_EMBEDDINGS].shape[0],
-        tensors=tensors,
-        tokenizer=tokenizer,
-    )
+    return ModelWeights.from_run_config(config, tensors, str(directory))
 
 
 def write(path: Path, weights: ModelWeights) -> None:
