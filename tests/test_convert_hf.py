@@ -295,6 +295,15 @@ def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path):
         [str(t) for t in [5, 17, 99, *expected[0]]],
         [str(t) for t in [1, 2, *expected[1]]],
     ]
+    # GPT-2's 64 learned positions: 3 + 62 fit (the last token is not fed back), 3 + 63 do not
+    too_long = run_mega([*base[:-1], "63", "--prompt", "5 17 99"], tmp_path)
+    assert too_long.returncode == 2 and too_long.stdout == "", too_long.stdout
+    assert too_long.stderr.strip() == (
+        "error: a prompt of 3 tokens plus 63 new ones needs 65 positions; the model learned 64"
+        " (lower --max-new-tokens)"
+    )
+    fits = run_mega([*base[:-1], "62", "--prompt", "5 17 99"], tmp_path)
+    assert fits.returncode == 0, fits.stderr
     missing = run_mega(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "1"], tmp_path)
     assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
 

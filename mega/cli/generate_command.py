@@ -122,7 +122,7 @@ def generate_command(load: Path, prompt: tuple[str, ...], prompts_file: Path | N
 
     from mega.core.checkpoint.checkpoint_args import saved_config
     from mega.core.plugins.manager import make_plugins
-    from mega.plugins.models.gpt.generate import generate
+    from mega.plugins.models.gpt.generate import generate, positions_problem
 
     texts = _prompts(prompt, prompts_file)
     plugins = make_plugins()
@@ -135,6 +135,9 @@ def generate_command(load: Path, prompt: tuple[str, ...], prompts_file: Path | N
     prompts = [tok.tokenize(text) for text in texts]
     if any(not p for p in prompts):
         raise MegaUsageError("a prompt is empty once tokenized")
+    problem = positions_problem(model, max(len(p) for p in prompts), max_new_tokens)
+    if problem:
+        raise MegaUsageError(problem)
     streamed = list(prompts[0])
     shown = tok.detokenize(streamed)
 

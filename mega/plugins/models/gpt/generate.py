@@ -44,6 +44,19 @@ def pick_next(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def positions_problem(model: torch.nn.Module, longest: int, max_new_tokens: int) -> str | None:
+    """Why a prompt of ``longest`` tokens cannot get ``max_new_tokens`` more from ``model``: a
+    learned position table runs out (rope has none), or None."""
+    table = getattr(getattr(model, "embedding", None), "position_embeddings", None)
+    needed = longest + max_new_tokens - 1  # the last new token is never fed back
+    if table is None or needed <= table.num_embeddings:
+        return None
+    return (
+        f"a prompt of {longest} tokens plus {max_new_tokens} new ones needs {needed} positions;"
+        f" the model learned {table.num_embeddings} (lower --max-new-tokens)"
+    )
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -65,6 +78,9 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     device = next(model.parameters()).device
     batch, longest = len(prompts), max(len(p) for p in prompts)
+    problem = positions_problem(model, longest, max_new_tokens)
+    if problem:
+        raise ValueError(problem)
     tokens = torch.zeros(batch, longest, dtype=torch.long, device=device)
     valid = torch.zeros(batch, longest, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):
@@ -80,7 +96,7 @@ def generate(
     out: list[list[int]] = [[] for _ in prompts]
     done = [False] * batch
     keys_valid = valid
-    for _ in range(max_new_tokens):
+    for count in range(1, max_new_tokens + 1):
         chosen = pick_next(
             logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=generator,
@@ -93,7 +109,7 @@ def generate(
                 done[row] = token == eod
         if on_step is not None:
             on_step(step)
-        if all(done):
+        if all(done) or count == max_new_tokens:  # the last token needs no forward pass
             break
         keys_valid = torch.cat((keys_valid, torch.ones_like(keys_valid[:, :1])), dim=1)
         positions = positions[:, -1:] + 1
