@@ -73,6 +73,29 @@ def test_another_layout_gives_the_same_loss(trained):
     assert math.isclose(got, want, rel_tol=1e-5), (got, want)
 
 
+def test_other_data_named_by_flags(trained):
+    """--valid-data-path alone: the run's mock data is dropped, its tokenizer kept, and the
+    whole file is the validation split; the same file as --data-path with the default split
+    gives another loss (3% of it)."""
+    import numpy as np
+
+    from mega.plugins.datasets.indexed import IndexedDatasetBuilder
+
+    cwd, printed = trained
+    builder = IndexedDatasetBuilder(cwd / "held_out", dtype=np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        builder.add_document([rng.integers(0, 256, size=300).tolist()])
+    builder.finalize()
+    losses = set()
+    for flag in ("--valid-data-path", "--data-path"):
+        lines, stdout = evaluate(cwd, "--load", "ckpt", flag, "held_out")
+        losses.add(lines[("validation", "of the checkpoint at iteration 10")])
+        assert "tokenizer ByteTokenizer" in stdout or "ByteTokenizer" in stdout
+    mock = printed[("validation", "at the end of training")]
+    assert len(losses) == 2 and mock not in losses
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

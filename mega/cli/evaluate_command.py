@@ -31,6 +31,12 @@ are mega train's (e.g. --tensor-model-parallel-size 2 --nproc-per-node 2, --eval
 SAVED_SECTIONS = (
     "model", "tokenizer", "dataset", "data", "training", "optimizer", "scheduler", "precision",
 )  # fmt: skip
+# flags that choose the data (the evaluation uses only those, not the run's), and what of the
+# run's data section still holds for other data: its tokenizer
+DATA_FLAGS = (
+    "--data-path", "--mock-data", "--train-data-path", "--valid-data-path", "--test-data-path",
+)  # fmt: skip
+TOKENIZER_KEYS = ("tokenizer_type", "make_vocab_size_divisible_by")
 
 
 def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
@@ -47,8 +53,10 @@ def _flag_value(args: list[str], name: str) -> str | None:
     return None
 
 
-def checkpoint_to_evaluate(load: str | None, plugins: Any) -> tuple[int, dict[str, Any]]:
-    """(the iteration, the saved config as a config file's sections) of ``--load``'s checkpoint."""
+def checkpoint_to_evaluate(args: list[str], plugins: Any) -> tuple[int, dict[str, Any]]:
+    """(the iteration, the saved config as a config file's sections) of ``--load``'s checkpoint,
+    without the run's data when ``args`` name other data."""
+    load = _flag_value(args, "--load")
     from mega.core.checkpoint.checkpoint_args import saved_config
     from mega.core.checkpoint.store import MARKER, find_checkpoint
     from mega.core.errors import MegaUsageError
@@ -66,6 +74,11 @@ def checkpoint_to_evaluate(load: str | None, plugins: Any) -> tuple[int, dict[st
     if not saved.get("model"):
         raise MegaUsageError(f"--load {directory}: the checkpoint holds no saved config")
     base = {name: dict(saved[name]) for name in SAVED_SECTIONS if name in saved}
+    if any(_flag_value(args, flag) is not None or flag in args for flag in DATA_FLAGS):
+        # other data named here: none of the run's data settings but its tokenizer's
+        data = base.get("data", {})
+        base["data"] = {k: data[k] for k in TOKENIZER_KEYS if k in data}
+        base.pop("dataset", None)
     return int(marker.get("iteration", 0)), base
 
 
@@ -76,9 +89,15 @@ def evaluate_command(args_list: list[str], plugins: Any) -> None:
     from mega.core.config.resolve import resolve_config
     from mega.core.errors import MegaUsageError
 
-    iteration, base = checkpoint_to_evaluate(_flag_value(args_list, "--load"), plugins)
-    # weights only: no optimizer state, no RNG, and a weights-only (converted) checkpoint loads
-    config = resolve_config([*args_list, "--finetune"], plugins, base=base)
+    iteration, base = checkpoint_to_evaluate(args_list, plugins)
+    extra = ["--finetune"]  # weights only: no optimizer, no RNG; a converted checkpoint loads
+    given = _flag_value(args_list, "--valid-data-path") or _flag_value(
+        args_list, "--test-data-path"
+    )
+    if given and _flag_value(args_list, "--train-data-path") is None:
+        # the datasets want a train split; an evaluation never reads it
+        extra += ["--train-data-path", given]
+    config = resolve_config([*args_list, *extra], plugins, base=base)
     if not config.training.eval_iters:
         raise MegaUsageError("--eval-iters 0: nothing to evaluate")
     if launch.needs_launch(config):
