@@ -1,13 +1,16 @@
 """``mega convert-checkpoint SRC DST``: a model's weights from one checkpoint format to another.
 
 Formats are plugins (``register_checkpoint_converters``): built in, ``mega`` (the sharded zarr
-checkpoint of ``mega train --save``) and ``hf`` (Hugging Face ``config.json`` + safetensors of
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``). SRC's format is detected; ``--to`` defaults to
-``hf`` from a mega checkpoint and to ``mega`` otherwise. One tensor is in memory at a time.
+checkpoint of ``mega train --save``), ``mega-torch`` (its one-file ``--ckpt-format torch``
+checkpoint), ``hf`` (Hugging Face ``config.json`` + safetensors of
+``GPT2LMHeadModel`` and ``LlamaForCausalLM``) and ``megatron`` (Megatron-LM GPT checkpoints,
+read only). SRC's format is detected; ``--to`` defaults to ``hf`` from a mega checkpoint and to
+``mega`` otherwise. One tensor is in memory at a time.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +22,22 @@ from mega import hookimpl
 @click.command("convert-checkpoint")
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
-@click.option("--to", "to", default=None, help="Target format (see `mega plugins`): mega, hf.")
+@click.option(
+    "--to", "to", default=None, help="Target format (see `mega plugins`): mega, mega-torch, hf."
+)
 @click.option("--from", "source", default=None, help="SRC's format, if detection is not enough.")
-def convert_command(src: Path, dst: Path, to: str | None, source: str | None) -> None:
-    """Convert the checkpoint SRC into the new directory DST (mega <-> Hugging Face)."""
+@click.option(
+    "--true-vocab-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="The tokenizer's vocabulary size, for a Megatron-LM checkpoint whose args lack"
+    " --vocab-size: Megatron pads the embedding, and the padding rows are dropped.",
+)
+def convert_command(
+    src: Path, dst: Path, to: str | None, source: str | None, true_vocab_size: int | None
+) -> None:
+    """Convert the checkpoint SRC into the new directory DST (mega <-> Hugging Face; Megatron-LM
+    -> mega)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from mega.core.convert.convert import convert
@@ -31,7 +46,7 @@ def convert_command(src: Path, dst: Path, to: str | None, source: str | None) ->
     converters = make_plugins().checkpoint_converters
     bar = Progress(
         TextColumn("converting"), BarColumn(), DownloadColumn(), TextColumn("{task.description}"),
-        transient=True, disable=not click.get_text_stream("stdout").isatty(),
+        transient=True, disable=not sys.stdout.isatty(),
     )  # fmt: skip
     task: Any = None
 
@@ -44,7 +59,10 @@ def convert_command(src: Path, dst: Path, to: str | None, source: str | None) ->
         bar.update(task, advance=nbytes, description=name)
 
     with bar:
-        report = convert(src, dst, converters, to, source, progress=advance, start=start)
+        report = convert(
+            src, dst, converters, to, source, progress=advance, start=start,
+            read_options={"true_vocab_size": true_vocab_size},
+        )  # fmt: skip
     click.echo(
         f"converted {src} ({report.source_format}) -> {dst} ({report.target_format}):"
         f" {report.tensors} tensors, {report.bytes / 1e9:.2f} GB in {report.seconds:.1f} s"

@@ -3,10 +3,13 @@
 SRC's format is the one whose ``detect`` accepts it (or the one named); its reader gives a
 ``ModelWeights``, the target format's writer writes it into a hidden sibling of DST that is
 renamed to DST only when complete, so a failure or a crash never leaves a DST that looks whole.
+``read_options`` are hints for the reader (``true_vocab_size``), passed as keyword arguments of
+its ``read``; one the reader does not take is an error, not silently dropped.
 """
 
 from __future__ import annotations
 
+import inspect
 import shutil
 import time
 from collections.abc import Callable
@@ -42,6 +45,19 @@ def source_format(src: Path, converters: Any, named: str | None) -> Any:
     raise MegaUsageError(f"{src}: not a checkpoint of any known format ({known})")
 
 
+def _read(reader: Any, src: Path, options: dict[str, Any]) -> ModelWeights:
+    """``reader.read(src, **options)``; an option it does not take is a one-line error."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if given:
+        parameters = inspect.signature(reader.read).parameters
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+        for name in given:
+            if not takes_any and name not in parameters:
+                flag = "--" + name.replace("_", "-")
+                raise MegaUsageError(f"{flag}: the {reader.name} format does not take it")
+    return reader.read(src, **given)
+
+
 def _counted(weights: ModelWeights, progress: Callable[[str, int], None]) -> ModelWeights:
     """The same weights, calling ``progress(name, bytes)`` as each tensor is loaded."""
 
@@ -67,8 +83,10 @@ def convert(
     source: str | None = None,
     progress: Callable[[str, int], None] | None = None,
     start: Callable[[ModelWeights], None] | None = None,
+    read_options: dict[str, Any] | None = None,
 ) -> ConversionReport:
-    """Convert the checkpoint ``src`` into the new directory ``dst`` in format ``to``."""
+    """Convert the checkpoint ``src`` into the new directory ``dst`` in format ``to``;
+    ``read_options``: keyword hints for SRC's reader (``{"true_vocab_size": 50257}``)."""
     if not src.exists():
         raise MegaUsageError(f"{src}: does not exist")
     if dst.exists():
@@ -80,7 +98,7 @@ def convert(
     if target.write is None:
         raise MegaUsageError(f"--to {target.name}: mega can only read this format")
     started = time.perf_counter()
-    weights = reader.read(src)
+    weights = _read(reader, src, read_options or {})
     if start is not None:
         start(weights)
     if progress is not None:

@@ -201,8 +201,10 @@ class CheckpointBackendSpec:
 class CheckpointConverterSpec:
     """A checkpoint format that ``mega convert-checkpoint`` reads from or writes to.
 
-    ``read(path) -> ModelWeights``: the model's architecture as mega's config and its tensors
-    under mega's global parameter names, each loaded only when asked (``mega.core.convert``).
+    ``read(path, **hints) -> ModelWeights``: the model's architecture as mega's config and its
+    tensors under mega's global parameter names, each loaded only when asked
+    (``mega.core.convert``). ``hints`` are what the user told ``convert-checkpoint`` about SRC
+    (``true_vocab_size``); a reader takes those it names as keyword parameters.
     ``write(path, weights)``: writes them in this format, one tensor at a time, into the empty
     directory ``path`` (a hidden one that mega renames into place when ``write`` returns).
     ``detect(path) -> bool``: whether ``path`` holds this format (how SRC's format is found).

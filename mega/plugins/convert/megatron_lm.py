@@ -1,0 +1,124 @@
+"""Megatron-LM GPT checkpoints as a ``mega convert-checkpoint`` format (read only).
+
+Both of Megatron-LM's formats: the legacy ``--ckpt-format torch`` (``iter_*/mp_rank_TT[_PPP]/
+model_optim_rng.pt``, one shard per tensor- and pipeline-parallel rank; TP shards are merged,
+virtual-pipeline chunks ``model0..`` put in order) and ``torch_dist`` (``metadata.json`` +
+PyTorch DCP files + ``common.pt``; its tensors are already global). SRC is a ``--save`` root
+(its ``latest_checkpointed_iteration.txt`` names the checkpoint) or one ``iter_*`` directory.
+Optimizer, scheduler and RNG state are not converted.
+
+The architecture comes from the ``args`` Megatron saves. Its vocabulary is padded to a multiple
+of ``make_vocab_size_divisible_by * TP``; the padding rows are dropped, which needs the
+tokenizer's size: ``args.vocab_size`` or ``--true-vocab-size``. The files are read in
+``megatron_files`` (safe unpickling, legacy shards) and ``megatron_dcp`` (torch_dist), and
+mapped onto mega's GPT in ``megatron_layouts``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mega import CheckpointConverterSpec, hookimpl
+from mega.core.convert.weights import ModelWeights
+from mega.core.errors import MegaUsageError
+
+# torch (through megatron_files) is imported when a conversion runs, not when `mega --help`
+# loads this plugin
+
+
+def detect(path: Path) -> bool:
+    from mega.plugins.convert.megatron_files import checkpoint_dir, is_megatron_dir
+
+    try:
+        directory = checkpoint_dir(path)
+    except MegaUsageError:  # a tracker naming no iteration: not recognisably Megatron's
+        return False
+    return directory is not None and is_megatron_dir(directory)
+
+
+def read(path: Path, true_vocab_size: int | None = None) -> ModelWeights:
+    """The Megatron-LM checkpoint at ``path``; ``true_vocab_size``: the tokenizer's vocabulary
+    when the checkpoint's args do not say it."""
+    from mega.plugins.convert import megatron_dcp as dcp
+    from mega.plugins.convert import megatron_files as files
+    from mega.plugins.convert import megatron_layouts as layouts
+
+    directory = files.checkpoint_dir(path)
+    if directory is None or not files.is_megatron_dir(directory):
+        raise MegaUsageError(
+            f"{directory or path}: not a Megatron-LM checkpoint (no mp_rank_* shards and no"
+            " torch_dist metadata.json)"
+        )
+    where = str(directory)
+    if (directory / "metadata.json").is_file():
+        args = _common(directory)["args"]
+        model = layouts.model_section(args, where)
+        tensors = dcp.dcp_tensors(directory, model["num_layers"])
+    else:
+        shards = files.legacy_shards(directory)
+        if (0, 0) not in shards or not shards[(0, 0)].is_file():
+            raise MegaUsageError(f"{directory}: no mp_rank_00 shard with {files.SHARD_FILE}")
+        first = files.safe_load(shards[(0, 0)], str(shards[(0, 0)]), mmap=True)
+        args = _args(first, str(shards[(0, 0)]))
+        model = layouts.model_section(args, where)
+        tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+        pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+        tensors = files.legacy_tensors(directory, tp, pp, model["swiglu"], first)
+    embedding = tensors.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise MegaUsageError(f"{where}: no tensor embedding.word_embeddings.weight")
+    vocab = layouts.true_vocab_size(args, true_vocab_size, embedding.shape[0], where)
+    return ModelWeights(
+        model=model,
+        seq_length=getattr(args, "seq_length", None),
+        vocab_size=vocab,
+        tensors=layouts.to_mega(tensors, model, vocab, where),
+        tokenizer=layouts.tokenizer_flags(args),
+    )
+
+
+def _args(state: Any, where: str) -> Any:
+    from argparse import Namespace
+
+    if not isinstance(state, dict) or not isinstance(state.get("args"), Namespace):
+        raise MegaUsageError(f"{where}: holds no Megatron args (saved without them?)")
+    version = state.get("checkpoint_version")
+    if isinstance(version, int | float) and version < 3.0:  # before 3.0, QKV rows were ordered
+        raise MegaUsageError(  # otherwise (Megatron-LM's fix_query_key_value_ordering)
+            f"{where}: checkpoint_version {version}; only 3.0 (Megatron-LM since 2020) is read"
+        )
+    return state["args"]
+
+
+def _common(directory: Path) -> dict[str, Any]:
+    """A torch_dist checkpoint's non-tensor state (args, iteration) from ``common.pt``."""
+    from mega.plugins.convert.megatron_files import safe_load
+
+    try:
+        backend = json.loads((directory / "metadata.json").read_text()).get("sharded_backend")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise MegaUsageError(f"{directory}/metadata.json: cannot read it ({exc})") from None
+    if backend != "torch_dist":
+        raise MegaUsageError(f"{directory}: a {backend} checkpoint; only torch_dist is read")
+    common = directory / "common.pt"
+    if not common.is_file():
+        raise MegaUsageError(
+            f"{common}: missing (a checkpoint with its common state inside DCP is not read)"
+        )
+    state = safe_load(common, str(common))
+    _args(state, str(common))
+    return state
+
+
+@hookimpl
+def register_checkpoint_converters(register):
+    register(
+        CheckpointConverterSpec(
+            name="megatron",
+            read=read,
+            detect=detect,
+            description="Megatron-LM GPT (--ckpt-format torch or torch_dist; read only)",
+        )
+    )
