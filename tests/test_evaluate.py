@@ -87,13 +87,14 @@ def test_other_data_named_by_flags(trained):
     for _ in range(64):
         builder.add_document([rng.integers(0, 256, size=300).tolist()])
     builder.finalize()
-    losses = set()
-    for flag in ("--valid-data-path", "--data-path"):
-        lines, stdout = evaluate(cwd, "--load", "ckpt", flag, "held_out")
-        losses.add(lines[("validation", "of the checkpoint at iteration 10")])
-        assert "tokenizer ByteTokenizer" in stdout or "ByteTokenizer" in stdout
+    losses = []
+    for data in (["--valid-data-path", "held_out"], ["--valid-data-path", "1", "held_out"],
+                 ["--data-path", "held_out"]):  # fmt: skip
+        lines, stdout = evaluate(cwd, "--load", "ckpt", *data)
+        losses.append(lines[("validation", "of the checkpoint at iteration 10")])
+        assert "data gpt, tokenizer ByteTokenizer," in stdout  # not the run's mock data
     mock = printed[("validation", "at the end of training")]
-    assert len(losses) == 2 and mock not in losses
+    assert losses[0] == losses[1] != losses[2] and mock not in losses  # a weight of 1: the same
 
 
 @pytest.mark.parametrize(

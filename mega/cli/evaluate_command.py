@@ -9,7 +9,6 @@ workers), another ``--data-path``, more ``--eval-iters``. Only the weights are l
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -31,11 +30,9 @@ are mega train's (e.g. --tensor-model-parallel-size 2 --nproc-per-node 2, --eval
 SAVED_SECTIONS = (
     "model", "tokenizer", "dataset", "data", "training", "optimizer", "scheduler", "precision",
 )  # fmt: skip
-# flags that choose the data (the evaluation uses only those, not the run's), and what of the
-# run's data section still holds for other data: its tokenizer
-DATA_FLAGS = (
-    "--data-path", "--mock-data", "--train-data-path", "--valid-data-path", "--test-data-path",
-)  # fmt: skip
+# data settings that choose the data: given as flags, the evaluation uses those, and of the run's
+# data section only what holds for other data too: its tokenizer
+DATA_CHOICE = ("data_path", "mock_data", "train_data_path", "valid_data_path", "test_data_path")
 TOKENIZER_KEYS = ("tokenizer_type", "make_vocab_size_divisible_by")
 
 
@@ -44,38 +41,38 @@ def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]
     return USAGE, sections
 
 
-def _flag_value(args: list[str], name: str) -> str | None:
-    for i, token in enumerate(args):
-        if token == name and i + 1 < len(args):
-            return args[i + 1]
-        if token.startswith(name + "="):
-            return token.split("=", 1)[1]
-    return None
+def _given(args: list[str]) -> dict[str, dict[str, Any]]:
+    """The checkpoint and data flags among ``args``, parsed as mega train parses them (the other
+    flags are left to ``resolve_config`` to check)."""
+    from mega.core.config.flags import FlagTable
+    from mega.core.config.sections import CheckpointConfig, DataConfig
+
+    values, _ = FlagTable({"checkpoint": CheckpointConfig, "data": DataConfig}).parse(args)
+    return values
 
 
-def checkpoint_to_evaluate(args: list[str], plugins: Any) -> tuple[int, dict[str, Any]]:
-    """(the iteration, the saved config as a config file's sections) of ``--load``'s checkpoint,
-    without the run's data when ``args`` name other data."""
-    load = _flag_value(args, "--load")
+def checkpoint_to_evaluate(
+    load: str | None, other_data: bool, plugins: Any
+) -> tuple[int, dict[str, Any]]:
+    """(the iteration, the saved config as a config file's sections) of the checkpoint ``load``
+    names; without the run's data (but with its tokenizer) when ``other_data``."""
     from mega.core.checkpoint.checkpoint_args import saved_config
-    from mega.core.checkpoint.store import MARKER, find_checkpoint
+    from mega.core.checkpoint.store import MARKER, find_checkpoint, peek_marker
     from mega.core.errors import MegaUsageError
 
     if not load:
         raise MegaUsageError("mega evaluate needs --load CHECKPOINT")
-    directory = find_checkpoint(load)
-    if directory is None:
+    if find_checkpoint(load) is None:
         raise MegaUsageError(f"--load {load}: no complete checkpoint there")
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-        saved = saved_config(load, plugins.checkpoint_backends) or {}
-    except (OSError, ValueError) as exc:
-        raise MegaUsageError(f"--load {directory}: unreadable {MARKER} ({exc})") from None
+    found = peek_marker(load)
+    if found is None:
+        raise MegaUsageError(f"--load {load}: its {MARKER} is unreadable")
+    directory, marker = found
+    saved = saved_config(load, plugins.checkpoint_backends) or {}
     if not saved.get("model"):
         raise MegaUsageError(f"--load {directory}: the checkpoint holds no saved config")
     base = {name: dict(saved[name]) for name in SAVED_SECTIONS if name in saved}
-    if any(_flag_value(args, flag) is not None or flag in args for flag in DATA_FLAGS):
-        # other data named here: none of the run's data settings but its tokenizer's
+    if other_data:
         data = base.get("data", {})
         base["data"] = {k: data[k] for k in TOKENIZER_KEYS if k in data}
         base.pop("dataset", None)
@@ -89,14 +86,17 @@ def evaluate_command(args_list: list[str], plugins: Any) -> None:
     from mega.core.config.resolve import resolve_config
     from mega.core.errors import MegaUsageError
 
-    iteration, base = checkpoint_to_evaluate(args_list, plugins)
-    extra = ["--finetune"]  # weights only: no optimizer, no RNG; a converted checkpoint loads
-    given = _flag_value(args_list, "--valid-data-path") or _flag_value(
-        args_list, "--test-data-path"
+    given = _given(args_list)
+    data = given.get("data", {})
+    other_data = any(key in data for key in DATA_CHOICE)
+    iteration, base = checkpoint_to_evaluate(
+        given.get("checkpoint", {}).get("load"), other_data, plugins
     )
-    if given and _flag_value(args_list, "--train-data-path") is None:
+    extra = ["--finetune"]  # weights only: no optimizer, no RNG; a converted checkpoint loads
+    held_out = data.get("valid_data_path") or data.get("test_data_path")
+    if held_out and not data.get("train_data_path"):
         # the datasets want a train split; an evaluation never reads it
-        extra += ["--train-data-path", given]
+        extra += ["--train-data-path", *held_out]
     config = resolve_config([*args_list, *extra], plugins, base=base)
     if not config.training.eval_iters:
         raise MegaUsageError("--eval-iters 0: nothing to evaluate")

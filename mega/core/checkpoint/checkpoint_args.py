@@ -10,23 +10,18 @@ the command line still wins, as an argument set on Megatron's command line does 
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from mega.core.checkpoint.store import MARKER, find_checkpoint, load_checkpoint
+from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, peek_marker
 
 
 def saved_config(load: str, backends: Any) -> dict[str, Any] | None:
     """The resolved config saved with the checkpoint ``--load`` names, or None if there is none."""
-    directory = find_checkpoint(load)
-    if directory is None:
+    found = peek_marker(load)
+    if found is not None and isinstance(found[1].get("config"), dict):
+        return found[1]["config"]
+    if find_checkpoint(load) is None:
         return None
-    try:
-        marker = json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        marker = {}
-    if isinstance(marker.get("config"), dict):
-        return marker["config"]
     _, state = load_checkpoint(load, backends)  # a checkpoint from before the marker held it
     config = state.get("config")
     return config if isinstance(config, dict) else None

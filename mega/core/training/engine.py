@@ -214,10 +214,14 @@ class Engine:
             if exits is not None:
                 exits.close()
             self.display.stop_progress()
-            hook.shutdown(engine=self, exc=error)
-            if hasattr(self, "log"):
-                self.log.close()
+            self._shut_down(error)
         return last
+
+    def _shut_down(self, error: BaseException | None) -> None:
+        """The ``shutdown`` hook (told of the error that ended the command), then the log."""
+        self.plugins.pm.hook.shutdown(engine=self, exc=error)
+        if hasattr(self, "log"):
+            self.log.close()
 
     def _log_interval(self, result: StepResult) -> dict[str, float]:
         progress = {
@@ -336,9 +340,7 @@ class Engine:
             error = exc
             raise
         finally:
-            self.plugins.pm.hook.shutdown(engine=self, exc=error)
-            if hasattr(self, "log"):
-                self.log.close()
+            self._shut_down(error)
 
     # ------------------------------------------------------------------ checkpoints
 
