@@ -177,3 +177,40 @@ def test_a_damaged_array_is_a_one_line_error_naming_it(tmp_path):
     chunk.unlink()
     done = run_mega([*args, "--train-iters", "3", "--load", str(ckpt)], tmp_path)
     assert done.returncode == 2 and name in done.stderr and "missing" in done.stderr
+
+
+def test_only_the_vocabulary_parameters_lose_their_padding_rows(tmp_path):
+    """ByteTokenizer's 258 ids pad to 260 (divisor 4); a hidden size and a sequence length of 260
+    make the final norm, the biases and the position table 260 rows too: those keep every row
+    (they were once cut like the embedding), and mega generate loads the checkpoint in either
+    format to the same greedy text (the same run wrote both)."""
+    texts = []
+    for fmt in ("zarr", "torch"):
+        ckpt = tmp_path / fmt
+        args = ["train", "--model", "gpt", "--num-layers", "1", "--hidden-size", "260",
+                "--num-attention-heads", "4", "--seq-length", "260", "--micro-batch-size", "1",
+                "--train-iters", "1", "--eval-iters", "0", "--make-vocab-size-divisible-by", "4",
+                "--ckpt-format", fmt, "--save", str(ckpt)]  # fmt: skip
+        trained = run_mega(args, tmp_path)
+        assert trained.returncode == 0, trained.stderr
+        listed = run_mega(["checkpoint", "inspect", "--json", str(ckpt)], tmp_path)
+        assert listed.returncode == 0, listed.stderr
+        info = json.loads(listed.stdout)
+        if fmt == "zarr":
+            shapes = {k: v["shape"] for k, v in info["tensors"].items()}
+        else:  # one pickle: inspect lists the file and its size
+            state_file = ckpt / "iter_0000001" / "state.pt"
+            assert info["files"] == {"state.pt": state_file.stat().st_size}
+            model = torch.load(state_file, map_location="cpu", weights_only=False)["model"]
+            shapes = {f"model/{k}": list(v.shape) for k, v in model.items()}
+        assert shapes["model/embedding.word_embeddings.weight"] == [258, 260]
+        assert shapes["model/embedding.position_embeddings.weight"] == [260, 260]
+        assert shapes["model/decoder.final_layernorm.weight"] == [260]
+        assert shapes["model/decoder.layers.0.mlp.linear_fc2.bias"] == [260]
+        generated = run_mega(
+            ["generate", "--load", str(ckpt), "--prompt", "a", "--max-new-tokens", "8", "--greedy"],
+            tmp_path,
+        )
+        assert generated.returncode == 0, generated.stderr
+        texts.append(generated.stdout)
+    assert texts[0] == texts[1] and len(texts[0]) > 1

@@ -19,6 +19,9 @@ from mega.core.errors import MegaUsageError
 
 
 def _bytes_on_disk(path: Path) -> int:
+    """A file's size, or the sum of the files under a directory (a zarr array)."""
+    if path.is_file():
+        return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 

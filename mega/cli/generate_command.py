@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from mega import hookimpl
-from mega.core.errors import MegaUsageError
+from mega.core.errors import MegaUsageError, first_line
 
 
 def _prompts(prompt: tuple[str, ...], prompts_file: Path | None) -> list[str]:
@@ -55,10 +55,14 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega import BuildContext
     from mega.core.checkpoint.api import load as load_sharded
     from mega.core.checkpoint.api import sharded_state
-    from mega.core.checkpoint.store import find_checkpoint
+    from mega.core.checkpoint.state import model_with_padding
+    from mega.core.checkpoint.store import find_checkpoint, peek_marker
     from mega.core.training.vocab import padded_vocab_size
+    from mega.parallel.sharded_state import vocab_rows
+    from mega.plugins.convert import mega_torch
     from mega.plugins.models.gpt import GPTConfig
     from mega.plugins.models.gpt.model import GPTModel
+    from mega.plugins.models.gpt.plan import VOCAB_PARAMETERS
 
     fields = dict(config.get("model", {}))
     if fields.pop("name", None) != "gpt":
@@ -74,12 +78,18 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
         model = GPTModel(GPTConfig(**fields), ctx)
     except (TypeError, ValueError) as exc:
         raise MegaUsageError(f"--load {load}: its model config does not build ({exc})") from None
-    rows = {
-        name: tokenizer.vocab_size
-        for name, _ in model.named_parameters()
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight")
-    }
-    load_sharded(sharded_state(model, vocab_rows=rows), find_checkpoint(load))
+    rows = vocab_rows(model, VOCAB_PARAMETERS, tokenizer.vocab_size, padded)
+    found = peek_marker(load)
+    if found is not None and not found[1].get("sharded"):  # --ckpt-format torch: one pickle
+        saved = {name: t.load() for name, t in mega_torch.read(load).tensors.items()}
+        try:
+            model.load_state_dict(model_with_padding(model, rows, saved))
+        except RuntimeError as exc:
+            raise MegaUsageError(
+                f"--load {load}: does not match its model ({first_line(exc)})"
+            ) from None
+    else:
+        load_sharded(sharded_state(model, vocab_rows=rows), find_checkpoint(load))
     return model.to(torch.device(device)).eval()
 
 

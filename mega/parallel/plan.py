@@ -33,6 +33,10 @@ class ParallelPlan:
     layers: str = ""
     # module path (with *) of the parameter-free core attention: selective recompute's target
     core_attention: str = ""
+    # parameters whose rows are the padded vocabulary (embedding, untied output layer): a
+    # checkpoint stores them cut to the real vocabulary. By name, never by shape: a hidden size
+    # or sequence length can equal the padded vocabulary size.
+    vocab_parameters: tuple[str, ...] = ()
     # modules whose forward must run under the tensor-parallel RNG (different on each TP rank):
     # dropout inside TP-sharded regions, e.g. attention-probability dropout in the core attention
     tensor_parallel_rng: tuple[str, ...] = ()

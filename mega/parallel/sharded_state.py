@@ -28,19 +28,14 @@ from mega.parallel.shard import ShardSpec
 from mega.parallel.topology import Topology
 
 
-def vocab_rows(model: torch.nn.Module, layers: str, vocab: int, padded: int) -> dict[str, int]:
-    """``{name: vocab}`` for the parameters whose rows are the padded vocabulary: those outside
-    the transformer layers (module path ``layers``) with ``padded`` global rows."""
+def vocab_rows(
+    model: torch.nn.Module, names: tuple[str, ...], vocab: int, padded: int
+) -> dict[str, int]:
+    """``{name: vocab}`` for the model's parameters among ``names`` (its plan's
+    ``vocab_parameters``: rows are the padded vocabulary) when there is padding to cut."""
     if vocab == padded:
         return {}
-    rows = {}
-    for name, param in model.named_parameters():
-        spec = getattr(param, "shard", None)
-        shape = spec.global_shape if spec is not None else tuple(param.shape)
-        inside = bool(layers) and name.startswith(layers + ".")
-        if shape and shape[0] == padded and not inside:
-            rows[name] = vocab
-    return rows
+    return {name: vocab for name, _ in model.named_parameters() if name in names}
 
 
 def _chunks(spec: ShardSpec | None, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -71,12 +71,14 @@ def model_without_padding(model: dict[str, Any], vocab_rows: dict[str, int]) -> 
     return {name: t[: vocab_rows[name]] if name in vocab_rows else t for name, t in model.items()}
 
 
-def _with_padding(engine: Any, saved: dict[str, Any]) -> dict[str, Any]:
-    """``saved`` model tensors, vocabulary-sized ones grown back to this model's padded rows
-    (the padding keeps this model's values: it is masked out and never trained)."""
-    current = engine.model.state_dict()
+def model_with_padding(
+    model: Any, vocab_rows: dict[str, int], saved: dict[str, Any]
+) -> dict[str, Any]:
+    """``saved`` model tensors, vocabulary-sized ones (``vocab_rows``) grown back to ``model``'s
+    padded rows (the padding keeps the model's values: it is masked out and never trained)."""
+    current = model.state_dict()
     out = dict(saved)
-    for name, rows in engine.vocab_rows.items():
+    for name, rows in vocab_rows.items():
         t = saved.get(name)
         if t is not None and name in current and t.shape[0] == rows < current[name].shape[0]:
             full = current[name].detach().clone()
@@ -148,7 +150,9 @@ def restore_training_state(
     load_optim = ckpt.load_optim and not ckpt.finetune
     try:
         if not tensors_loaded:
-            engine.model.load_state_dict(_with_padding(engine, state["model"]))
+            engine.model.load_state_dict(
+                model_with_padding(engine.model, engine.vocab_rows, state["model"])
+            )
             if load_optim:
                 engine.optimizer.load_state_dict(state["optimizer"])
         elif load_optim:

@@ -130,7 +130,7 @@ def build_run(
     return RunParts(
         tokenizer=tokenizer,
         padded_vocab=padded_vocab,
-        vocab_rows=vocab_rows(model, plan.layers, vocab, padded_vocab) if plan else {},
+        vocab_rows=vocab_rows(model, plan.vocab_parameters, vocab, padded_vocab) if plan else {},
         splits=splits,
         model=model,
         num_parameters=num_parameters,

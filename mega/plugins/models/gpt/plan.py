@@ -31,6 +31,7 @@ from mega.plugins.models.gpt.config import GPTConfig
 LAYERS = "decoder.layers"
 CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
 TIED_WEIGHT = "embedding.word_embeddings.weight"
+VOCAB_PARAMETERS = (TIED_WEIGHT, "output_layer.weight")
 
 
 def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
@@ -50,6 +51,7 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
         layers=LAYERS,
         core_attention=CORE_ATTENTION,
+        vocab_parameters=VOCAB_PARAMETERS,
         tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
         sequence_parallel_region=("decoder",),
         problems=partial(tensor_parallel_problems, cfg),
