@@ -19,6 +19,7 @@ from mega.core.plugins.specs import (
     DatasetSpec,
     DatasetSplits,
     ModelSpec,
+    MoEDispatcherSpec,
     PipelineScheduleSpec,
     TokenizerSpec,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "MegaRunError",
     "MegaUsageError",
     "ModelSpec",
+    "MoEDispatcherSpec",
     "ParallelPlan",
     "PipelineScheduleSpec",
     "TokenizerSpec",

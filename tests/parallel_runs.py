@@ -52,7 +52,8 @@ class _Losses:
 def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
     """Every parameter as its global fp32 tensor: gathered over tensor-parallel ranks, then
     collected from every pipeline stage (a weight two stages hold must be the same on both)."""
-    if engine.topology.tensor_model_parallel_size > 1:
+    topology = engine.topology
+    if topology.tensor_model_parallel_size > 1 or topology.expert_model_parallel_size > 1:
         from mega.parallel.tensor import gather_full_parameters
 
         params = gather_full_parameters(engine.model, engine.topology)

@@ -16,12 +16,15 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
     """Every reason the run's parallel layout cannot run."""
     p = config.parallel
     errors = world_problems(config.world_size, p.sizes())
-    for flag, size in (
-        ("--context-parallel-size", p.context_parallel_size),
-        ("--expert-model-parallel-size", p.expert_model_parallel_size),
-    ):
-        if size > 1:
-            errors.append(f"{flag} {size}: only 1 is supported so far")
+    if p.context_parallel_size > 1:
+        errors.append(
+            f"--context-parallel-size {p.context_parallel_size}: only 1 is supported so far"
+        )
+    if p.expert_tensor_parallel_size != 1:
+        errors.append(
+            f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size}: experts are not split"
+            " over tensor-parallel ranks in mega (only 1 is supported)"
+        )
     tp = p.tensor_model_parallel_size
     if tp > 1 and config.training.compile:
         # Measured on 4 H200 (torch 2.11): compiled layers with the tensor-parallel collectives
@@ -31,12 +34,15 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             "layers mishandle the tensor-parallel collectives); leave --compile off"
         )
     features = plan_features(p)
-    if features and config.model_name in plugins.models:
+    plan = None
+    if config.model_name in plugins.models:
         spec = plugins.models.get(config.model_name)
-        if spec.parallel_plan is None:
+        plan = spec.parallel_plan(config.model) if spec.parallel_plan else None
+        if features and plan is None:
             errors.append(no_plan_message(f"model '{config.model_name}'", features))
-        else:
-            errors += spec.parallel_plan(config.model).problems(tp)
+        elif features:
+            errors += plan.problems(tp)
+    errors += expert_problems(config, plan, plugins)
     errors += pipeline_setup(config, plugins)[1]
     if p.sequence_parallel:
         errors += sequence_parallel_problems(config.training.seq_length, tp)
@@ -53,4 +59,43 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             errors.append(
                 f"--async-save needs a sharded --ckpt-format (zarr), not {ckpt.ckpt_format}"
             )
+    return errors
+
+
+def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
+    """What the run's expert layout and MoE dispatcher need."""
+    p = config.parallel
+    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
+    moe = plan is not None and bool(plan.moe_layers)
+    errors = []
+    if ep > 1 and not moe:
+        errors.append(
+            f"--expert-model-parallel-size {ep}: model '{config.model_name}' has no experts"
+            " (give --num-experts)"
+        )
+    if not moe:
+        return errors
+    experts = getattr(config.model, "num_experts", None)
+    if experts and experts % ep:
+        errors.append(
+            f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})"
+        )
+    if tp > 1 and not p.sequence_parallel:
+        errors.append(
+            f"--tensor-model-parallel-size {tp} with experts needs --sequence-parallel"
+            " (as in Megatron: each rank routes its own slice of the sequence)"
+        )
+    dispatchers = plugins.moe_dispatchers
+    if plan.moe_dispatcher not in dispatchers:
+        errors.append(
+            f"--moe-token-dispatcher-type {plan.moe_dispatcher!r}: no such dispatcher"
+            f" (have: {', '.join(dispatchers.names())})"
+        )
+    elif (
+        getattr(config.model, "moe_expert_capacity_factor", None) is not None
+        and not dispatchers.peek(plan.moe_dispatcher).drops_tokens
+    ):
+        errors.append(
+            f"--moe-expert-capacity-factor: the {plan.moe_dispatcher} dispatcher cannot drop tokens"
+        )
     return errors

@@ -1,5 +1,5 @@
 """Turn a single-device model into this rank's part of the parallel model. The order:
-tensor/sequence -> pipeline split -> activation recompute (per chunk) -> data parallel /
+tensor/sequence -> expert -> pipeline split -> activation recompute (per chunk) -> data parallel /
 distributed optimizer (in the engine, once the model sits on its device in its dtype).
 
 Tensor parallelism goes first, on the whole model, so that every plan path exists when it is
@@ -13,11 +13,13 @@ The model arrives fully built and initialised (fp32, CPU): the same global weigh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mega.core.errors import MegaUsageError
+from mega.parallel.expert.apply import apply_expert_parallel
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
 from mega.parallel.plan import ParallelPlan, no_plan_message, plan_features
@@ -31,9 +33,11 @@ def parallelize(
     parallel: Any,
     topology: Topology,
     layout: PipelineLayout | None = None,
+    build_dispatcher: Callable[[Any], Any] | None = None,
 ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """This rank's model (global parameter names) and its pipeline chunks (``[model]`` without
-    pipelining). Tensor/sequence parallelism and recompute are applied in place."""
+    pipelining). Tensor/sequence parallelism, expert parallelism (``build_dispatcher``: the
+    registered MoE dispatcher's ``build``) and recompute are applied in place."""
     features = plan_features(parallel)
     if layout is not None and layout.pp * layout.vpp > 1:
         features.append("pipeline stages")
@@ -43,6 +47,7 @@ def parallelize(
         from mega.parallel.tensor.apply import apply_tensor_parallel
 
         apply_tensor_parallel(model, plan, topology, sequence_parallel=parallel.sequence_parallel)
+    apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, build_dispatcher)
     chunks = [model]
     if layout is not None:
         model, chunks = split_for_pipeline(model, plan, layout, topology.pp_rank)

@@ -37,6 +37,11 @@ class ParallelPlan:
     # checkpoint stores them cut to the real vocabulary. By name, never by shape: a hidden size
     # or sequence length can equal the padded vocabulary size.
     vocab_parameters: tuple[str, ...] = ()
+    # module path (with *) of the mixture-of-experts layers (mega.parallel.expert.apply says
+    # what such a module holds); modules matching it without ``experts`` are skipped
+    moe_layers: str = ""
+    # the registered token dispatcher that expert parallelism gives them
+    moe_dispatcher: str = "allgather"
     # modules whose forward must run under the tensor-parallel RNG (different on each TP rank):
     # dropout inside TP-sharded regions, e.g. attention-probability dropout in the core attention
     tensor_parallel_rng: tuple[str, ...] = ()

@@ -11,7 +11,8 @@ Who writes what is decided here, identically on every rank, so each value is wri
 - a tensor-parallel replicated tensor (a norm weight, a row-parallel bias): TP rank 0;
 - the last pipeline stage's copy of a tied embedding: never (the first stage writes it);
 - a tensor that every data-parallel rank holds (the model, the optimizer without
-  ``--use-distributed-optimizer``): one DP rank per tensor, in turn, so the writing is spread;
+  ``--use-distributed-optimizer``): one DP rank per tensor, in turn, so the writing is spread
+  (an expert-parallel tensor: one expert-data-parallel rank, each EP rank its experts);
 - a distributed-optimizer range: the rank that owns it.
 """
 
@@ -73,6 +74,7 @@ def training_tensors(
     ``MixedPrecisionAdamW``). ``for_load``: the keys a load reads first (in an fp32 run the
     parameters prefer a checkpoint's fp32 masters to its bf16 weights)."""
     dp, dp_rank, tp_rank = topology.data_parallel_size, topology.dp_rank, topology.tp_rank
+    edp, edp_rank = topology.expert_data_parallel_size, topology.group_rank("edp")
     distributed = optimizer is not None and optimizer.buffer.distributed
     states = optimizer.flat_states() if with_optimizer and optimizer is not None else {}
     mixed = "master" in states
@@ -83,8 +85,12 @@ def training_tensors(
         shape = global_shape(spec, tuple(param.shape), row_limit)
         chunks = _chunks(spec, shape)
         # written by one rank: TP rank 0 for replicated tensors, never the tied copy
-        unique = (spec is not None or tp_rank == 0) and not getattr(param, "tied_copy", False)
-        replica_turn = index % dp == dp_rank
+        tp_split = spec is not None and spec.group == "tp"
+        unique = (tp_split or tp_rank == 0) and not getattr(param, "tied_copy", False)
+        if getattr(param, "expert_parallel", False):  # replicas: the expert-data-parallel ranks
+            replica_turn = index % edp == edp_rank
+        else:
+            replica_turn = index % dp == dp_rank
         data = param.detach()
         start = (0,) * data.dim()
         key, fallback = f"model/{name}", None

@@ -2,8 +2,14 @@
 explicitly; no module-global state.
 
 Ranks are laid out in Megatron's order ``tp-cp-ep-dp-pp``: tensor parallel innermost (neighbouring
-ranks, the fastest links), pipeline outermost. The data-parallel size is what remains of the world
-once the model-parallel sizes are fixed. A one-process run has every size 1 and no groups.
+ranks, the fastest links), pipeline outermost. A one-process run has every size 1 and no groups.
+
+Expert parallelism is carved out of data parallelism, as in Megatron: the ``ep`` ranks of a
+group hold different experts *and* different data. So the data-parallel group (``dp``: the
+ranks that hold the same dense weights and different data, over which dense gradients are
+averaged) spans the ``ep`` and ``dp`` coordinates, and its size is ``world / (tp*cp*pp)``. The
+ranks holding the same experts are the expert-data-parallel group ``edp`` (the ``dp`` coordinate
+alone, ``dp / ep`` ranks), over which expert gradients are summed.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ _FLAGS = {
 def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[int]]]:
     """Every group of every dimension: ``{"tp": [[0, 1], [2, 3]], "dp": ..., "mp": ...}``.
 
-    "mp" (model parallel) is tp x pp: the ranks that hold one copy of the model between them,
-    over which a gradient norm is summed.
+    "mp" (model parallel) is tp x pp: the ranks that hold one copy of the dense model between
+    them, over which a gradient norm is summed. "dp" varies the ep and dp coordinates (dense data
+    parallelism), "edp" the dp coordinate alone (see the module docstring).
     """
     problems = layout_problems(world_size, sizes)
     if problems:
@@ -63,8 +70,9 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
         return out
 
     groups: dict[str, list[list[int]]] = {}
-    for varying in [*ORDER, "mp"]:
-        axes = {"tp", "pp"} if varying == "mp" else {varying}
+    combined = {"mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"}}
+    for varying in [*ORDER, "mp", "edp"]:
+        axes = combined.get(varying, {varying})
         by_key: dict[tuple, list[int]] = {}
         for rank in range(world_size):
             c = coords(rank)
@@ -90,13 +98,18 @@ class Topology:
 
     @property
     def data_parallel_size(self) -> int:
+        """Ranks with the same dense weights and different data (expert-parallel ones too)."""
         model_parallel = (
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
-            * self.expert_model_parallel_size
         )
         return self.world_size // model_parallel
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks with the same experts and different data."""
+        return self.data_parallel_size // self.expert_model_parallel_size
 
     def group_rank(self, dim: str) -> int:
         """This rank's index inside its ``dim`` group (0 in a one-process run)."""
@@ -104,7 +117,7 @@ class Topology:
         return members.index(self.rank) if members else 0
 
     def group(self, dim: str) -> Any:
-        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "pp", "mp"), None if size 1;
+        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "edp", "pp", "mp"), None if size 1;
         "embd" is the first and last pipeline stage, on those ranks only."""
         return self.groups.get(dim)
 
@@ -125,10 +138,13 @@ class Topology:
         return self.rank == 0
 
     def describe(self) -> str:
+        ep = self.expert_model_parallel_size
+        dp = f"dp {self.data_parallel_size}"
+        if ep > 1:  # the experts' split of the data-parallel ranks
+            dp = f"dp {self.data_parallel_size} (ep {ep} x edp {self.expert_data_parallel_size})"
         return (
-            f"world {self.world_size} = dp {self.data_parallel_size} x pp "
-            f"{self.pipeline_model_parallel_size} x cp {self.context_parallel_size} x ep "
-            f"{self.expert_model_parallel_size} x tp {self.tensor_model_parallel_size}"
+            f"world {self.world_size} = {dp} x pp {self.pipeline_model_parallel_size} x cp "
+            f"{self.context_parallel_size} x tp {self.tensor_model_parallel_size}"
         )
 
 

@@ -365,7 +365,12 @@ class ParallelConfig:
         "when a chunk needs it, and for sends at the end of the step.",
     )
     context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
-    expert_model_parallel_size: int = option(1, "Expert-parallel size.")
+    expert_model_parallel_size: int = option(
+        1, "Expert-parallel size: ranks (among the data-parallel ones) splitting the experts."
+    )
+    expert_tensor_parallel_size: int = option(
+        1, "Tensor-parallel size inside each expert (mega keeps experts whole: 1)."
+    )
     sequence_parallel: bool = option(
         False, "Shard norm/dropout activations along the sequence over the tensor-parallel group."
     )
@@ -554,7 +559,10 @@ class RunConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return max(self.world_size // math.prod(self.parallel.sizes().values()), 1)
+        """Ranks with the same dense weights and different data: expert-parallel ranks count
+        (they hold different experts but different data too)."""
+        sizes = self.parallel.sizes()
+        return max(self.world_size // (math.prod(sizes.values()) // sizes["ep"]), 1)
 
     @property
     def train_iters(self) -> int:

@@ -98,6 +98,19 @@ def register_checkpoint_converters(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
+def register_moe_dispatchers(register: Callable[[Any], None]) -> None:
+    """Register MoE token dispatchers.
+
+    :param register: call ``register(MoEDispatcherSpec(...))``; users select one with
+        ``--moe-token-dispatcher-type NAME``. A dispatcher moves each token to the
+        expert-parallel ranks of its experts and brings their weighted outputs back
+        (``mega.parallel.expert``); ``allgather`` and ``alltoall`` are built in.
+
+    Called on: every rank. When: once, while the plugin manager is built.
+    """
+
+
+@hookspec
 def register_commands(register: Callable[[Any], None]) -> None:
     """Register command-line commands.
 

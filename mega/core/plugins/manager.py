@@ -80,6 +80,10 @@ class Plugins:
         return self.registries["checkpoint converter"]
 
     @property
+    def moe_dispatchers(self) -> Registry[Any]:
+        return self.registries["moe dispatcher"]
+
+    @property
     def commands(self) -> Registry[Any]:
         return self.registries["command"]
 

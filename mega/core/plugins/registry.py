@@ -89,5 +89,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "parallel": "register_parallel",
     "checkpoint backend": "register_checkpoint_backends",
     "checkpoint converter": "register_checkpoint_converters",
+    "moe dispatcher": "register_moe_dispatchers",
     "command": "register_commands",
 }

@@ -154,6 +154,28 @@ class PipelineScheduleSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEDispatcherSpec:
+    """How tokens reach experts on other ranks, selected by ``--moe-token-dispatcher-type NAME``.
+
+    ``build(group)`` returns the dispatcher of one MoE layer; ``group`` is the expert-parallel
+    process group (its size divides the experts; rank ``r`` holds the ``r``-th slice of them). The
+    dispatcher is called ``dispatcher(tokens, routing, experts)``: ``tokens [T, h]`` this rank's,
+    ``routing.probs``/``routing.indices`` ``[T, k]`` (global expert ids, -1 for a dropped slot),
+    ``routing.pad_to(n)`` (rows per expert when padding to capacity, for tokens from ``n`` ranks)
+    and ``experts`` (``experts.first``, ``experts.count``: the global ids held here;
+    ``experts(x, counts)`` runs rows grouped by local expert). It returns ``[T, h]``: each token's
+    probability-weighted sum over its experts, differentiable (autograd collectives).
+    ``mega.parallel.expert.local.local_mixture`` does the local part. ``drops_tokens``: it honours
+    dropped slots and ``pad_to`` (``--moe-expert-capacity-factor`` is refused otherwise).
+    """
+
+    name: str
+    build: Callable[[Any], Any]
+    description: str = ""
+    drops_tokens: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointBackendSpec:
     """Stores one checkpoint's state in a directory the engine created for it. Two kinds:
 

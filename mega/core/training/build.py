@@ -90,7 +90,10 @@ def build_run(
     if pipeline is None:  # resolve_config reported these already; a library caller may not have
         raise MegaUsageError(problems)
     layout = pipeline.layout
-    model, chunks = parallelize(model, plan, config.parallel, topology, layout)
+    dispatcher = None
+    if plan is not None and plan.moe_layers:
+        dispatcher = plugins.moe_dispatchers.get(plan.moe_dispatcher).build
+    model, chunks = parallelize(model, plan, config.parallel, topology, layout, dispatcher)
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     compile_layers = _compile_by_default(device, topology) if t.compile is None else t.compile

@@ -17,6 +17,12 @@ the reduced slice it owns (``shard``). With ``overlap`` the reduction of a bucke
 soon as backward has produced all its gradients for the last micro-batch; buckets always start in
 index order, so every rank issues the same collectives in the same order.
 
+Expert weights (``param.expert_parallel``: each expert-parallel rank holds other experts) sit in
+buckets of their own, after the dense ones, reduced over the expert-data-parallel group ``edp``
+(the ranks holding the same experts) instead of ``dp``. Both kinds are pre-scaled by 1/DP, the
+dense data-parallel size: an expert's gradient already holds the contributions of the tokens of
+every expert-parallel rank, whose losses are averaged over all DP ranks (as Megatron scales).
+
 Tied weights across pipeline stages (the word embeddings, used again by the last stage's output
 layer) sit alone in a final bucket that never starts during backward: ``finish_grad_sync`` first
 sums their gradients over the first and last stage (the ``embd`` group), then reduces the bucket
@@ -64,6 +70,7 @@ class Bucket:
     end: int
     waiting: int = 0  # gradients of this step's last micro-batch still to arrive
     tied: bool = False  # holds tied weights: reduced only after their cross-stage sum
+    group: str = "dp"  # the topology group it is reduced over: "edp" for expert weights
     handle: Any = None  # the async collective in flight
     started: bool = False
 
@@ -110,19 +117,23 @@ class ParamAndGradBuffer:
             raise ValueError(f"parameters of mixed dtypes {sorted(map(str, dtypes))}")
         dp = topology.data_parallel_size
         limit = bucket_size or max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp)
-        pad = _ALIGN * dp
         tied_ids = {id(p) for p in tied or ()}
-        # backward produces the last layers' gradients first; tied weights go last, alone
-        ordered = [p for _, p in reversed(named) if id(p) not in tied_ids]
-        ordered += [p for _, p in reversed(named) if id(p) in tied_ids]
+
+        def kind(param: torch.nn.Parameter) -> int:  # 0 dense, 1 expert, 2 tied
+            if id(param) in tied_ids:
+                return 2
+            return 1 if getattr(param, "expert_parallel", False) else 0
+
+        # backward produces the last layers' gradients first; experts' buckets follow the dense
+        # ones, and tied weights go last, alone
+        ordered = sorted((p for _, p in reversed(named)), key=kind)
         groups: list[list[torch.nn.Parameter]] = [[]]
         size = 0
         for i, param in enumerate(ordered):
             groups[-1].append(param)
             size += param.numel()
             last = i == len(ordered) - 1
-            next_tied = not last and id(ordered[i + 1]) in tied_ids and id(param) not in tied_ids
-            if not last and (size >= limit or next_tied):
+            if not last and (size >= limit or kind(ordered[i + 1]) != kind(param)):
                 groups.append([])
                 size = 0
         ranges: dict[torch.nn.Parameter, tuple[int, int]] = {}
@@ -132,12 +143,15 @@ class ParamAndGradBuffer:
             # Inside a bucket the order is free (it is ready when all of it is): matrices first,
             # then vectors, so that the optimizer sees one weight-decay run and one without.
             members = sorted(members, key=lambda p: p.ndim < 2)
+            group = "edp" if kind(members[0]) == 1 else "dp"
+            pad = _ALIGN * _group_size(topology, group)
             start = offset
             for param in members:
                 ranges[param] = (offset, offset + param.numel())
                 offset += param.numel()
             offset = -(-offset // pad) * pad
-            buckets.append(Bucket(members, start, offset, tied=id(members[0]) in tied_ids))
+            tied_bucket = kind(members[0]) == 2
+            buckets.append(Bucket(members, start, offset, tied=tied_bucket, group=group))
         device, dtype = named[0][1].device, named[0][1].dtype
         param_data = torch.zeros(offset, dtype=dtype, device=device)
         main_grad = torch.zeros(offset, dtype=torch.float32, device=device)
@@ -218,10 +232,12 @@ class ParamAndGradBuffer:
         if dp == 1:
             return
         grad = self.main_grad[bucket.start : bucket.end]
-        grad.mul_(1.0 / dp)
-        group = self.topology.group("dp")
+        grad.mul_(1.0 / dp)  # dense and expert gradients alike (module docstring)
+        group = self.topology.group(bucket.group)
+        if group is None:  # expert weights with one expert-data-parallel rank
+            return
         if self.distributed:
-            lo, hi = bucket.shard(self.topology.dp_rank, dp)
+            lo, hi = self.shard_of(bucket)
             bucket.handle = comm.reduce_scatter_into(
                 self.main_grad[lo:hi], grad, group, async_op=async_op
             )
@@ -269,24 +285,36 @@ class ParamAndGradBuffer:
 
     # ------------------------------------------------------------------ after the step
 
+    def shard_of(self, bucket: Bucket) -> tuple[int, int]:
+        """The flat range of ``bucket`` this rank owns under the distributed optimizer."""
+        group = bucket.group
+        return bucket.shard(self.topology.group_rank(group), _group_size(self.topology, group))
+
     def owned_flat_ranges(self) -> list[tuple[int, int]]:
         """The flat ranges ``[lo, hi)`` of the buffers that this rank updates: all of them
         without the distributed optimizer; this rank's shard of each bucket with it."""
         if not self.distributed:
             return [(0, self.main_grad.numel())]
-        dp, rank = self.topology.data_parallel_size, self.topology.dp_rank
-        return [bucket.shard(rank, dp) for bucket in self.buckets]
+        return [self.shard_of(bucket) for bucket in self.buckets]
 
     def gather_params(self) -> None:
         """Distributed optimizer: every rank's updated shard of every bucket, to every rank."""
-        dp = self.topology.data_parallel_size
-        if not self.distributed or dp == 1:
+        if not self.distributed or self.topology.data_parallel_size == 1:
             return
-        rank, group = self.topology.dp_rank, self.topology.group("dp")
         handles = []
         for bucket in self.buckets:
-            lo, hi = bucket.shard(rank, dp)
+            group = self.topology.group(bucket.group)
+            if group is None:
+                continue
+            lo, hi = self.shard_of(bucket)
             full = self.param_data[bucket.start : bucket.end]
             handles.append(comm.all_gather_into(full, self.param_data[lo:hi], group, True))
         for handle in handles:
             handle.wait()
+
+
+def _group_size(topology: Topology, group: str) -> int:
+    """Ranks in ``group`` ("dp" or "edp")."""
+    if group == "edp":
+        return topology.expert_data_parallel_size
+    return topology.data_parallel_size

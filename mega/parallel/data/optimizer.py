@@ -112,14 +112,20 @@ class MixedPrecisionAdamW:
             if max(lo, a) < min(hi, b)
         ]
         # A parameter replicated over the tensor-parallel ranks counts once in the gradient norm,
-        # and so does a tied weight two pipeline stages hold (on the first stage).
+        # and so does a tied weight two pipeline stages hold (on the first stage). Expert
+        # weights (other experts on each expert-parallel rank) are summed over other ranks.
         tp_rank = self.topology.tp_rank
-        counted = [
-            (lo, hi, (tp_rank == 0 or hasattr(p, "shard")) and not getattr(p, "tied_copy", False))
-            for lo, hi, p in flat
-        ]
+
+        def counted(p: torch.nn.Parameter) -> int:  # 0: not here; 1: dense; 2: expert
+            spec = getattr(p, "shard", None)
+            if getattr(p, "tied_copy", False) or not (tp_rank == 0 or spec and spec.group == "tp"):
+                return 0
+            return 2 if getattr(p, "expert_parallel", False) else 1
+
         main_grad = buffer.main_grad
-        self.norm_grads = [main_grad[lo:hi] for lo, hi, keep in _runs(owned, counted) if keep]
+        runs = _runs(owned, [(lo, hi, counted(p)) for lo, hi, p in flat])
+        self.norm_grads = [main_grad[lo:hi] for lo, hi, kind in runs if kind == 1]
+        self.expert_norm_grads = [main_grad[lo:hi] for lo, hi, kind in runs if kind == 2]
         # Megatron's rule: no weight decay on biases and norm weights (the 1-D parameters)
         segments, offset = [], 0
         for lo, hi, decay in _runs(owned, [(lo, hi, p.ndim >= 2) for lo, hi, p in flat]):
@@ -172,21 +178,34 @@ class MixedPrecisionAdamW:
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def _reduce(self, tensor: torch.Tensor, op: Any = None) -> None:
-        """Combine a per-rank partial result over every rank that holds other gradients."""
-        if self.buffer.distributed:
+        """Combine a per-rank partial result over every rank that holds other gradients (the
+        expert-parallel ranks hold other experts: all data-parallel ranks then)."""
+        if self.buffer.distributed or self.topology.expert_model_parallel_size > 1:
             comm.all_reduce(tensor, self.topology.group("dp"), op)
         comm.all_reduce(tensor, self.topology.group("mp"), op)
 
+    def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=self.buffer.main_grad.device)
+        return torch.nn.utils.get_total_norm(grads, foreach=True).double().square()
+
     def _grad_norm(self) -> torch.Tensor:
         if self.topology.world_size == 1:
-            return torch.nn.utils.get_total_norm(self.norm_grads, foreach=True)
-        if self.norm_grads:
-            local = torch.nn.utils.get_total_norm(self.norm_grads, foreach=True)
-        else:
-            local = torch.zeros((), device=self.buffer.main_grad.device)
-        squared = local.double().square().reshape(1)
-        self._reduce(squared)
-        return squared.sqrt().float().reshape(())
+            grads = self.norm_grads + self.expert_norm_grads
+            return torch.nn.utils.get_total_norm(grads, foreach=True)
+        dense, expert = (
+            self._squared_norm(self.norm_grads),
+            self._squared_norm(self.expert_norm_grads),
+        )
+        if not self.buffer.distributed:  # each data-parallel rank holds the same dense gradients
+            expert = expert.reshape(1)
+            comm.all_reduce(expert, self.topology.group("ep"))
+            squared = torch.stack((dense, expert.reshape(())))
+            comm.all_reduce(squared, self.topology.group("mp"))
+        else:  # every data-parallel rank holds other shards of both
+            squared = torch.stack((dense, expert))
+            self._reduce(squared)
+        return squared.sum().sqrt().float().reshape(())
 
     def step(self, lr: float, iteration: int = 0) -> StepOutcome:
         """Apply the reduced gradients (call ``buffer.finish_grad_sync()`` first). ``iteration``

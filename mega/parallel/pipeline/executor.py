@@ -41,6 +41,7 @@ from torch.autograd.variable import Variable
 
 from mega.core.errors import MegaRunError
 from mega.parallel import comm
+from mega.parallel.expert.aux_loss import set_backward_scale
 from mega.parallel.linear import WeightGradQueue, deferring_weight_grads
 from mega.parallel.pipeline import (
     Action,
@@ -225,6 +226,7 @@ class PipelineExecutor:
         self._weight_grads: dict[tuple[int, int], WeightGradQueue] = {}
         unwaited: comm.PostedBatch | None = None  # a batch the weight gradients after it overlap
         scale = grad_scale / len(microbatches)
+        set_backward_scale(scale)  # losses added inside the forward (MoE) get the same scale
         losses = []
         timer = self.timing if train else None
         for index, step in enumerate(steps):

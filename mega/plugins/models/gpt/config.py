@@ -6,6 +6,7 @@ the FLOPs formula and later the parallel plans all read one definition.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -13,6 +14,9 @@ from mega.core.config.fields import option
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+DROP_POLICIES = ("probs", "position")
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 
 
@@ -24,7 +28,10 @@ class GPTConfig:
     # these leave the learned function as it is
     CHANGEABLE_ON_LOAD: ClassVar[tuple[str, ...]] = (
         "hidden_dropout", "attention_dropout", "attention_backend", "use_flash_attn",
-        "init_method_std",
+        "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm",
+        "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+        "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
+        "moe_router_load_balancing_type",
     )  # fmt: skip
 
     num_layers: int = option(4, "Number of transformer layers.")
@@ -76,6 +83,56 @@ class GPTConfig:
         store=False,
     )
 
+    # ---- mixture of experts (Megatron's --num-experts family; mega.plugins.models.gpt.moe) ----
+    num_experts: int | None = option(
+        None, "Experts per MoE layer: the MLP of the layers --moe-layer-freq picks becomes them."
+    )
+    moe_ffn_hidden_size: int | None = option(
+        None, "Each expert's MLP hidden size (default: --ffn-hidden-size)."
+    )
+    moe_router_topk: int = option(2, "Experts each token is routed to.")
+    moe_router_score_function: str = option(
+        "softmax", "Router score: softmax or sigmoid.", choices=SCORE_FUNCTIONS
+    )
+    moe_router_pre_softmax: bool = option(
+        False, "Softmax over all experts before the top-k (default: over the top-k logits)."
+    )
+    moe_router_topk_scaling_factor: float | None = option(
+        None, "Multiply the top-k routing weights by this factor."
+    )
+    moe_router_load_balancing_type: str = option(
+        "aux_loss",
+        "Load balancing: aux_loss (per micro-batch), seq_aux_loss (per sequence), sinkhorn, none.",
+        choices=LOAD_BALANCING_TYPES,
+    )
+    moe_aux_loss_coeff: float = option(0.0, "Weight of the load-balancing loss.")
+    moe_z_loss_coeff: float | None = option(None, "Weight of the router z-loss (ST-MoE).")
+    moe_layer_freq: str = option(
+        "1",
+        "Which layers are MoE: N (every N-th, from layer 0) or a 0/1 list such as"
+        " '[0]+[1]*3' (one entry per layer).",
+    )
+    moe_shared_expert_intermediate_size: int | None = option(
+        None, "Hidden size of a shared expert every token also goes through (none by default)."
+    )
+    moe_expert_capacity_factor: float | None = option(
+        None, "Expert capacity = factor x tokens x topk / experts; tokens over it are dropped."
+    )
+    moe_pad_expert_input_to_capacity: bool = option(
+        False, "With a capacity factor: pad every expert's input to its capacity."
+    )
+    moe_token_drop_policy: str = option(
+        "probs",
+        "With a capacity factor, which tokens an expert keeps: highest probs or first positions.",
+        choices=DROP_POLICIES,
+    )
+    moe_grouped_gemm: bool = option(
+        False, "Run the local experts as one grouped GEMM on a GPU (torch._grouped_mm)."
+    )
+    moe_token_dispatcher_type: str = option(
+        "allgather", "How tokens reach their experts' ranks (a registered dispatcher)."
+    )
+
     def __post_init__(self) -> None:
         # --use-flash-attn becomes the backend it names, so the resolved config says what runs
         if self.use_flash_attn:
@@ -111,6 +168,15 @@ class GPTConfig:
 
     def resolved_max_position_embeddings(self, seq_length: int) -> int:
         return self.max_position_embeddings or seq_length
+
+    def resolved_moe_ffn_hidden_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
+
+    def moe_layers(self) -> list[bool]:
+        """Which layers have experts instead of an MLP (all False without --num-experts)."""
+        if not self.num_experts:
+            return [False] * self.num_layers
+        return [bool(x) for x in layer_pattern(self.moe_layer_freq, self.num_layers)]
 
     # ---- validation ----------------------------------------------------------------------------
 
@@ -177,7 +243,104 @@ class GPTConfig:
             problems.append(f"rope needs an even head dim (--kv-channels), got {head_dim}")
         if self.openai_gelu and self.swiglu:
             problems.append("--openai-gelu and --swiglu: SwiGLU uses no GeLU; give one of them")
+        return problems + self._moe_problems()
+
+    def _moe_problems(self) -> list[str]:
+        problems: list[str] = []
+        if self.num_experts is None:
+            return problems
+        experts, topk = self.num_experts, self.moe_router_topk
+        if experts < 1:
+            return [f"--num-experts ({experts}) must be positive"]
+        if not 1 <= topk <= experts:
+            problems.append(
+                f"--moe-router-topk ({topk}) must be between 1 and --num-experts ({experts})"
+            )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                problems.append(f"{_flag(name)} ({value}) must be positive")
+        try:
+            layer_pattern(self.moe_layer_freq, self.num_layers)
+        except ValueError as exc:
+            problems.append(str(exc))
+        if self.add_bias_linear:
+            problems.append(
+                "--num-experts: experts have no biases in mega (as in grouped GEMMs); add"
+                " --disable-bias-linear"
+            )
+        if self.moe_aux_loss_coeff < 0 or (self.moe_z_loss_coeff or 0) < 0:
+            problems.append("--moe-aux-loss-coeff and --moe-z-loss-coeff must not be negative")
+        if (
+            topk == 1
+            and self.moe_router_score_function == "softmax"
+            and not self.moe_router_pre_softmax
+            and self.moe_router_load_balancing_type != "sinkhorn"
+        ):  # a softmax over one logit is 1: the router would learn nothing from the loss
+            problems.append(
+                "--moe-router-topk 1 with softmax scores needs --moe-router-pre-softmax"
+            )
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            if topk != 1:
+                problems.append(
+                    "--moe-router-load-balancing-type sinkhorn needs --moe-router-topk 1"
+                )
+            if self.moe_aux_loss_coeff:
+                problems.append(
+                    "--moe-router-load-balancing-type sinkhorn takes no --moe-aux-loss-coeff"
+                )
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor <= 0:
+            problems.append(f"--moe-expert-capacity-factor ({factor}) must be positive")
+        if factor is not None and self.moe_router_load_balancing_type == "sinkhorn":
+            problems.append(
+                "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss or none load"
+                " balancing, not sinkhorn"
+            )
+        if self.moe_pad_expert_input_to_capacity and factor is None:
+            problems.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
         return problems
+
+
+def layer_pattern(freq: str | int, num_layers: int) -> list[int]:
+    """Megatron's --moe-layer-freq: ``N`` makes every N-th layer (0, N, 2N...) MoE; a list
+    expression of 0s and 1s (``[1,0,1,0]``, ``([0]+[1]*3)*2``) gives each layer."""
+    text = str(freq).strip()
+    if text.isdigit():
+        n = int(text)
+        if n < 1:
+            raise ValueError(f"--moe-layer-freq ({text}) must be positive")
+        return [int(i % n == 0) for i in range(num_layers)]
+    try:
+        pattern = _list_expression(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError) as exc:
+        raise ValueError(
+            f"--moe-layer-freq ({text!r}) must be an integer or a list of 0/1 such as"
+            f" '[0]+[1]*3' ({exc})"
+        ) from None
+    if len(pattern) != num_layers or set(pattern) - {0, 1}:
+        raise ValueError(
+            f"--moe-layer-freq ({text!r}) must give 0 or 1 for each of the {num_layers} layers"
+            f" (it gives {len(pattern)} values)"
+        )
+    return pattern
+
+
+def _list_expression(node: ast.AST) -> list[int]:
+    """A list of ints from ``[..]``, ``+`` and ``* int`` only (nothing is evaluated)."""
+    if isinstance(node, ast.List):
+        values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
+        if len(values) != len(node.elts) or not all(type(v) is int for v in values):
+            raise ValueError("list entries must be integers")
+        return values
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _list_expression(node.left) + _list_expression(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        if isinstance(node.right, ast.Constant) and type(node.right.value) is int:
+            return _list_expression(node.left) * node.right.value
+        if isinstance(node.left, ast.Constant) and type(node.left.value) is int:
+            return _list_expression(node.right) * node.left.value
+    raise ValueError("only lists, + and * an integer are allowed")
 
 
 def _flag(name: str) -> str:
@@ -192,6 +355,8 @@ def flops_per_token(cfg: GPTConfig, seq_length: int, padded_vocab_size: int) -> 
     * ``N`` counts the matmul weights one token passes through: per layer
       ``h*(np*d + 2*ng*d)`` (QKV) + ``np*d*h`` (proj) + ``h*f*g`` (fc1, ``g`` = 2 with SwiGLU)
       + ``f*h`` (fc2), times ``L`` layers, plus the output projection ``h*V`` once (tied or not).
+      A MoE layer counts its router ``h*E`` and, instead of the MLP, the ``k`` experts a token
+      goes through (``--moe-ffn-hidden-size``) and the shared expert: active parameters.
       Biases, norms and the embedding lookups (word and position) are excluded: they are not
       matmuls. ``6 = 2`` (multiply-add) ``* 3`` (forward, input grad, weight grad).
     * ``12 * L * (np*d) * s`` is attention itself: ``Q @ K^T`` and ``P @ V`` are ``2 * 2 * np*d*s``
@@ -205,7 +370,13 @@ def flops_per_token(cfg: GPTConfig, seq_length: int, padded_vocab_size: int) -> 
     heads, groups = cfg.num_attention_heads, cfg.resolved_num_query_groups()
     d, ffn = cfg.resolved_kv_channels(), cfg.resolved_ffn_hidden_size()
     gate = 2 if cfg.swiglu else 1
-    per_layer = h * (heads * d + 2 * groups * d) + heads * d * h + h * ffn * gate + ffn * h
-    matmul_params = layers * per_layer + h * padded_vocab_size
+    attention_params = h * (heads * d + 2 * groups * d) + heads * d * h
+    dense = (gate + 1) * h * ffn
+    # a MoE layer: the router, then the top-k experts' MLPs (and the shared expert) per token
+    expert = (gate + 1) * h * cfg.resolved_moe_ffn_hidden_size() if cfg.num_experts else 0
+    shared = (gate + 1) * h * (cfg.moe_shared_expert_intermediate_size or 0)
+    moe = h * (cfg.num_experts or 0) + cfg.moe_router_topk * expert + shared
+    mlps = sum(moe if is_moe else dense for is_moe in cfg.moe_layers())
+    matmul_params = layers * attention_params + mlps + h * padded_vocab_size
     attention = 12 * layers * heads * d * seq_length
     return float(6 * matmul_params + attention)

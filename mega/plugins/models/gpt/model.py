@@ -23,6 +23,7 @@ from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import normal_
 from mega.parallel.linear import Linear
 from mega.plugins.models.gpt.config import GPTConfig
+from mega.plugins.models.gpt.moe import MoELayer
 
 
 def _norm(cfg: GPTConfig, size: int) -> nn.Module:
@@ -208,9 +209,9 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ffn: int | None = None) -> None:
         super().__init__()
-        ffn = cfg.resolved_ffn_hidden_size()
+        ffn = ffn or cfg.resolved_ffn_hidden_size()
         self.swiglu = cfg.swiglu
         self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
         fc1_rows = 2 * ffn if cfg.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
@@ -231,12 +232,16 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
         self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = _norm(cfg, cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        if moe:  # the experts replace the MLP (mega.plugins.models.gpt.moe)
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(cfg, MLP(cfg, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
@@ -263,7 +268,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(cfg, moe) for moe in cfg.moe_layers())
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
         self.rope = cfg.position_embedding_type == "rope"
         self.head_dim = cfg.resolved_kv_channels()

@@ -52,6 +52,8 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         layers=LAYERS,
         core_attention=CORE_ATTENTION,
         vocab_parameters=VOCAB_PARAMETERS,
+        moe_layers=f"{LAYERS}.*.mlp" if cfg.num_experts else "",
+        moe_dispatcher=cfg.moe_token_dispatcher_type,
         tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
         sequence_parallel_region=("decoder",),
         problems=partial(tensor_parallel_problems, cfg),

@@ -1,0 +1,77 @@
+"""The built-in token dispatchers over the expert-parallel group (Megatron's
+``MoEAllGatherTokenDispatcher`` and ``MoEAlltoAllTokenDispatcher``, written anew).
+
+Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes its own tokens.
+
+- ``allgather``: every rank gathers every rank's tokens and routings, runs those routed to its
+  experts, and the weighted partial outputs are summed back to their ranks (reduce-scatter).
+  Simple, and the traffic does not depend on the routing: ``n`` times the tokens each way.
+- ``alltoall``: each (token, expert) slot travels to the one rank that holds its expert and
+  back, grouped by expert: the traffic is the routed tokens only. The per-expert counts are
+  exchanged first (one host sync per layer and step, as Megatron's).
+
+Both are differentiable through their collectives; the routing weights never travel in
+``alltoall`` (the outputs are weighted where the tokens live).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.parallel.comm import group_size
+from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter_rows
+from mega.parallel.expert.local import local_mixture, run_experts
+
+
+class AllGatherDispatcher:
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        n = group_size(self.group)
+        everyone = gather_rows(tokens, self.group)
+        probs = gather_rows(routing.probs, self.group)
+        indices = gather_rows(routing.indices, self.group)  # integers: no gradient flows
+        partial = local_mixture(
+            everyone, probs, indices, experts, experts.first, experts.count,
+            pad_to=routing.pad_to(n),
+        )  # fmt: skip
+        return scatter_rows(partial, self.group)
+
+
+class AllToAllDispatcher:
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        n, local = group_size(self.group), experts.count
+        total = n * local
+        k = routing.indices.shape[1]
+        flat = routing.indices.reshape(-1)
+        slots = (flat >= 0).nonzero().squeeze(1)
+        order = torch.argsort(flat[slots], stable=True)  # by expert: by destination rank too
+        slots = slots[order]
+        per_expert = torch.bincount(flat[slots], minlength=total)  # [E] this rank sends
+        # every rank's counts for this rank's experts: [source, local expert]
+        counts = exchange_rows(per_expert.view(n, local), [1] * n, [1] * n, self.group)
+        send = per_expert.view(n, local).sum(1).tolist()
+        recv_counts = counts.tolist()
+        recv = [sum(row) for row in recv_counts]
+        arrived = exchange_rows(tokens.index_select(0, slots // k), send, recv, self.group)
+        # arrived rows are grouped by source, then expert: regroup them by expert
+        source_major = counts.reshape(-1)
+        expert_of = torch.arange(local, device=tokens.device).repeat(n)
+        row_expert = torch.repeat_interleave(expert_of, source_major)
+        by_expert = torch.argsort(row_expert, stable=True)
+        outputs = run_experts(
+            arrived.index_select(0, by_expert), counts.sum(0), experts, routing.pad_to(n)
+        )
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        returned = exchange_rows(outputs.index_select(0, back), recv, send, self.group)
+        weights = routing.probs.reshape(-1).index_select(0, slots).float().unsqueeze(1)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        out = out.index_add(0, slots // k, returned.float() * weights)
+        return out.to(tokens.dtype)

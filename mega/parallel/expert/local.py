@@ -1,0 +1,81 @@
+"""The tokens routed to the experts one rank holds, through those experts, weighted and summed.
+
+A routing is ``probs [T, k]`` and ``indices [T, k]``: each token's ``k`` experts (global ids;
+-1 marks a slot the capacity dropped) and their weights. The rank holds experts
+``first .. first + count - 1``. Its slots are grouped by expert (stable: token order inside an
+expert), run through the experts as one ``[N, h]`` batch with per-expert counts, weighted by
+their probabilities in float32 and added back at their tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+class Experts(Protocol):
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x [N, h]`` grouped by local expert, ``counts [E_local]`` -> ``[N, h]``."""
+        ...
+
+
+@dataclass
+class Assignment:
+    """The slots of a routing that go to this rank's experts, grouped by local expert."""
+
+    slots: torch.Tensor  # [N] flat slot (token * k + j) of each row, grouped by expert
+    tokens: torch.Tensor  # [N] the token of each row
+    counts: torch.Tensor  # [E_local] rows per local expert
+
+
+def assign(indices: torch.Tensor, first: int, count: int) -> Assignment:
+    """Which slots of ``indices [T, k]`` go to experts ``first .. first + count - 1``."""
+    k = indices.shape[1]
+    flat = indices.reshape(-1)
+    local = flat - first
+    mine = (flat >= 0) & (local >= 0) & (local < count)
+    slots = mine.nonzero().squeeze(1)
+    local = local[slots]
+    order = torch.argsort(local, stable=True)
+    slots, local = slots[order], local[order]
+    return Assignment(slots, slots // k, torch.bincount(local, minlength=count))
+
+
+def run_experts(
+    x: torch.Tensor, counts: torch.Tensor, experts: Experts, pad_to: int | None = None
+) -> torch.Tensor:
+    """``experts(x, counts)``; with ``pad_to`` every expert gets exactly that many rows (zero rows
+    added, their outputs dropped): --moe-pad-expert-input-to-capacity's fixed shapes."""
+    if pad_to is None:
+        return experts(x, counts)
+    if counts.numel() and int(counts.max()) > pad_to:
+        raise ValueError(f"an expert got {int(counts.max())} tokens, over its capacity {pad_to}")
+    count = counts.numel()
+    starts = torch.cumsum(counts, 0) - counts
+    rows = torch.repeat_interleave(torch.arange(count, device=x.device), counts)
+    within = torch.arange(x.shape[0], device=x.device) - starts[rows]
+    place = rows * pad_to + within
+    padded = x.new_zeros(count * pad_to, x.shape[1]).index_copy(0, place, x)
+    full = torch.full_like(counts, pad_to)
+    return experts(padded, full).index_select(0, place)
+
+
+def local_mixture(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    experts: Experts,
+    first: int,
+    count: int,
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` over the slots whose expert is
+    held here (``[T, h]``, zero for tokens with none), in ``tokens``' dtype."""
+    job = assign(indices, first, count)
+    y = run_experts(tokens.index_select(0, job.tokens), job.counts, experts, pad_to)
+    weights = probs.reshape(-1).index_select(0, job.slots).float().unsqueeze(1)
+    out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    out = out.index_add(0, job.tokens, y.float() * weights)
+    return out.to(tokens.dtype)

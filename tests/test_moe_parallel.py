@@ -1,0 +1,51 @@
+"""Expert parallelism trains the same MoE GPT as one process: losses, gradient norms and final
+(gathered) parameters after 10 steps, fp32, dropless, with the load-balancing and z losses on.
+
+Every layout runs on forked CPU ranks (gloo). The one-process run is the reference; it is
+computed once per dispatcher-independent configuration (a module fixture).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
+
+# 4 layers (interleaved pipelines need 2 per stage), 8 experts, top-2, both auxiliary losses on
+MOE = [
+    *EQUIVALENCE, "--num-layers", "4", "--num-experts", "8", "--moe-router-topk", "2",
+    "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3", "--moe-ffn-hidden-size", "32",
+]  # fmt: skip
+
+LAYOUTS = {
+    "ep2-allgather": (2, ["--expert-model-parallel-size", "2"]),
+    "ep2-alltoall": (
+        2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ),
+    "ep4-alltoall": (
+        4, ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
+    ),
+    "ep2-dp2-distributed-optimizer": (
+        4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
+    ),
+    "ep2-tp2-sp": (
+        4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "ep2-pp2-interleaved": (
+        4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--parallel", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> dict:
+    return layout_run(MOE, 1, str(tmp_path_factory.mktemp("ref")))[0]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_parallel_layout_trains_as_one_process(name, one_process, tmp_path):
+    world, extra = LAYOUTS[name]
+    result = layout_run([*MOE, *extra], world, str(tmp_path))[0]
+    assert_same_training(one_process, result)
