@@ -49,3 +49,35 @@ def test_expert_parallel_layout_trains_as_one_process(name, one_process, tmp_pat
     world, extra = LAYOUTS[name]
     result = layout_run([*MOE, *extra], world, str(tmp_path))[0]
     assert_same_training(one_process, result)
+
+
+RESHARD = [*MOE, "--train-iters", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_process_8(tmp_path_factory) -> dict:
+    return layout_run(RESHARD, 1, str(tmp_path_factory.mktemp("ref8")))[0]
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ((4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]), (1, [])),
+        ((1, []), (4, ["--expert-model-parallel-size", "4"])),
+    ],
+    ids=["ep2-dp2-distopt-to-1", "1-to-ep4"],
+)
+def test_checkpoints_reshard_across_expert_parallel_sizes(one_process_8, tmp_path, first, second):
+    """Saved at iteration 4 at one expert layout and resumed at another to iteration 8: the
+    single-process run's iterations 5-8 and final parameters."""
+    ckpt = str(tmp_path / "ckpt")
+    (world_a, flags_a), (world_b, flags_b) = first, second
+    args_a = [*RESHARD, *flags_a, "--save", ckpt, "--exit-interval", "4"]
+    assert len(layout_run(args_a, world_a, str(tmp_path / "a"))[0]["losses"]) == 4
+    resumed = layout_run([*RESHARD, *flags_b, "--load", ckpt], world_b, str(tmp_path / "b"))[0]
+    expected = {
+        **one_process_8,
+        "losses": one_process_8["losses"][4:],
+        "grad_norms": one_process_8["grad_norms"][4:],
+    }
+    assert_same_training(expected, resumed)

@@ -65,7 +65,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.plugins.models.gpt.plan import VOCAB_PARAMETERS
 
     fields = dict(config.get("model", {}))
-    if fields.pop("name", None) != "gpt":
+    if fields.pop("name", None) not in ("gpt", "moe"):
         raise MegaUsageError(f"--load {load}: mega generate runs GPT models")
     divisor = config.get("data", {}).get("make_vocab_size_divisible_by", 128)
     padded = padded_vocab_size(tokenizer.vocab_size, divisor)

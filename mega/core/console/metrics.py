@@ -76,6 +76,11 @@ def format_iteration_line(m: dict[str, float], train_iters: int) -> str:
     ]
     if "lm_loss" in m:
         parts.append(f"lm loss: {m['lm_loss']:.6E}")
+    for key in ("load_balancing_loss", "z_loss"):  # MoE routers, under Megatron's names
+        if key in m:
+            parts.append(f"{key}: {m[key]:.6E}")
+    if "dropped_token_fraction" in m:
+        parts.append(f"dropped tokens: {100 * m['dropped_token_fraction']:.2f}%")
     parts.append(f"loss scale: {m['loss_scale']:.1f}")
     if "grad_norm" in m:
         parts.append(f"grad norm: {m['grad_norm']:.3f}")
@@ -118,6 +123,8 @@ class TensorBoardSink:
         "tokens_per_s": "tokens-per-second",
         "tflops_per_gpu": "throughput",
         "global_batch_size": "batch-size",
+        "load_balancing_loss": "load_balancing_loss",
+        "z_loss": "z_loss",
     }
 
     def __init__(self, directory: str):

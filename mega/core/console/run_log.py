@@ -104,11 +104,16 @@ class RunLog:
         return float(peak) / 2**30
 
     def iteration_line(
-        self, interval: IntervalStats, result: Any, progress: dict[str, int]
+        self,
+        interval: IntervalStats,
+        result: Any,
+        progress: dict[str, int],
+        extra: dict[str, Any] | None = None,
     ) -> tuple[dict[str, float], int]:
         """Sync the interval's losses once, print the iteration line, feed the sinks.
         ``progress`` holds iteration, consumed_samples, skipped_total and nan_total (before this
-        interval's NaNs). Returns the line's metrics and the interval's NaN iterations."""
+        interval's NaNs); ``extra``: more metrics (the MoE routers'). Returns the line's metrics
+        and the interval's NaN iterations."""
         cfg, t = self.config, self.config.training
         elapsed_ms = interval.elapsed_ms_per_iteration()
         losses = self.dp_mean(interval.losses)
@@ -133,6 +138,7 @@ class RunLog:
             metrics["lm_loss"] = sum(finite) / len(finite)
         if interval.grad_norm is not None:
             metrics["grad_norm"] = float(interval.grad_norm)
+        metrics.update(extra or {})
         if self.device.type == "cuda":
             metrics["max_memory_gb"] = self._peak_memory_gb()
         self.display.print(format_iteration_line(metrics, cfg.train_iters))

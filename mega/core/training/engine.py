@@ -38,6 +38,7 @@ from mega.core.training.rng import seed_everything
 from mega.core.training.sample_schedule import batch_schedule, schedule_increment
 from mega.core.training.step import StepResult
 from mega.parallel.distributed import join_job
+from mega.parallel.expert.stats import router_metrics
 from mega.parallel.topology import Topology
 
 
@@ -232,7 +233,8 @@ class Engine:
             # the last step's (it differs from --global-batch-size during a ramp)
             "global_batch_size": self._previous_gbs or self.config.global_batch_size,
         }
-        metrics, nan_count = self.log.iteration_line(self.interval, result, progress)
+        extra = router_metrics(self.model, self.topology)  # MoE: load balancing, drops
+        metrics, nan_count = self.log.iteration_line(self.interval, result, progress, extra)
         self.nan_total += nan_count
         self.interval = IntervalStats()
         return metrics

@@ -36,7 +36,7 @@ def register_models(register) -> None:
 @hookimpl
 def validate_config(config) -> list[str]:
     """What the GPT model would refuse at build time, found with every other config problem."""
-    if config.model_name != "gpt" or not isinstance(config.model, GPTConfig):
+    if not isinstance(config.model, GPTConfig):  # the gpt model, or one built on it (moe)
         return []
     seq_length = config.training.seq_length
     max_positions = config.model.max_position_embeddings
