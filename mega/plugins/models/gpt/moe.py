@@ -231,8 +231,8 @@ class StackedLinear(nn.Module):
 
 class GroupedExperts(nn.Module):
     """The experts' MLPs. ``forward(x [N, h], counts [E])``: rows grouped by expert. A Python
-    loop over the experts, or on a GPU with ``--moe-grouped-gemm`` one grouped GEMM per linear
-    (``torch._grouped_mm``). Expert parallelism keeps a slice of the experts: ``first`` is the
+    loop over the experts, or in bf16 on a GPU with ``--moe-grouped-gemm`` one grouped GEMM per
+    linear (``torch._grouped_mm``, a bf16 kernel; other dtypes and the CPU run the loop). Expert parallelism keeps a slice of the experts: ``first`` is the
     global id of the first one held."""
 
     def __init__(self, cfg: GPTConfig) -> None:
@@ -258,7 +258,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        if self.grouped_gemm and x.is_cuda:
+        if self.grouped_gemm and x.is_cuda and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
