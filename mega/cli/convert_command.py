@@ -2,8 +2,8 @@
 
 Formats are plugins (``register_checkpoint_converters``): built in, ``mega`` (the sharded zarr
 checkpoint of ``mega train --save``), ``mega-torch`` (its one-file ``--ckpt-format torch``
-checkpoint), ``hf`` (Hugging Face ``config.json`` + safetensors of
-``GPT2LMHeadModel`` and ``LlamaForCausalLM``) and ``megatron`` (Megatron-LM GPT checkpoints,
+checkpoint), ``hf`` (Hugging Face ``config.json`` + safetensors of ``GPT2LMHeadModel``,
+``LlamaForCausalLM`` and ``MixtralForCausalLM``) and ``megatron`` (Megatron-LM GPT checkpoints,
 read only). SRC's format is detected; ``--to`` defaults to ``hf`` from a mega checkpoint and to
 ``mega`` otherwise. One tensor is in memory at a time.
 """

@@ -1,4 +1,5 @@
-"""How Hugging Face's GPT-2 and Llama models lay out the weights of mega's GPT, both ways.
+"""How Hugging Face's GPT-2 and Llama models lay out the weights of mega's GPT, both ways
+(Mixtral, a Llama with experts: ``hf_mixtral``).
 
 mega's (Megatron's) layouts differ from both: the QKV projection is one matrix whose rows are
 grouped per key/value head ``[np/ng query heads, key, value]``; SwiGLU's gate and up
@@ -18,6 +19,7 @@ from mega.core.errors import MegaUsageError
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
+MIXTRAL = "MixtralForCausalLM"  # its layout: hf_mixtral
 
 
 def merge_qkv(
@@ -185,6 +187,7 @@ def mega_to_gpt2(
 
 
 # ----------------------------------------------------------------------------- Llama
+# Mixtral (hf_mixtral) is a Llama whose MLPs are experts: it reuses the attention halves below.
 
 
 def _llama_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
@@ -194,20 +197,28 @@ def _llama_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
     return h, heads, groups, head_dim
 
 
-def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``LlamaForCausalLM``."""
+def _rope_theta(cfg: dict[str, Any], where: str) -> int:
+    """RoPE's base from ``rope_theta`` (transformers 4) or ``rope_parameters`` (5); scaled RoPE
+    variants are refused."""
+    parameters = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_scaling"):
+        raise MegaUsageError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported")
+    if parameters.get("rope_type", "default") != "default":
+        raise MegaUsageError(f"{where}: rope_type {parameters['rope_type']!r} is not supported")
+    theta = cfg.get("rope_theta") or parameters.get("rope_theta") or 10000.0
+    if float(theta) != int(theta):
+        raise MegaUsageError(f"{where}: rope_theta {theta} is not a whole number")
+    return int(theta)
+
+
+def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """mega's model section of a Llama-style ``config.json`` (Llama, Mixtral)."""
     for flag in ("attention_bias", "mlp_bias"):
         if cfg.get(flag):
             raise MegaUsageError(f"{where}: {flag} is true; mega's Llama-style GPT has no biases")
     if cfg.get("hidden_act", "silu") != "silu":
         raise MegaUsageError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported")
-    if cfg.get("rope_scaling"):
-        raise MegaUsageError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported")
-    theta = cfg.get("rope_theta", 10000.0)
-    if float(theta) != int(theta):
-        raise MegaUsageError(f"{where}: rope_theta {theta} is not a whole number")
     h, heads, groups, head_dim = _llama_shape(cfg)
-    tied = bool(cfg.get("tie_word_embeddings", False))
     model = {
         "name": "gpt",
         "num_layers": cfg["num_hidden_layers"],
@@ -216,11 +227,11 @@ def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) ->
         "group_query_attention": groups != heads,
         "ffn_hidden_size": cfg["intermediate_size"],
         "position_embedding_type": "rope",
-        "rotary_base": int(theta),
+        "rotary_base": _rope_theta(cfg, where),
         "normalization": "RMSNorm",
         "norm_epsilon": cfg.get("rms_norm_eps", 1e-6),
         "swiglu": True,
-        "untie_embeddings_and_output_weights": not tied,
+        "untie_embeddings_and_output_weights": not cfg.get("tie_word_embeddings", False),
         "hidden_dropout": 0.0,
         "attention_dropout": cfg.get("attention_dropout", 0.0),
         "add_bias_linear": False,
@@ -229,6 +240,15 @@ def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) ->
         model["num_query_groups"] = groups
     if head_dim != h // heads:
         model["kv_channels"] = head_dim
+    return model
+
+
+def llama_tensors_to_mega(
+    cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str, mlp: Any
+) -> dict[str, LazyTensor]:
+    """mega tensors of a Llama-style model: embeddings, attention, norms, output layer; each
+    layer's MLP from ``mlp(get, hf_prefix, mega_prefix) -> {mega name: tensor}``."""
+    h, heads, groups, _ = _llama_shape(cfg)
 
     def get(name: str) -> LazyTensor:
         return _need(hf, name, where)
@@ -246,50 +266,67 @@ def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) ->
         out[f"{dst}self_attention.linear_qkv.weight"] = _lazy((rows, h), q.dtype, qkv)
         out[f"{dst}self_attention.linear_proj.weight"] = get(f"{src}self_attn.o_proj.weight")
         out[f"{dst}pre_mlp_layernorm.weight"] = get(f"{src}post_attention_layernorm.weight")
-        gate, up = get(f"{src}mlp.gate_proj.weight"), get(f"{src}mlp.up_proj.weight")
-
-        def fc1(gate: LazyTensor = gate, up: LazyTensor = up) -> torch.Tensor:
-            return torch.cat([gate.load(), up.load()], dim=0)
-
-        out[f"{dst}mlp.linear_fc1.weight"] = _lazy((2 * gate.shape[0], h), gate.dtype, fc1)
-        out[f"{dst}mlp.linear_fc2.weight"] = get(f"{src}mlp.down_proj.weight")
+        out.update(mlp(get, src, dst))
     out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-    if not tied:
+    if not cfg.get("tie_word_embeddings", False):
         out["output_layer.weight"] = get("lm_head.weight")
-    return model, out
+    return out
 
 
-def mega_to_llama(
-    model: dict[str, Any], mega: dict[str, LazyTensor], vocab: int
-) -> tuple[dict, dict]:
-    """(config.json, HF tensors) of a ``LlamaForCausalLM`` from a mega GPT."""
-    h, heads, layers = model["hidden_size"], model["num_attention_heads"], model["num_layers"]
+def join_gate_up(gate: LazyTensor, up: LazyTensor) -> LazyTensor:
+    """SwiGLU's separate gate and up projections -> mega's ``[gate; up]`` fc1 rows."""
+    rows = (gate.shape[0] + up.shape[0], *gate.shape[1:])
+    return _lazy(rows, gate.dtype, lambda: torch.cat([gate.load(), up.load()], dim=0))
+
+
+def gate_or_up(fc1: LazyTensor, index: int) -> LazyTensor:
+    """Half ``index`` (0 gate, 1 up) of mega's ``[gate; up]`` fc1 rows."""
+    shape = (fc1.shape[0] // 2, *fc1.shape[1:])
+    return _lazy(shape, fc1.dtype, lambda: fc1.load().chunk(2, dim=0)[index].contiguous())
+
+
+def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``LlamaForCausalLM``."""
+
+    def mlp(get: Any, src: str, dst: str) -> dict[str, LazyTensor]:
+        gate, up = get(f"{src}mlp.gate_proj.weight"), get(f"{src}mlp.up_proj.weight")
+        return {
+            f"{dst}mlp.linear_fc1.weight": join_gate_up(gate, up),
+            f"{dst}mlp.linear_fc2.weight": get(f"{src}mlp.down_proj.weight"),
+        }
+
+    return llama_model_section(cfg, where), llama_tensors_to_mega(cfg, hf, where, mlp)
+
+
+def llama_config(model: dict[str, Any], vocab: int, ffn: int) -> dict[str, Any]:
+    """The ``config.json`` fields a Llama-style HF model shares with mega's GPT."""
+    h, heads = model["hidden_size"], model["num_attention_heads"]
     groups = model.get("num_query_groups") or (1 if model.get("group_query_attention") else heads)
-    head_dim = model.get("kv_channels") or h // heads
-    ffn = mega["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
-    tied = not model.get("untie_embeddings_and_output_weights", False)
-    config = {
-        "architectures": [LLAMA],
-        "model_type": "llama",
+    return {
         "vocab_size": vocab,
         "hidden_size": h,
         "intermediate_size": ffn,
-        "num_hidden_layers": layers,
+        "num_hidden_layers": model["num_layers"],
         "num_attention_heads": heads,
         "num_key_value_heads": groups,
-        "head_dim": head_dim,
+        "head_dim": model.get("kv_channels") or h // heads,
         "hidden_act": "silu",
         "rms_norm_eps": model.get("norm_epsilon", 1e-5),
         "rope_theta": float(model.get("rotary_base", 10000)),
         "max_position_embeddings": model.get("max_position_embeddings") or 4096,
-        "attention_bias": False,
-        "mlp_bias": False,
         "attention_dropout": model.get("attention_dropout", 0.0),
         "initializer_range": model.get("init_method_std", 0.02),
-        "tie_word_embeddings": tied,
+        "tie_word_embeddings": not model.get("untie_embeddings_and_output_weights", False),
     }
+
+
+def mega_tensors_to_llama(
+    config: dict[str, Any], mega: dict[str, LazyTensor], mlp: Any
+) -> dict[str, LazyTensor]:
+    """HF tensors of a Llama-style model from mega's (inverse of :func:`llama_tensors_to_mega`)."""
+    h, heads, groups, head_dim = _llama_shape(config)
     out = {"model.embed_tokens.weight": mega["embedding.word_embeddings.weight"]}
-    for i in range(layers):
+    for i in range(config["num_hidden_layers"]):
         src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
         qkv = mega[f"{src}self_attention.linear_qkv.weight"]
         for index, (x, rows) in enumerate(
@@ -303,18 +340,35 @@ def mega_to_llama(
         out[f"{dst}input_layernorm.weight"] = mega[f"{src}input_layernorm.weight"]
         out[f"{dst}self_attn.o_proj.weight"] = mega[f"{src}self_attention.linear_proj.weight"]
         out[f"{dst}post_attention_layernorm.weight"] = mega[f"{src}pre_mlp_layernorm.weight"]
-        fc1 = mega[f"{src}mlp.linear_fc1.weight"]
-        for index, x in enumerate(("gate", "up")):
-
-            def half(t: LazyTensor = fc1, index: int = index) -> torch.Tensor:
-                return t.load().chunk(2, dim=0)[index].contiguous()
-
-            out[f"{dst}mlp.{x}_proj.weight"] = _lazy((ffn, h), fc1.dtype, half)
-        out[f"{dst}mlp.down_proj.weight"] = mega[f"{src}mlp.linear_fc2.weight"]
+        out.update(mlp(src, dst))
     out["model.norm.weight"] = mega["decoder.final_layernorm.weight"]
-    if not tied:
+    if not config["tie_word_embeddings"]:
         out["lm_head.weight"] = mega["output_layer.weight"]
-    return config, out
+    return out
+
+
+def mega_to_llama(
+    model: dict[str, Any], mega: dict[str, LazyTensor], vocab: int
+) -> tuple[dict, dict]:
+    """(config.json, HF tensors) of a ``LlamaForCausalLM`` from a mega GPT."""
+    ffn = mega["decoder.layers.0.mlp.linear_fc2.weight"].shape[1]
+    config = {
+        "architectures": [LLAMA],
+        "model_type": "llama",
+        **llama_config(model, vocab, ffn),
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+    def mlp(src: str, dst: str) -> dict[str, LazyTensor]:
+        fc1 = mega[f"{src}mlp.linear_fc1.weight"]
+        return {
+            f"{dst}mlp.gate_proj.weight": gate_or_up(fc1, 0),
+            f"{dst}mlp.up_proj.weight": gate_or_up(fc1, 1),
+            f"{dst}mlp.down_proj.weight": mega[f"{src}mlp.linear_fc2.weight"],
+        }
+
+    return config, mega_tensors_to_llama(config, mega, mlp)
 
 
 def hf_architecture(model: dict[str, Any]) -> str:
@@ -322,6 +376,15 @@ def hf_architecture(model: dict[str, Any]) -> str:
     rope = model.get("position_embedding_type") == "rope"
     rms = model.get("normalization") == "RMSNorm"
     swiglu, bias = bool(model.get("swiglu")), bool(model.get("add_bias_linear", True))
+    if model.get("num_experts"):
+        if rope and rms and swiglu and not bias:
+            return MIXTRAL
+        raise MegaUsageError(
+            f"a mixture-of-experts model converts to Hugging Face as {MIXTRAL} only (rope,"
+            f" RMSNorm, SwiGLU, --disable-bias-linear): position embedding"
+            f" {model.get('position_embedding_type')}, {model.get('normalization')},"
+            f" swiglu {swiglu}, biases {bias}"
+        )
     if rope and rms and swiglu and not bias:
         return LLAMA
     if not rope and not rms and not swiglu and bias:

@@ -1,5 +1,6 @@
 """Hugging Face models (``config.json`` + ``*.safetensors``) as a ``mega convert-checkpoint``
-format: ``GPT2LMHeadModel`` and ``LlamaForCausalLM`` (the layouts are in ``hf_layouts``).
+format: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``MixtralForCausalLM`` (the layouts are in
+``hf_layouts`` and ``hf_mixtral``).
 
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
@@ -35,12 +36,13 @@ def detect(path: Path) -> bool:
 
 
 def read(path: Path) -> ModelWeights:
-    from mega.plugins.convert import hf_layouts
+    from mega.plugins.convert import hf_layouts, hf_mixtral
     from mega.plugins.convert.safetensors_files import read_lazy
 
     readers = {
         hf_layouts.GPT2: hf_layouts.gpt2_to_mega,
         hf_layouts.LLAMA: hf_layouts.llama_to_mega,
+        hf_layouts.MIXTRAL: hf_mixtral.mixtral_to_mega,
     }
     try:
         config = json.loads((path / "config.json").read_text())
@@ -70,16 +72,17 @@ def read(path: Path) -> ModelWeights:
 
 
 def write(path: Path, weights: ModelWeights) -> None:
-    from mega.plugins.convert import hf_layouts
+    from mega.plugins.convert import hf_layouts, hf_mixtral
     from mega.plugins.convert.safetensors_files import write_files
 
     writers = {
         hf_layouts.GPT2: hf_layouts.mega_to_gpt2,
         hf_layouts.LLAMA: hf_layouts.mega_to_llama,
+        hf_layouts.MIXTRAL: hf_mixtral.mega_to_mixtral,
     }
     architecture = hf_layouts.hf_architecture(weights.model)
     config, tensors = writers[architecture](weights.model, weights.tensors, weights.vocab_size)
-    if architecture == hf_layouts.LLAMA and not weights.model.get("max_position_embeddings"):
+    if architecture != hf_layouts.GPT2 and not weights.model.get("max_position_embeddings"):
         # rope has no position table; the length the model was trained at is the honest limit
         config["max_position_embeddings"] = weights.seq_length or config["max_position_embeddings"]
     dtype = str(weights.tensors["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
@@ -101,6 +104,9 @@ def register_checkpoint_converters(register):
             read=read,
             write=write,
             detect=detect,
-            description="Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM",
+            description=(
+                "Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM,"
+                " MixtralForCausalLM"
+            ),
         )
     )
