@@ -234,12 +234,20 @@ def fresh_gpu() -> None:
 
 
 def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags: str) -> dict:
+    log_interval = math.gcd(args.warmup, args.iters)
+    argv = mega_argv(args, total_iters, log_interval, flags)
+    return train_mega(argv, clock, args.warmup, args.iters)
+
+
+def train_mega(argv: list[str], clock: StepClock, warmup: int, iters: int) -> dict:
+    """``Engine(resolve_config(argv)).train()`` with ``clock`` told of every step's end; the
+    iteration lines' numbers over the timed steps (``warmup`` < iteration <= ``warmup + iters``;
+    ``argv``'s ``--log-interval`` must divide both)."""
     from mega import hookimpl
     from mega.core.config.resolve import resolve_config
     from mega.core.plugins.manager import make_plugins
     from mega.core.training.engine import Engine
 
-    log_interval = math.gcd(args.warmup, args.iters)
     lines: list[dict] = []
 
     class Clock:
@@ -251,11 +259,10 @@ def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags
 
     plugins = make_plugins()
     plugins.pm.register(Clock(), name="benchmark-clock")
-    argv = mega_argv(args, total_iters, log_interval, flags)
     config = resolve_config(argv, plugins)
     engine = Engine(config, plugins)
     engine.train()
-    timed = [m for m in lines if args.warmup < m["iteration"] <= args.warmup + args.iters]
+    timed = [m for m in lines if warmup < m["iteration"] <= warmup + iters]
     result = {
         "argv": argv,
         "iteration_line_tflops": statistics.mean(m["tflops_per_gpu"] for m in timed),
@@ -263,6 +270,7 @@ def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags
         "loss": statistics.mean(m["lm_loss"] for m in timed),
         "first_loss": lines[0]["lm_loss"],
         "flops_per_token": engine.flops_per_token,
+        "last_iteration_line": {k: v for k, v in timed[-1].items() if isinstance(v, (int, float))},
     }
     del engine
     return result
