@@ -185,8 +185,9 @@ def run_system(
     fresh_gpu()
     cuda = args.device == "cuda"
     baseline = torch.cuda.memory_allocated() if cuda else 0
-    total_iters = args.warmup + args.iters
-    clock = StepClock(args.warmup + 1, args.warmup + args.iters, 0, cuda)
+    profile_steps = 3 if args.profile and cuda else 0
+    total_iters = args.warmup + args.iters + profile_steps
+    clock = StepClock(args.warmup + 1, args.warmup + args.iters, profile_steps, cuda)
     started = time.perf_counter()
     if name == "mega":
         argv = mega_argv(args, total_iters, math.gcd(args.warmup, args.iters), flags)
@@ -209,6 +210,8 @@ def run_system(
         else None,
         loss=round(row["loss"], 5),
     )
+    if clock.table:
+        row["profile"] = clock.table
     return row
 
 
@@ -258,6 +261,7 @@ def main() -> None:
         help="extra mega train flags, quoted; repeat to run mega once per set"
         f" (default: {' and '.join(repr(f) for f in MEGA_FLAGS)})",
     )
+    parser.add_argument("--profile", action="store_true", help="a kernel table of 3 more steps")
     parser.add_argument("--name", default="moe_throughput", help="result file name prefix")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
@@ -278,7 +282,8 @@ def main() -> None:
     for name in systems:
         for flags in (args.mega_flags or MEGA_FLAGS) if name == "mega" else [""]:
             rows.append(run_system(name, args, flags, checkpoint, flops))
-            print(json.dumps({k: v for k, v in rows[-1].items() if k != "argv"}), flush=True)
+            shown = {k: v for k, v in rows[-1].items() if k not in ("argv", "profile")}
+            print(json.dumps(shown), flush=True)
     import transformers
 
     from mega import __version__
@@ -305,6 +310,9 @@ def main() -> None:
     }  # fmt: skip
     path = Path(args.out) / f"{args.name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    for row in rows:
+        if "profile" in row:
+            print(f"--- {row['system']}\n{row['profile']}")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {path}")
 

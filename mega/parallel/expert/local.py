@@ -70,12 +70,72 @@ def local_mixture(
     first: int,
     count: int,
     pad_to: int | None = None,
+    complete: bool = False,
 ) -> torch.Tensor:
     """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` over the slots whose expert is
-    held here (``[T, h]``, zero for tokens with none), in ``tokens``' dtype."""
+    held here (``[T, h]``, zero for tokens with none), in ``tokens``' dtype. ``complete``: every
+    slot goes to an expert held here (all experts are local and none was dropped), see
+    :func:`complete_mixture`."""
+    if complete:
+        return complete_mixture(tokens, probs, indices, experts, count, pad_to)
     job = assign(indices, first, count)
     y = run_experts(tokens.index_select(0, job.tokens), job.counts, experts, pad_to)
     weights = probs.reshape(-1).index_select(0, job.slots).float().unsqueeze(1)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     out = out.index_add(0, job.tokens, y.float() * weights)
     return out.to(tokens.dtype)
+
+
+class _ToExperts(torch.autograd.Function):
+    """``rows[r] = tokens[order[r] // k]``: each token's ``k`` slots, in expert order. Backward
+    gathers the rows back into slot order and sums each token's ``k`` (float32), where the
+    generic gather's backward would scatter-add with atomics."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int):
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return tokens.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        per_slot = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])
+        return per_slot.float().sum(1).to(grad.dtype), None, None, None
+
+
+class _ToSlots(torch.autograd.Function):
+    """``slots[s] = rows[inverse[s]]``: expert-ordered rows back in slot order; a permutation,
+    so backward is the opposite gather."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(order)
+        return rows.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, order), None, None
+
+
+def complete_mixture(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    experts: Experts,
+    count: int,
+    pad_to: int | None = None,
+) -> torch.Tensor:
+    """:func:`local_mixture` when every slot's expert is here: the slots are a permutation, so
+    no shape depends on the data (a compiled layer is one graph, nothing waits for the GPU), and
+    tokens move by gathers both ways, never by atomic scatter-adds."""
+    t, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order inside
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device))
+    counts = torch.zeros(count, dtype=flat.dtype, device=flat.device)
+    counts = counts.index_add(0, flat, torch.ones_like(flat))
+    y = run_experts(_ToExperts.apply(tokens, order, inverse, k), counts, experts, pad_to)
+    slots = _ToSlots.apply(y, order, inverse).view(t, k, -1)
+    return (slots.float() * probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)

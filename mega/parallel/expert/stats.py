@@ -2,7 +2,7 @@
 
 Each MoE layer's router sums, on the device, what it saw in training forwards since the last
 line (``router.stats``: the load-balancing and z losses without their coefficients, tokens per
-expert, dropped and routed slots; ``calls`` forwards). Here they become the line's numbers, as
+expert, dropped and routed slots, the forwards). Here they become the line's numbers, as
 Megatron prints them: each loss averaged over the MoE layers (of every pipeline stage), the
 forwards and the data-parallel ranks. Under sequence parallelism a tensor-parallel rank's
 load-balancing loss is its share of the micro-batch's (the shares add up), its z-loss a mean
@@ -34,9 +34,11 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
     # [layers, calls, lb, z, has lb, has z, dropped, routed, tokens per expert...]
     totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
     for router in routers:
-        sums, calls = router.stats.take()
+        sums = router.stats.take()
+        if "calls" not in sums:  # no training forward on this stage's router since the last line
+            continue
         totals[0] += 1
-        totals[1] += calls
+        totals[1] += sums["calls"].double()
         for slot, name in ((2, "load_balancing_loss"), (3, "z_loss")):
             if name in sums:
                 totals[slot] += sums[name].double()

@@ -226,7 +226,8 @@ class PipelineExecutor:
         self._weight_grads: dict[tuple[int, int], WeightGradQueue] = {}
         unwaited: comm.PostedBatch | None = None  # a batch the weight gradients after it overlap
         scale = grad_scale / len(microbatches)
-        set_backward_scale(scale)  # losses added inside the forward (MoE) get the same scale
+        # losses added inside the forward (MoE) get the same scale
+        set_backward_scale(scale, self.device)
         losses = []
         timer = self.timing if train else None
         for index, step in enumerate(steps):

@@ -56,7 +56,9 @@ class Routing:
 
 class RouterStats:
     """What the router saw since the last ``take()``, summed on the device (no host sync):
-    load-balancing and z losses (without their coefficients), tokens per expert, drops."""
+    load-balancing and z losses (without their coefficients), tokens per expert, drops, and the
+    number of forwards (``calls``). Tensors only, so that a compiled layer adds to them without
+    recompiling (a Python counter would be a new constant at every call)."""
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
@@ -64,16 +66,15 @@ class RouterStats:
 
     def reset(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
-        self.calls = 0
 
     def add(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()
         self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
-    def take(self) -> tuple[dict[str, torch.Tensor], int]:
-        sums, calls = self.sums, self.calls
+    def take(self) -> dict[str, torch.Tensor]:
+        sums = self.sums
         self.reset()
-        return sums, calls
+        return sums
 
 
 class Router(nn.Module):
@@ -124,12 +125,19 @@ class Router(nn.Module):
         if self.capacity_factor is not None:
             probs, indices, capacity = self._drop(probs, indices, b, s)
         if self.training:
-            self.stats.calls += 1
-            kept = indices[indices >= 0]
-            self.stats.add("tokens_per_expert", torch.bincount(kept, minlength=self.num_experts))
-            self.stats.add("dropped", (indices < 0).sum())
-            self.stats.add("routed", torch.tensor(float(indices.numel())))
+            self._record(indices)
         return Routing(probs, indices, capacity, self.pad)
+
+    def _record(self, indices: torch.Tensor) -> None:
+        kept = (indices >= 0).flatten().float()
+        # fixed shapes (no boolean indexing, no bincount): the layer compiles as one graph
+        per_expert = kept.new_zeros(self.num_experts).index_add(
+            0, indices.flatten().clamp(min=0), kept
+        )
+        self.stats.add("calls", kept.new_ones(()))
+        self.stats.add("tokens_per_expert", per_expert)
+        self.stats.add("dropped", kept.numel() - kept.sum())
+        self.stats.add("routed", kept.new_full((), float(kept.numel())))
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.score_function == "softmax":
@@ -277,7 +285,7 @@ class LocalDispatcher:
     ) -> torch.Tensor:
         return local_mixture(
             tokens, routing.probs, routing.indices, experts, experts.first, experts.count,
-            pad_to=routing.pad_to(),
+            pad_to=routing.pad_to(), complete=routing.capacity is None,
         )  # fmt: skip
 
 

@@ -1,0 +1,86 @@
+"""MoE layers under ``torch.compile`` (on by default on a GPU): the dropless single-device path
+has no data-dependent shapes, so the router and the token shuffle trace as one graph, and the
+auxiliary losses' backward scale is read at run time, not frozen into the compiled backward."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from mega import BuildContext
+from mega.core.config.resolve import resolve_config
+from mega.core.plugins.manager import make_plugins
+from mega.parallel.expert.aux_loss import set_backward_scale
+from mega.parallel.expert.local import local_mixture
+
+
+def _routing(tokens: int = 32, k: int = 2, experts: int = 4):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, experts, generator=g)
+    probs, indices = torch.topk(torch.softmax(logits, -1), k, dim=1)
+    return torch.randn(tokens, 8, generator=g), probs, indices
+
+
+def _graph_breaks(complete: bool) -> int:
+    x, probs, indices = _routing()
+
+    def mixture(x, probs, indices):
+        # experts that ignore the counts: only the routing's own shuffle is traced
+        return local_mixture(x, probs, indices, lambda y, counts: 2 * y, 0, 4, complete=complete)
+
+    return torch._dynamo.explain(mixture)(x, probs, indices).graph_break_count
+
+
+def test_the_dropless_local_shuffle_traces_without_graph_breaks():
+    torch._dynamo.reset()
+    assert _graph_breaks(complete=True) == 0
+    assert _graph_breaks(complete=False) > 0  # with drops or expert parallelism: nonzero()
+
+
+def test_the_complete_path_equals_the_general_one_with_its_gradients():
+    x, probs, indices = _routing(k=3)
+    experts = lambda y, counts: torch.cat(  # noqa: E731  a different function per expert
+        [piece.square() * (e + 1) for e, piece in enumerate(y.split(counts.tolist()))]
+    )
+    results = []
+    for complete in (False, True):
+        inputs = (x.clone().requires_grad_(), probs.clone().requires_grad_())
+        out = local_mixture(*inputs[:1], inputs[1], indices, experts, 0, 4, complete=complete)
+        out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+        results.append((out, inputs[0].grad, inputs[1].grad))
+    for general, complete in zip(*results, strict=True):
+        torch.testing.assert_close(complete, general, rtol=1e-6, atol=1e-6)
+
+
+def _moe_layer() -> torch.nn.Module:
+    plugins = make_plugins()
+    config = resolve_config(
+        ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
+         "4", "--moe-ffn-hidden-size", "16", "--moe-z-loss-coeff", "1e-3"],
+        plugins,
+    )  # fmt: skip
+    ctx = BuildContext(
+        seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
+        tokenizer=None, topology=None,
+    )  # fmt: skip
+    return plugins.models.get("moe").build(config.model, ctx).decoder.layers[0].train()
+
+
+def test_a_compiled_layer_scales_the_aux_loss_gradient_as_it_is_set_at_run_time():
+    torch._dynamo.reset()
+    eager = _moe_layer()
+    compiled = copy.deepcopy(eager)
+    compiled.compile(backend="aot_eager")
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    for scale in (1.0, 0.25):  # the compiled backward is traced at the first scale
+        set_backward_scale(scale, torch.device("cpu"))
+        grads = []
+        for layer in (eager, compiled):
+            layer.zero_grad()
+            # a main loss with no gradient: the router's gradient is the auxiliary losses' alone
+            (layer(x.clone()).sum() * 0).backward()
+            grads.append(layer.mlp.router.weight.grad.clone())
+        assert grads[0].abs().max() > 0
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=0)
+    set_backward_scale(1.0)
