@@ -132,10 +132,13 @@ def complete_mixture(
     tokens move by gathers both ways, never by atomic scatter-adds."""
     t, k = indices.shape
     flat = indices.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # slots grouped by expert, token order inside
+    # slots grouped by expert, token order inside
+    grouped, order = torch.sort(flat, stable=True)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device))
-    counts = torch.zeros(count, dtype=flat.dtype, device=flat.device)
-    counts = counts.index_add(0, flat, torch.ones_like(flat))
+    # each expert's first slot in the sorted ids (an int64 index_add would be a slow, serial
+    # fallback kernel under compile: every slot of an expert adds to the same count)
+    bounds = torch.searchsorted(grouped, torch.arange(count + 1, device=flat.device))
+    counts = bounds.diff()
     y = run_experts(_ToExperts.apply(tokens, order, inverse, k), counts, experts, pad_to)
     slots = _ToSlots.apply(y, order, inverse).view(t, k, -1)
     return (slots.float() * probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)

@@ -130,10 +130,10 @@ class Router(nn.Module):
 
     def _record(self, indices: torch.Tensor) -> None:
         kept = (indices >= 0).flatten().float()
-        # fixed shapes (no boolean indexing, no bincount): the layer compiles as one graph
-        per_expert = kept.new_zeros(self.num_experts).index_add(
-            0, indices.flatten().clamp(min=0), kept
-        )
+        # fixed shapes (no boolean indexing, no bincount): the layer compiles as one graph; a
+        # comparison and a sum, not an index_add (its atomics pile up on few experts)
+        experts = torch.arange(self.num_experts, device=indices.device)
+        per_expert = (indices.unsqueeze(-1) == experts).sum((0, 1)).float()
         self.stats.add("calls", kept.new_ones(()))
         self.stats.add("tokens_per_expert", per_expert)
         self.stats.add("dropped", kept.numel() - kept.sum())
@@ -271,8 +271,11 @@ class GroupedExperts(nn.Module):
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
         pieces = x.split(counts.tolist())
+        # unbind: one stack in backward (indexing w1[e] would add a full-size zero gradient
+        # per expert)
+        w1s, w2s = w1.unbind(0), w2.unbind(0)
         outputs = [
-            self._activation(piece @ w1[e].t()) @ w2[e].t() for e, piece in enumerate(pieces)
+            self._activation(piece @ w1s[e].t()) @ w2s[e].t() for e, piece in enumerate(pieces)
         ]
         return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
