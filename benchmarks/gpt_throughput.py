@@ -357,18 +357,25 @@ def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
         row = run_reference(args, clock, total_iters, fp32_master=name.endswith("fp32-master"))
     label = f"{name} {flags}".strip()
     row = {"system": label, **row, "wall_s": round(time.perf_counter() - started, 1)}
-    step_ms = statistics.median(clock.step_ms())
-    tokens_per_s = args.gbs * args.seq / (step_ms / 1e3)
     flops = row.pop("flops_per_token", None) or megatron_flops_per_token(args)
-    tflops = tokens_per_s * flops / 1e12
+    return with_timing(row, clock, args.gbs * args.seq, flops, baseline)
+
+
+def with_timing(
+    row: dict, clock: StepClock, tokens_per_step: int, flops_per_token: float, baseline: int
+) -> dict:
+    """``row`` with the clock's median step, tokens/s, TFLOP/s, MFU, the peak memory above
+    ``baseline`` (bytes a previous system left allocated) and the profile table, if any."""
+    step_ms = statistics.median(clock.step_ms())
+    tokens_per_s = tokens_per_step / (step_ms / 1e3)
+    tflops = tokens_per_s * flops_per_token / 1e12
+    peak = torch.cuda.max_memory_allocated() - baseline if clock.cuda else None
     row.update(
         step_ms=round(step_ms, 2),
         tokens_per_s=round(tokens_per_s),
         tflops=round(tflops, 1),
         mfu=round(tflops / PEAK_TFLOPS, 4),
-        peak_memory_gib=round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2)
-        if cuda
-        else None,
+        peak_memory_gib=round(peak / 2**30, 2) if peak is not None else None,
         memory_left_by_earlier_systems_gib=round(baseline / 2**30, 2),
         loss=round(row["loss"], 5),
     )

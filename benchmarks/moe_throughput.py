@@ -40,7 +40,6 @@ import math
 import os
 import platform
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_throughput import PEAK_TFLOPS, StepClock, fresh_gpu, train_mega  # noqa: E402
+from gpt_throughput import PEAK_TFLOPS, StepClock, fresh_gpu, train_mega, with_timing  # noqa: E402
 
 LR, WARMUP, BETAS, EPS, WEIGHT_DECAY, CLIP, AUX = 2e-4, 5, (0.9, 0.999), 1e-8, 0.01, 1.0, 1e-2
 HF_SYSTEMS = ("hf-eager", "hf-eager-compile", "hf-grouped_mm", "hf-grouped_mm-compile")
@@ -197,22 +196,7 @@ def run_system(
         row = run_hf(args, clock, total_iters, name, checkpoint)
     label = f"{name} {flags}".strip()
     row = {"system": label, **row, "wall_s": round(time.perf_counter() - started, 1)}
-    step_ms = statistics.median(clock.step_ms())
-    tokens_per_s = args.gbs * args.seq / (step_ms / 1e3)
-    tflops = tokens_per_s * flops / 1e12
-    row.update(
-        step_ms=round(step_ms, 2),
-        tokens_per_s=round(tokens_per_s),
-        tflops=round(tflops, 1),
-        mfu=round(tflops / PEAK_TFLOPS, 4),
-        peak_memory_gib=round((torch.cuda.max_memory_allocated() - baseline) / 2**30, 2)
-        if cuda
-        else None,
-        loss=round(row["loss"], 5),
-    )
-    if clock.table:
-        row["profile"] = clock.table
-    return row
+    return with_timing(row, clock, args.gbs * args.seq, flops, baseline)
 
 
 def summarise(rows: list[dict]) -> dict:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from megatron_cpu import megatron_on_cpu
 
 from mega.core.convert.convert import convert
 from mega.core.errors import MegaUsageError
@@ -73,16 +74,10 @@ MODELS = {
 
 
 def _cpu_shim() -> None:
-    """megatron-core on CPU (platform notes §3): its CUDA calls become CPU ones."""
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
-    import megatron.core.tensor_parallel.random as r
+    """megatron-core's checkpoint saving on CPU."""
+    megatron_on_cpu()
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    r._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    r._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     # the forked checkpoint writer logs its memory through psutil, which is not installed:
     # without this it dies and the save waits forever
     filesystem_async._process_memory = lambda: 0

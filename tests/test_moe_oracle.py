@@ -17,6 +17,7 @@ import importlib.util
 
 import pytest
 import torch
+from megatron_cpu import megatron_on_cpu
 
 from mega.testing.ranks import run_ranks
 
@@ -113,16 +114,10 @@ def _to_mega_order(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_shim() -> None:
-    """megatron-core's MoE on CPU (platform notes §3)."""
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
-    import megatron.core.tensor_parallel.random as r
+    """megatron-core's MoE on CPU."""
+    megatron_on_cpu()
     import megatron.core.transformer.moe.moe_utils as mu
 
-    r._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    r._set_cuda_rng_state = lambda s, *a, **k: torch.set_rng_state(s)
     if not hasattr(mu, "te_general_gemm"):  # 0.16.1 refers to it without Transformer Engine
         mu.te_general_gemm = None
 

@@ -5,6 +5,8 @@
 | ``gather_rows``   | all-gather (every rank's rows, in rank order) | reduce-scatter (own rows) |
 | ``scatter_rows``  | reduce-scatter (sum, keep own rows)    | all-gather                      |
 | ``exchange_rows`` | all-to-all with uneven row counts      | the reverse all-to-all          |
+
+The first two are the tensor-parallel mappings' along dim 0 (:mod:`mega.parallel.tensor.mappings`).
 """
 
 from __future__ import annotations
@@ -14,49 +16,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mega.parallel.comm import all_gather_into, group_size, reduce_scatter_into
-
-
-def _gather(x: torch.Tensor, group: Any) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    all_gather_into(out, x, group)
-    return out
-
-
-def _scatter(x: torch.Tensor, group: Any) -> torch.Tensor:
-    x = x.contiguous()
-    out = x.new_empty((x.shape[0] // group_size(group), *x.shape[1:]))
-    reduce_scatter_into(out, x, group)
-    return out
+from mega.parallel.tensor.mappings import gather_along, reduce_scatter_along
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
     return out
-
-
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _scatter(grad, ctx.group), None
-
-
-class _ScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _scatter(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather(grad, ctx.group), None
 
 
 class _ExchangeRows(torch.autograd.Function):
@@ -72,12 +38,12 @@ class _ExchangeRows(torch.autograd.Function):
 
 def gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's ``x`` concatenated in rank order (same row count on every rank)."""
-    return x if group is None else _GatherRows.apply(x, group)
+    return x if group is None else gather_along(x, group, 0)
 
 
 def scatter_rows(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` summed over the ranks; this rank keeps its ``1/size`` of the rows."""
-    return x if group is None else _ScatterRows.apply(x, group)
+    return x if group is None else reduce_scatter_along(x, group, 0)
 
 
 def exchange_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:

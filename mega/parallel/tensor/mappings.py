@@ -10,6 +10,8 @@ Each function is one collective in forward and its adjoint in backward:
 | ``scatter_to_sequence``        | keep own slice (dim 1)   | all-gather (dim 1)        |
 | ``gather_from_sequence``       | all-gather (dim 1)       | reduce-scatter (dim 1)    |
 | ``reduce_scatter_to_sequence`` | reduce-scatter (dim 1)   | all-gather (dim 1)        |
+| ``gather_along`` (any dim)     | all-gather               | reduce-scatter            |
+| ``reduce_scatter_along``       | reduce-scatter           | all-gather                |
 
 Activations are batch-first ``[b, s, h]``, so the sequence dim is 1. The collectives work on dim
 0, so the sequence is moved to the front (one copy) and back (a view). ``group`` None means a
@@ -119,28 +121,38 @@ class _ScatterToSequence(torch.autograd.Function):
         return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
 
 
-class _GatherFromSequence(torch.autograd.Function):
+class _GatherAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, SEQUENCE_DIM, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        # Every rank used the whole gathered sequence: the gradient of this rank's slice is the
+        # Every rank used the whole gathered tensor: the gradient of this rank's slice is the
         # sum of every rank's gradient for that slice.
-        return _reduce_scatter(grad, SEQUENCE_DIM, ctx.group), None
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
-class _ReduceScatterToSequence(torch.autograd.Function):
+class _ReduceScatterAlong(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter(x, SEQUENCE_DIM, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, SEQUENCE_DIM, ctx.group), None
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def gather_along(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` (rank order); reduce-scatter backward."""
+    return _GatherAlong.apply(x, dim, group)
+
+
+def reduce_scatter_along(x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:
+    """``x`` summed over the ranks, this rank's slice along ``dim``; all-gather backward."""
+    return _ReduceScatterAlong.apply(x, dim, group)
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -165,9 +177,9 @@ def scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
 
 def gather_from_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[b, s/tp, h]`` -> ``[b, s, h]`` on every rank; reduce-scatter backward."""
-    return _GatherFromSequence.apply(x, group)
+    return gather_along(x, group, SEQUENCE_DIM)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Partial sums ``[b, s, h]`` -> this rank's summed ``[b, s/tp, h]``; all-gather backward."""
-    return _ReduceScatterToSequence.apply(x, group)
+    return reduce_scatter_along(x, group, SEQUENCE_DIM)
