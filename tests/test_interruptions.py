@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mega.testing.commands import with_free_port
+
 from conftest import TINY, run_mega
 
 # Stops the run inside step_end of iteration STOP (after its iteration line), where the test
@@ -38,7 +40,7 @@ def _interrupt(tmp_path: Path, args: list[str], ranks: int = 1) -> subprocess.Co
     (plugin_dir / "hang_in_step_end.py").write_text(HANG_PLUGIN)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGA_PLUGINS_DIR": str(plugin_dir)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mega", "train", *args],
+        [sys.executable, "-m", "mega", "train", *with_free_port(args)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
         # a terminal's foreground job takes Ctrl-C; a job started with & from a script (a CI

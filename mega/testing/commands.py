@@ -51,11 +51,23 @@ def invoke(args: list[str], plugins: Any) -> CommandResult:
     return CommandResult(code, out.getvalue(), err.getvalue())
 
 
+def with_free_port(args: list[str]) -> list[str]:
+    """``args`` plus ``--master-port FREE`` when they launch ranks on one node and name no port."""
+    from mega.testing.ranks import free_port
+
+    launches = any(a.startswith("--nproc") for a in args)
+    named = any(a.startswith(("--master-port", "--master_port", "--nnodes")) for a in args)
+    return [*args, "--master-port", str(free_port())] if launches and not named else list(args)
+
+
 def run_mega(
     args: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """Run the real ``mega`` console entry point in a subprocess (one torch thread, no
-    third-party plugins unless ``env`` turns autoload back on)."""
+    third-party plugins unless ``env`` turns autoload back on). A launched single-node job
+    gets a free rendezvous port unless ``args`` name one: tests that run side by side
+    (``pytest -n``) would otherwise meet at the default 29500."""
+    args = with_free_port(args)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGA_DISABLE_PLUGIN_AUTOLOAD": "1"}
     full_env.update(env or {})
     return subprocess.run(
