@@ -60,10 +60,22 @@ def mega_argv(
     """The ``mega train`` flags of the benchmark model (the library API takes the same list)."""
     return [
         "--model", "gpt", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
-        "--num-attention-heads", str(args.heads), "--seq-length", str(args.seq),
-        "--max-position-embeddings", str(args.seq), "--device", args.device,
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(args.vocab - 1),
-        "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
+        "--num-attention-heads", str(args.heads), "--hidden-dropout", "0",
+        "--attention-dropout", "0",
+        *run_argv(args, train_iters, log_interval, flags),
+    ]  # fmt: skip
+
+
+def run_argv(
+    args: argparse.Namespace, train_iters: int, log_interval: int, flags: str = ""
+) -> list[str]:
+    """The flags every benchmark's mega run shares after its model's: mock data of ``args.seq``
+    tokens and ``args.vocab`` (padded) entries, bf16, the batch, AdamW and its schedule, no
+    evaluation, then the extra ``flags``."""
+    return [
+        "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
+        "--device", args.device, "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(args.vocab - 1), "--bf16",
         "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
         "--lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", str(WARMUP),
         "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),

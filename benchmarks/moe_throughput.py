@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import shlex
 import sys
 import tempfile
 import time
@@ -48,9 +47,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_throughput import PEAK_TFLOPS, StepClock, fresh_gpu, train_mega, with_timing  # noqa: E402
+from gpt_throughput import (  # noqa: E402  the same optimizer settings and timing
+    BETAS,
+    CLIP,
+    EPS,
+    LR,
+    PEAK_TFLOPS,
+    WARMUP,
+    WEIGHT_DECAY,
+    StepClock,
+    fresh_gpu,
+    run_argv,
+    train_mega,
+    with_timing,
+)
 
-LR, WARMUP, BETAS, EPS, WEIGHT_DECAY, CLIP, AUX = 2e-4, 5, (0.9, 0.999), 1e-8, 0.01, 1.0, 1e-2
+AUX = 1e-2  # the load-balancing loss's coefficient, on both sides
 HF_SYSTEMS = ("hf-eager", "hf-eager-compile", "hf-grouped_mm", "hf-grouped_mm-compile")
 MEGA_FLAGS = ("--moe-grouped-gemm", "")
 
@@ -64,16 +76,7 @@ def mega_argv(
         "--num-attention-heads", str(args.heads), "--num-query-groups", str(args.groups),
         "--num-experts", str(args.experts), "--moe-ffn-hidden-size", str(args.ffn),
         "--moe-router-topk", str(args.topk), "--moe-aux-loss-coeff", str(AUX),
-        "--seq-length", str(args.seq), "--max-position-embeddings", str(args.seq),
-        "--device", args.device, "--mock-data", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", str(args.vocab - 1), "--bf16",
-        "--micro-batch-size", str(args.mbs), "--global-batch-size", str(args.gbs),
-        "--lr", str(LR), "--lr-decay-style", "constant", "--lr-warmup-iters", str(WARMUP),
-        "--adam-beta1", str(BETAS[0]), "--adam-beta2", str(BETAS[1]), "--adam-eps", str(EPS),
-        "--weight-decay", str(WEIGHT_DECAY), "--clip-grad", str(CLIP),
-        "--train-iters", str(train_iters), "--log-interval", str(log_interval),
-        "--eval-iters", "0", "--run-dir", args.run_dir,
-        *shlex.split(flags),
+        *run_argv(args, train_iters, log_interval, flags),
     ]  # fmt: skip
 
 

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert_hf import VOCAB, _converters, _hf_logits, _mega_logits, _tokens, mega_model
+from test_convert_hf import (
+    VOCAB,
+    _converters,
+    _hf_greedy,
+    _hf_logits,
+    _mega_logits,
+    _tokens,
+    mega_model,
+)
 
 from mega.core.convert.convert import convert
 from mega.core.errors import MegaUsageError
@@ -52,6 +60,22 @@ def test_hf_mixtral_converts_to_mega_with_the_same_logits(tmp_path):
     assert model["moe_ffn_hidden_size"] == 48 and model["num_query_groups"] == 2
     diff = _max_logit_diff(tmp_path / "mega", hf)
     assert diff <= 1e-4, f"max |logit difference| {diff:.3g} > 1e-4"
+
+
+def test_mega_generate_on_a_converted_mixtral_prints_transformers_greedy_tokens(tmp_path):
+    from conftest import run_mega
+
+    hf = _mixtral(tmp_path)
+    convert(hf, tmp_path / "converted", _converters())  # `--model moe` in its config
+    prompt = [5, 17, 99, 3]
+    done = run_mega(
+        ["generate", "--load", str(tmp_path / "converted"), "--tokenizer-type", "NullTokenizer",
+         "--vocab-size", str(VOCAB - 1), "--greedy", "--max-new-tokens", "12",
+         "--prompt", " ".join(map(str, prompt))],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(t) for t in [*prompt, *_hf_greedy(hf, prompt, 12)]]
 
 
 def test_mega_to_mixtral_to_mega_is_bit_exact_and_loads_in_transformers(tmp_path):

@@ -60,13 +60,13 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.core.training.vocab import padded_vocab_size
     from mega.parallel.sharded_state import vocab_rows
     from mega.plugins.convert import mega_torch
-    from mega.plugins.models.gpt import GPTConfig
     from mega.plugins.models.gpt.model import GPTModel
-    from mega.plugins.models.gpt.plan import VOCAB_PARAMETERS
 
     fields = dict(config.get("model", {}))
-    if fields.pop("name", None) not in ("gpt", "moe"):
-        raise MegaUsageError(f"--load {load}: mega generate runs GPT models")
+    name = fields.pop("name", None)
+    if name not in plugins.models:
+        raise MegaUsageError(f"--load {load}: its model {name!r} is not an installed model plugin")
+    spec = plugins.models.get(name)
     divisor = config.get("data", {}).get("make_vocab_size_divisible_by", 128)
     padded = padded_vocab_size(tokenizer.vocab_size, divisor)
     seq_length = config.get("training", {}).get("seq_length") or 2048
@@ -75,10 +75,14 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
         padded_vocab_size=padded, tokenizer=tokenizer,
     )  # fmt: skip
     try:
-        model = GPTModel(GPTConfig(**fields), ctx)
+        model_config = spec.config_cls(**fields)
+        model = spec.build(model_config, ctx)
     except (TypeError, ValueError) as exc:
         raise MegaUsageError(f"--load {load}: its model config does not build ({exc})") from None
-    rows = vocab_rows(model, VOCAB_PARAMETERS, tokenizer.vocab_size, padded)
+    if not isinstance(model, GPTModel):  # the KV-cache decoding is the GPT's
+        raise MegaUsageError(f"--load {load}: mega generate runs GPT models, not {name!r}")
+    plan = spec.parallel_plan(model_config) if spec.parallel_plan else None
+    rows = vocab_rows(model, plan.vocab_parameters if plan else (), tokenizer.vocab_size, padded)
     found = peek_marker(load)
     if found is not None and not found[1].get("sharded"):  # --ckpt-format torch: one pickle
         saved = {name: t.load() for name, t in mega_torch.read(load).tensors.items()}

@@ -22,7 +22,12 @@ import torch
 
 from mega.parallel.comm import group_size
 from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter_rows
-from mega.parallel.expert.local import local_mixture, run_experts
+from mega.parallel.expert.local import (
+    inverse_permutation,
+    local_mixture,
+    run_experts,
+    weighted_sum,
+)
 
 
 class AllGatherDispatcher:
@@ -68,10 +73,6 @@ class AllToAllDispatcher:
         outputs = run_experts(
             arrived.index_select(0, by_expert), counts.sum(0), experts, routing.pad_to(n)
         )
-        back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
+        back = inverse_permutation(by_expert)
         returned = exchange_rows(outputs.index_select(0, back), recv, send, self.group)
-        weights = routing.probs.reshape(-1).index_select(0, slots).float().unsqueeze(1)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        out = out.index_add(0, slots // k, returned.float() * weights)
-        return out.to(tokens.dtype)
+        return weighted_sum(tokens, routing.probs, slots, slots // k, returned)

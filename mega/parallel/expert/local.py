@@ -80,10 +80,28 @@ def local_mixture(
         return complete_mixture(tokens, probs, indices, experts, count, pad_to)
     job = assign(indices, first, count)
     y = run_experts(tokens.index_select(0, job.tokens), job.counts, experts, pad_to)
-    weights = probs.reshape(-1).index_select(0, job.slots).float().unsqueeze(1)
+    return weighted_sum(tokens, probs, job.slots, job.tokens, y)
+
+
+def weighted_sum(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    slots: torch.Tensor,
+    owners: torch.Tensor,
+    rows: torch.Tensor,
+) -> torch.Tensor:
+    """``[T, h]`` in ``tokens``' dtype: each of ``rows`` (the expert output of flat slot
+    ``slots[i]``, whose token is ``owners[i]``) times its probability, summed per token in
+    float32; zero for a token with no row."""
+    weights = probs.reshape(-1).index_select(0, slots).float().unsqueeze(1)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-    out = out.index_add(0, job.tokens, y.float() * weights)
-    return out.to(tokens.dtype)
+    return out.index_add(0, owners, rows.float() * weights).to(tokens.dtype)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inverse[order[i]] = i``."""
+    positions = torch.arange(order.numel(), device=order.device)
+    return torch.empty_like(order).scatter_(0, order, positions)
 
 
 class _ToExperts(torch.autograd.Function):
@@ -134,7 +152,7 @@ def complete_mixture(
     flat = indices.reshape(-1)
     # slots grouped by expert, token order inside
     grouped, order = torch.sort(flat, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(t * k, device=flat.device))
+    inverse = inverse_permutation(order)
     # each expert's first slot in the sorted ids (an int64 index_add would be a slow, serial
     # fallback kernel under compile: every slot of an expert adds to the same count)
     bounds = torch.searchsorted(grouped, torch.arange(count + 1, device=flat.device))
