@@ -48,7 +48,8 @@ def test_no_pipelining_runs_through_the_executor_as_the_plain_loop(plugins, tmp_
     )
     torch.manual_seed(1)
     loop_losses, loop_grads = gradients(plain_loop)
-    assert torch.equal(torch.stack(executor_losses), torch.stack(loop_losses))
+    # the executor gives each micro-batch's loss parts: one, the lm loss, for the GPT
+    assert torch.equal(torch.stack(executor_losses)[:, 0], torch.stack(loop_losses))
     for name, (a, b) in zip(
         [n for n, _ in engine.model.named_parameters()],
         zip(executor_grads, loop_grads, strict=True),

@@ -22,17 +22,26 @@ Train a model. Flags are Megatron-LM's; a --config TOML/YAML file sets the same 
 
 def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
     """The usage and every flag section of ``mega train`` for the plugins these args select."""
-    from mega.core.config.resolve import DEFAULT_MODEL, plugin_choice, scan_selectors
+    from mega.core.config.resolve import (
+        DEFAULT_MODEL,
+        dataset_tokenizer,
+        plugin_choice,
+        scan_selectors,
+    )
     from mega.core.config.sections import CORE_SECTIONS
 
-    model, dataset, tokenizer = plugin_choice(scan_selectors(args))
+    selectors = scan_selectors(args)
+    model_dataset = lambda name: (  # noqa: E731
+        plugins.models.get(name).default_dataset if name in plugins.models else None
+    )
+    model, dataset, tokenizer = plugin_choice(selectors, model_dataset=model_dataset)
     sections: dict[str, type] = {}
     if model in plugins.models:
         sections["model"] = plugins.models.get(model).config_cls
     if dataset in plugins.datasets:
         spec = plugins.datasets.get(dataset)
         sections["dataset"] = spec.config_cls
-        tokenizer = tokenizer or spec.default_tokenizer
+        tokenizer = tokenizer or dataset_tokenizer(spec, selectors)
         if tokenizer in plugins.tokenizers:
             sections["tokenizer"] = plugins.tokenizers.get(tokenizer).config_cls
     sections.update(CORE_SECTIONS)

@@ -18,6 +18,10 @@ ROW = "row"  # nn.Linear split by input columns; output all-reduced (reduce-scat
 VOCAB_EMBEDDING = "vocab_embedding"  # nn.Embedding split by vocabulary rows
 SEQUENCE_SCATTER = "sequence_scatter"  # under SP, this module's output is split along the sequence
 LM_HEAD = "lm_head"  # the output head: vocab-parallel logits and cross-entropy
+VOCAB_BIAS = "vocab_bias"  # a module whose one parameter ``bias [V]`` is split by vocabulary rows
+# under SP, this parameter-free module's input is gathered along the sequence (what follows it
+# is replicated: BERT's pooler reads position 0); the gradient is split back, not summed
+SEQUENCE_GATHER = "sequence_gather"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +35,9 @@ class ParallelPlan:
     stacked: dict[str, int] = field(default_factory=dict)
     # path of the nn.ModuleList whose entries are the transformer layers
     layers: str = ""
+    # further layer lists (T5's encoder, before its decoder's ``layers``): recomputed, compiled
+    # and counted like ``layers``, but never split over pipeline stages
+    more_layers: tuple[str, ...] = ()
     # module path (with *) of the parameter-free core attention: selective recompute's target
     core_attention: str = ""
     # parameters whose rows are the padded vocabulary (embedding, untied output layer): a
@@ -69,6 +76,11 @@ class ParallelPlan:
     # (micro-batch size, sequence positions on this rank) -> shape of the tensor sent between
     # stages (under sequence parallelism a rank holds seq_length / tp positions)
     activation_shape: Callable[[int, int], tuple[int, ...]] | None = None
+
+
+def layer_lists(plan: ParallelPlan) -> tuple[str, ...]:
+    """Every layer list of the plan: ``more_layers`` (forward order), then ``layers``."""
+    return tuple(path for path in (*plan.more_layers, plan.layers) if path)
 
 
 def plan_features(parallel: Any) -> list[str]:

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from mega.parallel.plan import layer_lists
+
 
 def _tracker_contexts(tracker: Any) -> Callable[[], tuple[Any, Any]]:
     """checkpoint's ``context_fn``: the recompute runs with the tracker state of the forward."""
@@ -100,8 +102,16 @@ def apply_recompute(
         for module in targets:
             module.forward = _checkpointed(module.forward, tracker)
         return len(targets)
-    layers = list(model.get_submodule(plan.layers))
-    count = num_layers or 1
+    return sum(
+        _recompute_layers(list(model.get_submodule(path)), method, num_layers or 1, tracker)
+        for path in layer_lists(plan)
+    )
+
+
+def _recompute_layers(
+    layers: list[torch.nn.Module], method: str | None, count: int, tracker: Any
+) -> int:
+    """Full recompute of one layer list (a model may have two: T5's encoder and decoder)."""
     if method == "block":
         for layer in layers[:count]:
             layer.forward = _checkpointed(layer.forward, tracker)

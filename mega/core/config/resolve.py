@@ -75,11 +75,15 @@ def scan_selectors(argv: list[str]) -> dict[str, Any]:
 
 
 def plugin_choice(
-    selectors: dict[str, Any], file_model: str | None = None, file_data: dict | None = None
+    selectors: dict[str, Any],
+    file_model: str | None = None,
+    file_data: dict | None = None,
+    model_dataset: Any = None,
 ) -> tuple[str, str, str | None]:
     """(model, dataset, tokenizer) named by the selector flags, else by the config file, else the
-    defaults: the embedded text, ``mock`` with ``--mock-data``, ``gpt`` with ``--data-path``. The
-    tokenizer is None when neither names one (the dataset's default then applies)."""
+    defaults: the model's ``default_dataset`` (``model_dataset(model)``) or else the embedded
+    text, ``mock`` with ``--mock-data``, ``gpt`` with ``--data-path``. The tokenizer is None when
+    neither names one (the dataset's default then applies)."""
     file_data = file_data or {}
     model = selectors.get("--model") or file_model or DEFAULT_MODEL
     mock = selectors.get("--mock-data") or file_data.get("mock_data")
@@ -92,9 +96,25 @@ def plugin_choice(
     dataset = (
         selectors.get("--dataset")
         or file_data.get("dataset")
+        or (model_dataset(model) if model_dataset else None)
         or ("mock" if mock else "gpt" if data_path else "embedded")
     )
     return model, dataset, selectors.get("--tokenizer-type") or file_data.get("tokenizer_type")
+
+
+def dataset_tokenizer(
+    spec: Any, selectors: dict[str, Any], file_data: dict | None = None
+) -> str | None:
+    """The tokenizer a dataset gets when the run names none: its ``offline_tokenizer`` when no
+    data files are given (it then reads the embedded corpus), else its ``default_tokenizer``."""
+    file_data = file_data or {}
+    files = any(
+        selectors.get(flag) or file_data.get(flag[2:].replace("-", "_"))
+        for flag in ("--data-path", "--train-data-path")
+    )
+    if not files and spec.offline_tokenizer:
+        return spec.offline_tokenizer
+    return spec.default_tokenizer
 
 
 def _file_sections(raw: dict[str, Any]) -> tuple[str | None, dict[str, dict]]:
@@ -169,7 +189,9 @@ def resolve_config(
             file_sections[section] = {**file_sections.get(section, {}), **values}
 
     file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
-    model_name, dataset_name, tokenizer_name = plugin_choice(selectors, file_model, file_data)
+    model_name, dataset_name, tokenizer_name = plugin_choice(
+        selectors, file_model, file_data, lambda name: plugins.models.get(name).default_dataset
+    )
     model_spec = plugins.models.get(model_name)
     if (selectors.get("--data-path") or file_data.get("data_path")) and (
         dataset_name not in plugins.datasets
@@ -179,7 +201,7 @@ def resolve_config(
             f" not installed (available datasets: {', '.join(plugins.datasets)})"
         )
     dataset_spec = plugins.datasets.get(dataset_name)
-    tokenizer_name = tokenizer_name or dataset_spec.default_tokenizer
+    tokenizer_name = tokenizer_name or dataset_tokenizer(dataset_spec, selectors, file_data)
     if tokenizer_name is None:
         raise MegaUsageError(f"dataset '{dataset_name}' needs --tokenizer-type")
     tokenizer_spec = plugins.tokenizers.get(tokenizer_name)

@@ -21,7 +21,11 @@ class TrainingConfig:
     global_batch_size: int | None = option(
         None, "Samples per optimizer step; default micro-batch size x data-parallel size."
     )
-    seq_length: int = option(128, "Tokens per sample.")
+    seq_length: int = option(
+        128,
+        "Tokens per sample (T5: the encoder's).",
+        aliases=("--encoder-seq-length",),
+    )
     train_iters: int | None = option(
         None, "Optimizer steps to train for (default 500, unless --train-samples is given)."
     )

@@ -43,7 +43,8 @@ class IntervalStats:
 
     def state_dict(self) -> dict[str, Any]:
         """Losses as floats: a checkpoint mid-interval resumes to print the same averages."""
-        as_floats = lambda xs: [float(x) for x in xs]  # noqa: E731
+        # a float per step, or a list of them for a model with several loss parts
+        as_floats = lambda xs: [x.tolist() if x.numel() > 1 else float(x) for x in xs]  # noqa: E731
         return {
             "iterations": self.iterations,
             "losses": as_floats(self.losses),
@@ -57,14 +58,21 @@ class IntervalStats:
 
         return cls(
             iterations=int(state["iterations"]),
-            losses=[torch.tensor(x) for x in state["losses"]],
-            skipped_losses=[torch.tensor(x) for x in state["skipped_losses"]],
+            losses=[torch.tensor(x).reshape(-1) for x in state["losses"]],
+            skipped_losses=[torch.tensor(x).reshape(-1) for x in state["skipped_losses"]],
             grad_norm=state["grad_norm"],
         )
 
 
-def format_iteration_line(m: dict[str, float], train_iters: int) -> str:
-    """Megatron's training_log line, plus tokens/s; the loss as ``lm loss: 1.086954E+01``."""
+def metric_key(loss_name: str) -> str:
+    """A loss part's key in the metrics records: ``lm loss`` -> ``lm_loss``."""
+    return loss_name.replace(" ", "_")
+
+
+def format_iteration_line(
+    m: dict[str, float], train_iters: int, loss_names: tuple[str, ...] = ("lm loss",)
+) -> str:
+    """Megatron's training_log line, plus tokens/s; each loss part as ``lm loss: 1.086954E+01``."""
     parts = [
         f" [{time.strftime('%Y-%m-%d %H:%M:%S')}] iteration {int(m['iteration']):8d}/{train_iters:8d}",
         f"consumed samples: {int(m['consumed_samples']):12d}",
@@ -74,8 +82,9 @@ def format_iteration_line(m: dict[str, float], train_iters: int) -> str:
         f"learning rate: {m['learning_rate']:.6E}",
         f"global batch size: {int(m['global_batch_size']):5d}",
     ]
-    if "lm_loss" in m:
-        parts.append(f"lm loss: {m['lm_loss']:.6E}")
+    for name in loss_names:
+        if metric_key(name) in m:
+            parts.append(f"{name}: {m[metric_key(name)]:.6E}")
     for key in ("load_balancing_loss", "z_loss"):  # MoE routers, under Megatron's names
         if key in m:
             parts.append(f"{key}: {m[key]:.6E}")
@@ -91,11 +100,15 @@ def format_iteration_line(m: dict[str, float], train_iters: int) -> str:
     return " | ".join(parts) + " |"
 
 
-def format_eval_line(label: str, loss: float) -> str:
+def format_eval_line(label: str, losses: dict[str, float]) -> str:
+    """Megatron's evaluation line: each loss part's value and perplexity."""
     import math
 
-    ppl = math.exp(min(20.0, loss))
-    return f" {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |"
+    parts = [f" {label}"]
+    for name, loss in losses.items():
+        ppl = math.exp(min(20.0, loss))
+        parts.append(f"{name} value: {loss:.6E} | {name} PPL: {ppl:.6E}")
+    return " | ".join(parts) + " |"
 
 
 class JsonlSink:

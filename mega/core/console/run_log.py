@@ -21,6 +21,7 @@ from mega.core.console.metrics import (
     TensorBoardSink,
     format_eval_line,
     format_iteration_line,
+    metric_key,
 )
 from mega.core.console.metrics_history import resume_record
 from mega.parallel import comm
@@ -35,9 +36,11 @@ class RunLog:
         device: torch.device,
         display: Display,
         flops_per_token: float,
+        loss_names: tuple[str, ...] = ("lm loss",),
     ) -> None:
         self.config, self.topology, self.device = config, topology, device
         self.display, self.flops_per_token = display, flops_per_token
+        self.loss_names = loss_names
         self.sinks: list[Any] = []
         stamp = time.strftime("%Y%m%d-%H%M%S")
         c = config
@@ -81,9 +84,10 @@ class RunLog:
         for sink in self.sinks:
             sink.write(record)
 
-    def dp_mean(self, values: list[torch.Tensor]) -> list[float]:
-        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host.
-        Only the last pipeline stage has losses (the others hold zeros): summed over the stages."""
+    def dp_mean(self, values: list[torch.Tensor]) -> list[Any]:
+        """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host
+        (a float per scalar, a list per vector of loss parts). Only the last pipeline stage has
+        losses (the others hold zeros): summed over the stages."""
         if not values:
             return []
         stacked = torch.stack(values).float()
@@ -116,10 +120,12 @@ class RunLog:
         and the interval's NaN iterations."""
         cfg, t = self.config, self.config.training
         elapsed_ms = interval.elapsed_ms_per_iteration()
-        losses = self.dp_mean(interval.losses)
-        finite = [x for x in losses if math.isfinite(x)]
+        # one [parts] row per applied step
+        losses = [_row(x) for x in self.dp_mean(interval.losses)]
+        finite = [row for row in losses if all(math.isfinite(x) for x in row)]
         # Megatron counts a NaN iteration when a *skipped* step's loss was inf or NaN
-        nan_count = sum(not math.isfinite(x) for x in self.dp_mean(interval.skipped_losses))
+        skipped = [_row(x) for x in self.dp_mean(interval.skipped_losses)]
+        nan_count = sum(not all(math.isfinite(x) for x in row) for row in skipped)
         gbs = progress.get("global_batch_size", cfg.global_batch_size)  # ramps with a ramp
         tokens_per_s = gbs * t.seq_length / (elapsed_ms / 1000.0)
         metrics: dict[str, float] = {
@@ -134,22 +140,29 @@ class RunLog:
             "tokens_per_s": tokens_per_s,
             "tflops_per_gpu": tokens_per_s * self.flops_per_token / 1e12 / self.topology.world_size,
         }
-        if finite:
-            metrics["lm_loss"] = sum(finite) / len(finite)
+        if finite:  # each part's mean over the interval: lm_loss, sop_loss...
+            for k, name in enumerate(self.loss_names):
+                metrics[metric_key(name)] = sum(row[k] for row in finite) / len(finite)
         if interval.grad_norm is not None:
             metrics["grad_norm"] = float(interval.grad_norm)
         metrics.update(extra or {})
         if self.device.type == "cuda":
             metrics["max_memory_gb"] = self._peak_memory_gb()
-        self.display.print(format_iteration_line(metrics, cfg.train_iters))
+        self.display.print(format_iteration_line(metrics, cfg.train_iters, self.loss_names))
         nan_total = progress["nan_total"] + nan_count
         self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
         return metrics, nan_count
 
-    def evaluation_line(self, label: str, loss: float, iteration: int) -> None:
-        self.display.print(format_eval_line(label, loss))
-        key = "test_lm_loss" if label.startswith("test") else "valid_lm_loss"
-        self.write({"iteration": iteration, key: loss})
+    def evaluation_line(self, label: str, losses: dict[str, float], iteration: int) -> None:
+        """``losses``: each loss part's mean, by name (``{"lm loss": 2.3}``)."""
+        self.display.print(format_eval_line(label, losses))
+        split = "test" if label.startswith("test") else "valid"
+        record = {f"{split}_{metric_key(name)}": value for name, value in losses.items()}
+        self.write({"iteration": iteration, **record})
+
+
+def _row(value: Any) -> list[float]:
+    return value if isinstance(value, list) else [value]
 
 
 def device_text(device: torch.device) -> str:

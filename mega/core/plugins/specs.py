@@ -31,6 +31,9 @@ class BuildContext:
     padded_vocab_size: int = 0  # 0 until the tokenizer is built
     tokenizer: Any = None
     topology: Any = None
+    # the run's model config: for a dataset whose samples depend on the model (BERT's sentence
+    # pairs exist only for a model with a binary head); None outside a run
+    model_config: Any = None
 
 
 class Tokenizer(Protocol):
@@ -80,10 +83,11 @@ class DataRequest:
 class ModelSpec:
     """A model family. ``build`` returns a single-device ``nn.Module``; parallelism is applied outside.
 
-    The module's ``forward(tokens, labels=None)`` takes int64 ``[b, s]`` token ids and returns the
-    logits ``[b, s, v]`` or, given labels, the per-token loss ``[b, s]`` in float32. If forward
-    also has parameters named ``position_ids`` (``[b, s]``) or ``attention_mask`` (bool
-    ``[b, 1, s, s]``, True = masked), the engine passes them when the dataset provides them.
+    The engine calls the module's ``forward`` with every micro-batch entry it has a parameter
+    of the same name for (a GPT's ``tokens``, ``labels``, ``position_ids``, ``attention_mask``;
+    a BERT's ``text``, ``types``, ``padding_mask``...); ``hidden_states`` is the previous
+    pipeline stage's output. Given labels it returns what ``loss`` turns into the micro-batch's
+    loss: by default the per-token loss ``[b, s]`` in float32, averaged over ``loss_mask``.
     """
 
     name: str
@@ -98,6 +102,22 @@ class ModelSpec:
     # The batch keys a micro-batch must hold for this model (and the engine's loss). A run whose
     # dataset does not declare them all in ``DatasetSpec.provides`` is refused before launch.
     needs: tuple[str, ...] = BATCH_KEYS
+    # (the last stage's output, the micro-batch) -> the micro-batch's loss as named fp32
+    # scalars, in ``loss_names`` order: training minimises their sum; the iteration and
+    # evaluation lines report each (Megatron's ``lm loss``, ``sop loss``). None: the output is
+    # a per-token loss averaged over ``loss_mask``, named ``lm loss``. ``loss_names``: the
+    # names, or a function of the model config giving them (BERT without its binary head).
+    loss: Callable[[Any, dict[str, Any]], dict[str, Any]] | None = None
+    loss_names: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ("lm loss",)
+
+    def losses_of(self, config: Any) -> tuple[str, ...]:
+        """The loss parts a model built from ``config`` reports, in order."""
+        names = self.loss_names
+        return tuple(names(config) if callable(names) else names)
+
+    # the dataset a run of this model uses when it names none (None: the engine's defaults,
+    # language-model windows of the embedded text, ``--mock-data`` or ``--data-path``)
+    default_dataset: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,6 +140,9 @@ class DatasetSpec:
     description: str = ""
     # The tokenizer used when the run does not choose one (None: the run must choose).
     default_tokenizer: str | None = None
+    # The tokenizer used instead when the run chooses none and gives no --data-path: the
+    # dataset then reads the embedded corpus, which needs no vocabulary file (None: as above)
+    offline_tokenizer: str | None = None
     # The keys every sample holds (``SampleSource.__getitem__``); checked against the model's
     # ``ModelSpec.needs`` before launch. The default is a language-model sample's.
     provides: tuple[str, ...] = BATCH_KEYS

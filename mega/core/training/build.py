@@ -23,7 +23,7 @@ from mega.core.training.compile import compile_model
 from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters
 from mega.core.training.parameter_count import unpadded_parameter_count
 from mega.core.training.sample_schedule import schedule_lengths
-from mega.core.training.step import masked_mean, model_forward
+from mega.core.training.step import loss_parts, model_forward
 from mega.core.training.vocab import padded_vocab_size
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import MixedPrecisionAdamW
@@ -53,6 +53,7 @@ class RunParts:
     optimizer: MixedPrecisionAdamW
     lr_schedule: LRSchedule
     flops_per_token: float
+    loss_names: tuple[str, ...]  # the model's loss parts, in the order the executor gives them
 
 
 def build_run(
@@ -76,6 +77,7 @@ def build_run(
         padded_vocab_size=padded_vocab,
         tokenizer=tokenizer,
         topology=topology,
+        model_config=config.model,
     )
     splits = _build_data(config, plugins, ctx)
 
@@ -125,7 +127,7 @@ def build_run(
         dtype=dtype,
         device=device,
         forward_fn=model_forward,
-        loss_fn=masked_mean,
+        loss_fn=loss_parts(model_spec, config.model),
         overlap_p2p=p.overlap_p2p_communication,
     )
     if layout.pp * layout.vpp > 1:
@@ -143,6 +145,7 @@ def build_run(
         optimizer=optimizer,
         lr_schedule=lr_schedule(config),
         flops_per_token=model_spec.flops_per_token(config.model, t.seq_length, padded_vocab),
+        loss_names=model_spec.losses_of(config.model),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mega.parallel.plan import LM_HEAD, ParallelPlan
+from mega.parallel.plan import LM_HEAD, ParallelPlan, layer_lists
 
 
 def compile_model(model: torch.nn.Module, plan: ParallelPlan | None) -> int:
@@ -24,7 +24,9 @@ def compile_model(model: torch.nn.Module, plan: ParallelPlan | None) -> int:
     if plan is None or not plan.layers:
         model.compile()
         return 1
-    modules = list(model.get_submodule(plan.layers).children())
+    modules = [
+        layer for path in layer_lists(plan) for layer in model.get_submodule(path).children()
+    ]
     present = dict(model.named_modules())  # a pipeline stage without the head lacks it
     modules += [present[p] for p, style in plan.tensor.items() if style == LM_HEAD and p in present]
     for module in modules:

@@ -89,7 +89,10 @@ class Engine:
         self.vocab_rows = parts.vocab_rows
         self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
         self.lr_schedule, self.flops_per_token = parts.lr_schedule, parts.flops_per_token
-        self.log = RunLog(cfg, self.topology, self.device, self.display, parts.flops_per_token)
+        self.loss_names = parts.loss_names
+        self.log = RunLog(
+            cfg, self.topology, self.device, self.display, parts.flops_per_token, self.loss_names
+        )
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
             load_run(self, cfg.checkpoint.load)
@@ -276,16 +279,18 @@ class Engine:
         )
 
     def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of this rank's micro-batch losses; 0 on pipeline stages without the loss."""
+        """The mean of each loss part over this rank's micro-batches (``[parts]``); zeros on
+        pipeline stages without the loss."""
         if not losses:
-            return torch.zeros((), device=self.device)
-        return torch.stack(losses).mean()
+            return torch.zeros(len(self.loss_names), device=self.device)
+        return torch.stack(losses).mean(dim=0)
 
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, source: Any, first_sample: int) -> float:
-        """Mean lm loss over ``--eval-iters`` global batches starting at ``first_sample``."""
+    def evaluate(self, source: Any, first_sample: int) -> dict[str, float]:
+        """Each loss part's mean (``{"lm loss": ...}``) over ``--eval-iters`` global batches
+        starting at ``first_sample``."""
         t, gbs = self.config.training, self.config.global_batch_size
         self.model.eval()
         losses = []
@@ -293,14 +298,16 @@ class Engine:
             batch = self._microbatches(source, first_sample + k * gbs, gbs)
             losses += self.executor.forward_only(batch)
         self.model.train()
-        return self.log.dp_mean([self._batch_loss(losses)])[0]
+        means = self.log.dp_mean([self._batch_loss(losses)])[0]
+        return dict(zip(self.loss_names, means, strict=True))
 
     def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
+        """Evaluate and print the line; returns the first part (the lm loss)."""
         started = time.perf_counter()
-        loss = self.evaluate(source, first_sample)
+        losses = self.evaluate(source, first_sample)
         self.interval.excluded += time.perf_counter() - started  # not training time
-        self.log.evaluation_line(label, loss, self.iteration)
-        return loss
+        self.log.evaluation_line(label, losses, self.iteration)
+        return next(iter(losses.values()))
 
     def _final_evaluation(self) -> None:
         t = self.config.training

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mega.parallel.plan import layer_lists
+
 
 def unpadded_parameter_count(model: Any, plan: Any, vocab: int, padded_vocab: int) -> int:
     """Parameters of ``model`` (a whole, unsharded model; shared ones once) without the padding
@@ -17,8 +19,9 @@ def unpadded_parameter_count(model: Any, plan: Any, vocab: int, padded_vocab: in
     coincidence). Without a plan, nothing is known to be padding and everything is counted."""
     if plan is None:
         return sum(p.numel() for p in model.parameters())
-    layers = model.get_submodule(plan.layers) if plan.layers else None
-    in_layers = {id(p) for p in layers.parameters()} if layers is not None else set()
+    in_layers = {
+        id(p) for path in layer_lists(plan) for p in model.get_submodule(path).parameters()
+    }
     return sum(
         p.numel() // padded_vocab * vocab
         if id(p) not in in_layers and p.dim() and p.shape[0] == padded_vocab

@@ -64,8 +64,9 @@ from mega.parallel.topology import Topology
 Microbatch = dict[str, torch.Tensor]
 # (chunk, micro-batch, hidden states from the previous stage or None) -> the chunk's output
 ForwardFn = Callable[[torch.nn.Module, Microbatch, torch.Tensor | None], torch.Tensor]
-# (the last stage's output, micro-batch) -> the micro-batch's mean loss (fp32 scalar)
-LossFn = Callable[[torch.Tensor, Microbatch], torch.Tensor]
+# (the last stage's output, micro-batch) -> the micro-batch's loss parts (fp32 vector [parts]);
+# training minimises their sum
+LossFn = Callable[[Any, Microbatch], torch.Tensor]
 
 
 def _release(output: torch.Tensor) -> None:
@@ -201,14 +202,14 @@ class PipelineExecutor:
     def forward_backward(
         self, microbatches: list[Microbatch], grad_scale: float = 1.0
     ) -> list[torch.Tensor]:
-        """Forward and backward over the global batch; each micro-batch's loss is scaled by
-        ``grad_scale / M`` before backward. Returns the detached losses (on the last stage only;
-        other ranks return an empty list)."""
+        """Forward and backward over the global batch; each micro-batch's loss (the sum of its
+        parts) is scaled by ``grad_scale / M`` before backward. Returns the detached loss parts
+        of each micro-batch (on the last stage only; other ranks return an empty list)."""
         return self._run(self._train_steps(len(microbatches)), microbatches, grad_scale, True)
 
     @torch.no_grad()
     def forward_only(self, microbatches: list[Microbatch]) -> list[torch.Tensor]:
-        """The losses of every micro-batch (on the last stage; empty on the others)."""
+        """The loss parts of every micro-batch (on the last stage; empty on the others)."""
         return self._run(self._forward_steps(len(microbatches)), microbatches, 1.0, False)
 
     def _run(
@@ -285,10 +286,10 @@ class PipelineExecutor:
         if stage < self.layout.last_stage:
             self._outputs[key] = output
             return None
-        loss = self.loss_fn(output, microbatch)
+        parts = self.loss_fn(output, microbatch)
         if torch.is_grad_enabled():
-            self._outputs[key] = loss * scale
-        return loss.detach()
+            self._outputs[key] = parts.sum() * scale
+        return parts.detach()
 
     def _backward(self, action: Backward) -> None:
         key = (action.microbatch, action.chunk)

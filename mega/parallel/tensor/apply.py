@@ -13,6 +13,8 @@ What each plan style becomes (module paths may contain ``*`` for one path compon
 | VOCAB_EMBEDDING    | ``nn.Embedding``  | ``VocabParallelEmbedding``                            |
 | LM_HEAD            | parameter-free head | ``VocabParallelOutputHead``                         |
 | SEQUENCE_SCATTER   | elementwise, parameter-free (a dropout) | under SP: ``ScatterToSequence`` |
+| SEQUENCE_GATHER    | parameter-free    | under SP: ``GatherFromSequence`` (input gathered) |
+| VOCAB_BIAS         | module with ``bias [V]`` only | the same module, ``bias [V/tp]``          |
 
 Then ``tensor_parallel_rng`` modules run under the TP RNG; under SP, dropouts inside
 ``sequence_parallel_region`` do too, that region's replicated parameters get
@@ -32,14 +34,17 @@ from mega.parallel.plan import (
     COLUMN,
     LM_HEAD,
     ROW,
+    SEQUENCE_GATHER,
     SEQUENCE_SCATTER,
+    VOCAB_BIAS,
     VOCAB_EMBEDDING,
     ParallelPlan,
 )
+from mega.parallel.shard import ShardSpec
 from mega.parallel.tensor.embedding import VocabParallelEmbedding
 from mega.parallel.tensor.head import VocabParallelOutputHead
-from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
-from mega.parallel.tensor.regions import RunUnderRNG, ScatterToSequence
+from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear, shard_parameter
+from mega.parallel.tensor.regions import GatherFromSequence, RunUnderRNG, ScatterToSequence
 from mega.parallel.tensor.rng import TensorParallelRNG
 from mega.parallel.topology import Topology
 
@@ -148,6 +153,20 @@ def _parallel_module(
         return VocabParallelOutputHead(group, sequence_parallel, module.vocab_size)
     if style == SEQUENCE_SCATTER:
         return ScatterToSequence(module, group, tracker) if sequence_parallel else None
+    if style == SEQUENCE_GATHER:
+        return GatherFromSequence(module, group) if sequence_parallel else None
+    if style == VOCAB_BIAS:
+        names = [name for name, _ in module.named_parameters()]
+        if names != ["bias"]:
+            raise TypeError(f"plan marks '{path}' {style}: it must hold one parameter, bias")
+        rows = module.bias.shape[0]
+        if rows % size:
+            raise ValueError(
+                f"the padded vocabulary ({rows}) must be divisible by "
+                f"--tensor-model-parallel-size ({size})"
+            )
+        module.bias = shard_parameter(module.bias, ShardSpec((rows,), 0, 1, rank, size))
+        return None
     raise ValueError(f"plan marks '{path}' with unknown tensor-parallel style {style!r}")
 
 

@@ -25,8 +25,9 @@ from mega.parallel.tensor.mappings import (
 
 
 class VocabParallelOutputHead(nn.Module):
-    """``forward(hidden, weight [V/tp, h], labels=None)``: the loss ``[b, s]`` (float32) without
-    ever forming ``[b, s, V]``; with no labels, the gathered logits ``[b, s, V]`` (inference)."""
+    """``forward(hidden, weight [V/tp, h], labels=None, bias=None [V/tp])``: the loss ``[b, s]``
+    (float32) without ever forming ``[b, s, V]``; with no labels, the gathered logits
+    ``[b, s, V]`` (inference)."""
 
     def __init__(self, group: Any, sequence_parallel: bool, vocab_size: int | None = None) -> None:
         super().__init__()
@@ -35,13 +36,17 @@ class VocabParallelOutputHead(nn.Module):
         self.vocab_size = vocab_size  # ids from here on are padding: logit -inf, as one device
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence(hidden, self.group)  # [b, s/tp, h] -> [b, s, h]
         else:
             hidden = copy_to_tensor_parallel(hidden, self.group)
-        logits = F.linear(hidden, weight)  # [b, s, V/tp]
+        logits = F.linear(hidden, weight, bias)  # [b, s, V/tp]
         rank = 0 if self.group is None else dist.get_rank(self.group)
         vocab_start = rank * weight.shape[0]
         if self.vocab_size is not None:

@@ -11,7 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mega.parallel.tensor.mappings import scatter_to_sequence
+from mega.parallel.tensor.mappings import (
+    SEQUENCE_DIM,
+    gather_from_tensor_parallel,
+    scatter_to_sequence,
+)
 from mega.parallel.tensor.rng import TensorParallelRNG
 
 
@@ -53,3 +57,19 @@ class ScatterToSequence(nn.Module):
         hidden = scatter_to_sequence(hidden, self.group)
         with self.tracker.fork():
             return self.module(hidden)
+
+
+class GatherFromSequence(nn.Module):
+    """Sequence parallelism's exit into replicated code: gather the ``[b, s/tp, h]`` input to
+    ``[b, s, h]``, then run the wrapped module. Every rank computes the same thing from there
+    (BERT's pooler), so the backward keeps this rank's slice of the gradient (Megatron's
+    ``tensor_parallel_output_grad=False``) instead of summing over the ranks."""
+
+    def __init__(self, module: nn.Module, group: Any) -> None:
+        super().__init__()
+        _check_parameter_free(module)
+        self.module = module
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> Any:
+        return self.module(gather_from_tensor_parallel(hidden, self.group, dim=SEQUENCE_DIM))

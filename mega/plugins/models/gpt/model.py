@@ -110,12 +110,15 @@ class CoreAttention(nn.Module):
 
     Its own module so that parallel plugins can run it under another RNG (its dropout acts on
     tensor-parallel-sharded heads) or recompute it in backward (selective recompute).
+    ``causal``: with no explicit mask, each position sees those up to itself (a decoder); else
+    every position (an encoder: BERT's, T5's, and cross-attention).
     """
 
-    def __init__(self, dropout_p: float, backend: str = "auto") -> None:
+    def __init__(self, dropout_p: float, backend: str = "auto", causal: bool = True) -> None:
         super().__init__()
         self.dropout_p = dropout_p
         self.backend = backend
+        self.causal = causal
 
     def forward(
         self,
@@ -124,7 +127,8 @@ class CoreAttention(nn.Module):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``query [b, s, np, d]``, ``key``/``value [b, s, ng, d]`` -> context ``[b, s, np*d]``."""
+        """``query [b, s, np, d]``, ``key``/``value [b, s_k, ng, d]`` -> context ``[b, s, np*d]``;
+        ``attention_mask`` bool, True = masked, broadcast to ``[b, np, s, s_k]``."""
         b, s, heads, _ = query.shape
         with sdpa_backends(self.backend):
             context = self._sdpa(query, key, value, attention_mask)
@@ -147,7 +151,7 @@ class CoreAttention(nn.Module):
             # Megatron's mask is True where attention is *not* allowed; SDPA's is the opposite.
             attn_mask=None if attention_mask is None else ~attention_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=attention_mask is None,
+            is_causal=attention_mask is None and self.causal,
             enable_gqa=heads != key.shape[2],  # only when needed: not every fused kernel has it
         )
 
@@ -171,7 +175,7 @@ class KVCache:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, causal: bool = True) -> None:
         super().__init__()
         heads, groups = cfg.num_attention_heads, cfg.resolved_num_query_groups()
         self.head_dim = cfg.resolved_kv_channels()
@@ -180,7 +184,7 @@ class SelfAttention(nn.Module):
         # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
         qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
         self.linear_qkv = Linear(cfg.hidden_size, qkv_rows, bias=bias)
-        self.core_attention = CoreAttention(cfg.attention_dropout, cfg.attention_backend)
+        self.core_attention = CoreAttention(cfg.attention_dropout, cfg.attention_backend, causal)
         self.linear_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
 
     def forward(
@@ -232,10 +236,10 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, cfg: GPTConfig, moe: bool = False) -> None:
+    def __init__(self, cfg: GPTConfig, moe: bool = False, causal: bool = True) -> None:
         super().__init__()
         self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.self_attention = SelfAttention(cfg)
+        self.self_attention = SelfAttention(cfg, causal)
         self.pre_mlp_layernorm = _norm(cfg, cfg.hidden_size)
         if moe:  # the experts replace the MLP (mega.plugins.models.gpt.moe)
             shared = cfg.moe_shared_expert_intermediate_size
@@ -266,9 +270,9 @@ class TransformerBlock(nn.Module):
     attention sees all of it after the QKV projection gathers the shards.
     """
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, causal: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, moe) for moe in cfg.moe_layers())
+        self.layers = nn.ModuleList(TransformerLayer(cfg, moe, causal) for moe in cfg.moe_layers())
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
         self.rope = cfg.position_embedding_type == "rope"
         self.head_dim = cfg.resolved_kv_channels()
@@ -315,11 +319,15 @@ class OutputHead(nn.Module):
         self.vocab_size = vocab_size  # the real vocabulary; None: no padding to mask
 
     def forward(
-        self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``hidden [b, s, h]`` -> logits ``[b, s, V]``, or given ``labels [b, s]`` the float32
-        cross-entropy ``[b, s]``."""
-        logits = F.linear(hidden, weight)  # [b, s, V]
+        """``hidden [b, s, h]`` -> logits ``[b, s, V]`` (plus ``bias [V]``: BERT's, T5's), or given
+        ``labels [b, s]`` the float32 cross-entropy ``[b, s]``."""
+        logits = F.linear(hidden, weight, bias)  # [b, s, V]
         if self.vocab_size is not None and self.vocab_size < logits.shape[-1]:
             logits[..., self.vocab_size :] = float("-inf")  # linear's backward never reads it
         if labels is None:
