@@ -65,10 +65,12 @@ def corpus(tmp_path_factory):
     return str(prefix), tokenizer
 
 
-def context(tokenizer, seq_length=128, seed=1234):
+def context(tokenizer, seq_length=128, seed=1234, **model):
+    """``model``: the model config fields the datasets read (bert_binary_head, decoder_seq_length)."""
     return BuildContext(
-        seed=seed, device="cpu", params_dtype="float32", seq_length=seq_length, tokenizer=tokenizer
-    )
+        seed=seed, device="cpu", params_dtype="float32", seq_length=seq_length, tokenizer=tokenizer,
+        model_config=types.SimpleNamespace(**model) if model else None,
+    )  # fmt: skip
 
 
 def request(prefix, num_samples=(1500, 100, 0), split="90,10,0", cache_path=None):
@@ -308,8 +310,8 @@ def test_bert_samples_equal_megatron(corpus, bert_train, bert_samples):
 
 def test_bert_without_binary_head(corpus):
     prefix, tok = corpus
-    config = BertDatasetConfig(bert_binary_head=False)
-    train = build_bert(config, request(prefix, (300, 0, 0)), context(tok)).train
+    context_ = context(tok, bert_binary_head=False)  # the BERT model's --bert-no-binary-head
+    train = build_bert(BertDatasetConfig(), request(prefix, (300, 0, 0)), context_).train
     for idx in range(300):
         sample = train[idx]
         tokens = original_tokens(sample)
@@ -323,8 +325,8 @@ def test_bert_without_binary_head(corpus):
 @pytest.fixture(scope="module")
 def t5_train(corpus):
     prefix, tokenizer = corpus
-    config = T5DatasetConfig(decoder_seq_length=128)
-    return build_t5(config, request(prefix), context(tokenizer, seq_length=256, seed=77)).train
+    ctx = context(tokenizer, seq_length=256, seed=77, decoder_seq_length=128)
+    return build_t5(T5DatasetConfig(), request(prefix), ctx).train
 
 
 def split_on_sentinels(ids, sentinels):
@@ -414,8 +416,8 @@ def test_t5_samples_equal_megatron(corpus, t5_train):
 
 def test_t5_decoder_too_short_is_a_clear_error(corpus):
     prefix, tok = corpus
-    config = T5DatasetConfig(decoder_seq_length=8)
-    train = build_t5(config, request(prefix, (50, 0, 0)), context(tok, seq_length=256)).train
+    ctx = context(tok, seq_length=256, decoder_seq_length=8)
+    train = build_t5(T5DatasetConfig(), request(prefix, (50, 0, 0)), ctx).train
     with pytest.raises(ValueError, match="--decoder-seq-length is 8"):
         for idx in range(50):
             train[idx]
@@ -487,13 +489,17 @@ def test_tokenizer_without_vocabulary_strings(corpus):
 
 
 def test_plugins_take_megatron_flags(plugins):
-    """The datasets' own flags, parsed as mega train parses them. (No model uses these datasets
-    yet: --model gpt --dataset bert is refused, naming both, by tests/test_input_errors.py.)"""
+    """The datasets' own flags, parsed as mega train parses them; --bert-no-binary-head and
+    --decoder-seq-length are the models' (the datasets read them from the model config)."""
     from mega.core.config.resolve import parse_sections
 
-    bert = parse_sections(["--bert-no-binary-head", "--mask-prob", "0.2"],
+    bert = parse_sections(["--mask-prob", "0.2"],
                           {"dataset": plugins.datasets.get("bert").config_cls})  # fmt: skip
-    assert bert["dataset"] == BertDatasetConfig(mask_prob=0.2, bert_binary_head=False)
-    t5 = parse_sections(["--decoder-seq-length", "64", "--short-seq-prob", "0"],
+    assert bert["dataset"] == BertDatasetConfig(mask_prob=0.2)
+    t5 = parse_sections(["--short-seq-prob", "0"],
                         {"dataset": plugins.datasets.get("t5").config_cls})  # fmt: skip
-    assert t5["dataset"] == T5DatasetConfig(decoder_seq_length=64, short_seq_prob=0.0)
+    assert t5["dataset"] == T5DatasetConfig(short_seq_prob=0.0)
+    for model, flag in (("bert", "--bert-no-binary-head"), ("t5", "--decoder-seq-length")):
+        sections = parse_sections([flag, *(["64"] if model == "t5" else [])],
+                                  {"model": plugins.models.get(model).config_cls})  # fmt: skip
+        assert sections["model"] != plugins.models.get(model).config_cls()

@@ -20,6 +20,19 @@ tokenizer's pad id), ``types`` (0 in the padding), ``labels`` (the original id a
 padding), ``is_random`` and ``truncated``. With a pad id of 0, as in every WordPiece vocabulary,
 these are exactly megatron-core's arrays; Megatron instead fills ``types`` and ``padding_mask``
 with the pad id and rewrites pad ids in ``text`` to 0, which differ only for a nonzero pad id.
+
+**Without --data-path** (and without ``--train-data-path``, which this dataset refuses) it reads
+the embedded corpus instead, with no file and no download: Python's pydoc_data topics (79
+documents), each split into sentences as ``mega preprocess --split-sentences`` splits them and
+tokenized in memory with the run's tokenizer (:mod:`mega.plugins.datasets.embedded_sentences`).
+A run that names no tokenizer then gets ``EmbeddedWordPiece`` (BERT's lower-case WordPiece with a
+vocabulary learned from that corpus) instead of ``BertWordPieceLowerCase``, which needs
+``--vocab-file``. ``--split`` divides the 79 documents. The sample index skips documents of one
+sentence (with the binary head; none here) and, as for any data, multi-sentence documents with a
+sentence over 512 tokens: 5 of the 79 (long tables and listings: operator-summary, strings,
+string-methods, typesseq, typesseq-mutable; ~19% of the tokens). It is built in memory each run,
+never cached (``--data-cache-path`` is ignored). With the defaults (seq 128, ``--split 969,30,1``,
+seed 1234; CPython 3.11's corpus) one epoch is 691 train samples and 8 valid ones; no test split.
 """
 
 from __future__ import annotations
@@ -49,13 +62,6 @@ BERT_MAX_NGRAM = 3  # pretrain_bert.py: masking_max_ngram=3, full words, 1/n n-g
 class BertDatasetConfig:
     mask_prob: float = option(0.15, "Probability of replacing a token with mask.")
     short_seq_prob: float = option(0.1, "Probability of producing a short sequence.")
-    bert_binary_head: bool = option(
-        True,
-        "Next-sentence prediction: sentence pairs A/B, half of them swapped "
-        "(--bert-no-binary-head turns it off).",
-        flag="--bert-no-binary-head",
-        store=False,
-    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -78,10 +84,12 @@ class BertSamples:
         seq_length: int,
         seed: int,
         name: str,
+        binary_head: bool = True,
     ) -> None:
         self.indexed = indexed
         self.sample_index = sample_index
         self.config = config
+        self.binary_head = binary_head
         self.vocab = vocab
         self.seq_length = int(seq_length)
         self.seed = int(seed)
@@ -110,7 +118,7 @@ class BertSamples:
         rng = np.random.RandomState((self.seed + idx) % 2**32)
 
         pivot, is_random = len(sentences), False
-        if self.config.bert_binary_head:
+        if self.binary_head:
             pivot = 1 if len(sentences) < 3 else int(rng.randint(low=1, high=len(sentences)))
             is_random = bool(rng.random() < 0.5)
         seg_a = [t for sentence in sentences[:pivot] for t in sentence]
@@ -171,6 +179,13 @@ class BertSamples:
         }
 
 
+def model_binary_head(ctx: BuildContext) -> bool:
+    """Whether the run's model has a binary head (``--bert-no-binary-head`` is the BERT model's
+    flag, as in Megatron it drops the head and the sentence pairs together); True when the
+    model says nothing (no model, or one without the flag)."""
+    return bool(getattr(ctx.model_config, "bert_binary_head", True))
+
+
 def build_bert(config: BertDatasetConfig, request: DataRequest, ctx: BuildContext) -> DatasetSplits:
     problems = config.validate()
     if problems:
@@ -179,12 +194,14 @@ def build_bert(config: BertDatasetConfig, request: DataRequest, ctx: BuildContex
         ctx.tokenizer,
         ("cls", "sep", "mask"),
         "bert",
-        "use --tokenizer-type BertWordPieceLowerCase or BertWordPieceCase",
+        "use --tokenizer-type BertWordPieceLowerCase or BertWordPieceCase (or, without "
+        "--data-path, EmbeddedWordPiece)",
     )
     if ctx.seq_length < 4:
         raise ValueError(f"--seq-length {ctx.seq_length} is too short for [CLS] A [SEP] B [SEP]")
     vocab = WordPieceVocabulary(ctx.tokenizer)
-    min_sentences = 2 if config.bert_binary_head else 1
+    binary_head = model_binary_head(ctx)
+    min_sentences = 2 if binary_head else 1
     indexed, indices = open_split_indices(
         "bert",
         "BERTMaskedWordPieceDataset",
@@ -198,8 +215,15 @@ def build_bert(config: BertDatasetConfig, request: DataRequest, ctx: BuildContex
         None
         if index is None
         else BertSamples(
-            indexed, index, config, vocab, ctx.seq_length, ctx.seed, f"bert {SPLIT_NAMES[split]}"
-        )
+            indexed,
+            index,
+            config,
+            vocab,
+            ctx.seq_length,
+            ctx.seed,
+            f"bert {SPLIT_NAMES[split]}",
+            binary_head,
+        )  # fmt: skip
         for split, index in enumerate(indices)
     ]
     return DatasetSplits(train=splits[0], valid=splits[1], test=splits[2])
@@ -213,8 +237,9 @@ def register_datasets(register: Any) -> None:
             config_cls=BertDatasetConfig,
             build=build_bert,
             description="Megatron BERT: whole-word n-gram masking + NSP sentence pairs "
-            "(sentence-split .bin/.idx).",
+            "(sentence-split .bin/.idx; without --data-path, the embedded corpus).",
             default_tokenizer="BertWordPieceLowerCase",
+            offline_tokenizer="EmbeddedWordPiece",
             provides=(
                 "text",
                 "types",

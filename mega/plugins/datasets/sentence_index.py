@@ -331,12 +331,29 @@ def open_split_indices(
 
     ``dataset`` names the plugin in messages; ``index_class`` (megatron-core's class name) names
     the cache files, as Megatron's ``{md5}-{Class}-sample_index.npy``.
+
+    With no ``--data-path`` the dataset is the embedded corpus, split into sentences and tokenized
+    with ``ctx.tokenizer`` in memory (:mod:`mega.plugins.datasets.embedded_sentences`); its sample
+    indices are built every time, never cached (a cache key would need the tokenizer's identity).
     """
     from mega.plugins.datasets.indexed import IndexedDataset
     from mega.plugins.datasets.splits import SPLIT_NAMES, split_ranges
 
-    prefix = single_prefix(request.data_path, dataset)
-    indexed = IndexedDataset(prefix)
+    if request.split_paths is not None:
+        raise ValueError(
+            f"the {dataset} dataset reads one --data-path prefix divided by --split (or, without "
+            "--data-path, the embedded corpus); --train-data-path/--valid-data-path/"
+            "--test-data-path are read by the gpt dataset only"
+        )
+    if request.data_path:
+        prefix = single_prefix(request.data_path, dataset)
+        indexed = IndexedDataset(prefix)
+        cache_path = request.cache_path
+    else:
+        from mega.plugins.datasets.embedded_sentences import EmbeddedSentences
+
+        indexed = EmbeddedSentences(ctx.tokenizer)
+        prefix, cache_path = indexed.prefix, None
     ranges = split_ranges(request.split, indexed.num_documents)
     if ranges[0] is None:
         raise ValueError(f"--split {request.split!r} leaves no documents for the train split")
@@ -348,15 +365,15 @@ def open_split_indices(
             continue
         lo, hi = doc_range
         bounds = indexed.document_indices[lo : hi + 1]
-        description = index_description(
-            index_class,
-            prefix,
-            doc_range,
+        settings = dict(
             num_samples=wanted,
             target_length=target_length,
             short_seq_prob=short_seq_prob,
             seed=ctx.seed,
             min_sentences=min_sentences,
+        )
+        description = (
+            index_description(index_class, prefix, doc_range, **settings) if cache_path else {}
         )
 
         def build(bounds: Any = bounds, wanted: int = wanted) -> np.ndarray:
@@ -371,7 +388,7 @@ def open_split_indices(
             )
 
         try:
-            indices.append(cached_sample_index(request.cache_path, description, build))
+            indices.append(cached_sample_index(cache_path, description, build))
         except ValueError as exc:
             raise ValueError(f"{SPLIT_NAMES[split]} split of {prefix}: {exc}") from None
     return indexed, indices

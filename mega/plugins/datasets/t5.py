@@ -20,6 +20,20 @@ Outputs (numpy int64): ``text_enc`` (``seq_length``, padded with the pad id), ``
 padding) and ``truncated`` (an int): megatron-core's keys. Its ``enc_dec_mask`` is built from
 ``enc_mask`` and ``dec_mask`` at batch time (``T5MaskedWordPieceDataset.config_attention_mask``),
 not by the dataset. With a pad id of 0 (WordPiece vocabularies) the arrays equal megatron-core's.
+
+**Without --data-path** (and without ``--train-data-path``, which this dataset refuses) it reads
+the embedded corpus instead, with no file and no download: Python's pydoc_data topics (79
+documents), each split into sentences as ``mega preprocess --split-sentences`` splits them and
+tokenized in memory with the run's tokenizer (:mod:`mega.plugins.datasets.embedded_sentences`).
+A run that names no tokenizer then gets ``EmbeddedWordPiece`` (BERT's lower-case WordPiece with a
+vocabulary learned from that corpus, and T5's 100 sentinels by default) instead of
+``BertWordPieceLowerCase``, which needs ``--vocab-file``. ``--split`` divides the 79 documents.
+The sample index skips, as for any data, multi-sentence documents with a sentence over 512
+tokens: 5 of the 79 (long tables and listings: operator-summary, strings, string-methods,
+typesseq, typesseq-mutable; ~19% of the tokens). It is built in memory each run, never cached
+(``--data-cache-path`` is ignored). With the defaults (seq 128, ``--decoder-seq-length`` 128,
+``--split 969,30,1``, seed 1234; CPython 3.11's corpus) one epoch is 693 train samples and 8
+valid ones; no test split.
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ from mega.plugins.datasets.splits import SPLIT_NAMES
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
+# --decoder-seq-length is the T5 model's flag (its position table and FLOPs depend on it): the
+# dataset reads it from the run's model config, and uses this without one
+DEFAULT_DECODER_SEQ_LENGTH = 128
 T5_MAX_NGRAM = 10  # pretrain_t5.py: masking_max_ngram=10, full words, geometric span lengths
 
 
@@ -50,9 +67,6 @@ T5_MAX_NGRAM = 10  # pretrain_t5.py: masking_max_ngram=10, full words, geometric
 class T5DatasetConfig:
     mask_prob: float = option(0.15, "Probability of replacing a token with mask.")
     short_seq_prob: float = option(0.1, "Probability of producing a short sequence.")
-    decoder_seq_length: int = option(
-        128, "Maximum decoder sequence length (the encoder's is --seq-length)."
-    )
 
     def validate(self) -> list[str]:
         problems = []
@@ -60,10 +74,6 @@ class T5DatasetConfig:
             problems.append(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             problems.append(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
-        if self.decoder_seq_length < 2:
-            problems.append(
-                f"--decoder-seq-length must be at least 2, got {self.decoder_seq_length}"
-            )
         return problems
 
 
@@ -80,10 +90,12 @@ class T5Samples:
         seq_length: int,
         seed: int,
         name: str,
+        decoder_seq_length: int = DEFAULT_DECODER_SEQ_LENGTH,
     ) -> None:
         self.indexed = indexed
         self.sample_index = sample_index
         self.config = config
+        self.decoder_seq_length = int(decoder_seq_length)
         self.vocab = vocab
         self.bos = int(tokenizer.bos)
         self.eos = int(tokenizer.eos)
@@ -143,7 +155,7 @@ class T5Samples:
         encoder.extend(tokens[cursor:])
         labels.append(self.eos)
 
-        enc_len, dec_len = self.seq_length, self.config.decoder_seq_length
+        enc_len, dec_len = self.seq_length, self.decoder_seq_length
         if len(encoder) > enc_len:  # pragma: no cover - the index's target is seq_length - 2
             raise ValueError(f"{self.name} sample {idx}: {len(encoder)} encoder tokens > {enc_len}")
         if len(decoder) > dec_len:
@@ -177,12 +189,18 @@ def build_t5(config: T5DatasetConfig, request: DataRequest, ctx: BuildContext) -
     problems = config.validate()
     if problems:
         raise ValueError("; ".join(problems))
-    hint = "use --tokenizer-type BertWordPieceLowerCase with --vocab-extra-ids 100"
+    hint = (
+        "use --tokenizer-type BertWordPieceLowerCase with --vocab-extra-ids 100 (or, without "
+        "--data-path, EmbeddedWordPiece)"
+    )
     require_tokens(ctx.tokenizer, ("bos", "eos", "mask"), "t5", hint)
     if not list(getattr(ctx.tokenizer, "additional_special_tokens_ids", None) or []):
         raise ValueError(f"the t5 dataset needs sentinel tokens (none on the tokenizer); {hint}")
     if ctx.seq_length < 3:
         raise ValueError(f"--seq-length {ctx.seq_length} is too short for T5 samples")
+    decoder_length = getattr(ctx.model_config, "decoder_seq_length", DEFAULT_DECODER_SEQ_LENGTH)
+    if decoder_length < 2:
+        raise ValueError(f"--decoder-seq-length must be at least 2, got {decoder_length}")
     vocab = WordPieceVocabulary(ctx.tokenizer)
     indexed, indices = open_split_indices(
         "t5",
@@ -205,6 +223,7 @@ def build_t5(config: T5DatasetConfig, request: DataRequest, ctx: BuildContext) -
             ctx.seq_length,
             ctx.seed,
             f"t5 {SPLIT_NAMES[split]}",
+            decoder_length,
         )
         for split, index in enumerate(indices)
     ]
@@ -219,8 +238,10 @@ def register_datasets(register: Any) -> None:
             config_cls=T5DatasetConfig,
             build=build_t5,
             description="Megatron T5 span corruption: sentinels, geometric span lengths, separate "
-            "encoder/decoder lengths (sentence-split .bin/.idx).",
+            "encoder/decoder lengths (sentence-split .bin/.idx; without --data-path, the "
+            "embedded corpus).",
             default_tokenizer="BertWordPieceLowerCase",
+            offline_tokenizer="EmbeddedWordPiece",
             provides=(
                 "text_enc",
                 "text_dec",

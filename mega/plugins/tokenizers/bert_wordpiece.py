@@ -27,6 +27,7 @@ spacing), so it does not round-trip in general.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,11 +83,24 @@ class BertWordPieceCaseConfig(BertWordPieceConfig):
 class BertWordPieceTokenizer(BatchEncodingMixin):
     """Megatron's ``_BertWordPieceTokenizer`` semantics over ``tokenizers``' BERT WordPiece."""
 
-    def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_file: str,
+        lower_case: bool,
+        vocab_extra_ids: int = 0,
+        *,
+        vocab_lines: list[str] | None = None,
+    ) -> None:
+        """``vocab_lines``: the vocab.txt lines themselves (``vocab_file`` then only names them in
+        messages and is not read), for a vocabulary made in memory (``EmbeddedWordPiece``)."""
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-        data, identity = read_file("--vocab-file", vocab_file)
-        lines = decode_text("--vocab-file", vocab_file, data).splitlines()
+        if vocab_lines is None:
+            data, identity = read_file("--vocab-file", vocab_file)
+            lines = decode_text("--vocab-file", vocab_file, data).splitlines()
+        else:
+            lines = list(vocab_lines)
+            identity = {"sha256": hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()}
         present = {line.strip() for line in lines}
         missing = [t for t in LIBRARY_SPECIALS if t not in present]
         if missing:
@@ -94,7 +108,12 @@ class BertWordPieceTokenizer(BatchEncodingMixin):
                 "--vocab-file", vocab_file, f"not a BERT vocab.txt: no {', '.join(missing)} token"
             )
         try:
-            tokenizer = Tokenizer(models.WordPiece.from_file(vocab_file, unk_token="[UNK]"))
+            if vocab_lines is None:
+                model = models.WordPiece.from_file(vocab_file, unk_token="[UNK]")
+            else:  # as from_file reads a file: line i is id i, trailing whitespace dropped
+                vocab = {line.rstrip(): i for i, line in enumerate(lines)}
+                model = models.WordPiece(vocab, unk_token="[UNK]")
+            tokenizer = Tokenizer(model)
         except Exception as exc:
             raise cannot_load("--vocab-file", vocab_file, exc) from None
         for token in LIBRARY_SPECIALS:

@@ -1,0 +1,56 @@
+"""BERT model config: the GPT's transformer flags plus BERT's own, importable without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mega.core.config.fields import option
+from mega.plugins.models.gpt.config import GPTConfig
+from mega.plugins.models.gpt.config import flops_per_token as decoder_flops_per_token
+
+
+@dataclass(kw_only=True)
+class BertConfig(GPTConfig):
+    """Megatron's BERT: a bidirectional GPT-style (pre-norm) encoder with BERT's heads.
+
+    Every transformer flag is the GPT's (``--num-layers``, ``--hidden-size``...), with the same
+    defaults; mixture-of-experts flags are refused (Megatron's BERT has no MoE layer spec).
+    """
+
+    bert_binary_head: bool = option(
+        True,
+        "Drop the binary (sentence-order) head, its pooler and the token-type embeddings; the "
+        "bert dataset then makes single segments (Megatron's --bert-no-binary-head).",
+        flag="--bert-no-binary-head",
+        store=False,
+    )
+
+    def num_tokentypes(self) -> int:
+        """Megatron's pretrain_bert: segment A/B embeddings only with the binary head."""
+        return 2 if self.bert_binary_head else 0
+
+    def validate(self) -> list[str]:
+        return super().validate() + encoder_model_problems(self, "bert")
+
+
+def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
+    """What BERT and T5 refuse of the GPT's flags."""
+    problems = []
+    if cfg.num_experts:
+        problems.append(
+            f"--num-experts: the {model} model has no mixture-of-experts layers (use gpt or moe)"
+        )
+    if cfg.untie_embeddings_and_output_weights:  # Megatron's pretrain scripts tie them
+        problems.append(
+            f"--untie-embeddings-and-output-weights: the {model} model's output layer always"
+            " reuses the word embeddings (as in Megatron)"
+        )
+    return problems
+
+
+def flops_per_token(cfg: BertConfig, seq_length: int, padded_vocab_size: int) -> float:
+    """The GPT's count (layers, attention, the output projection) plus the masked-LM head's
+    ``h x h`` dense, both as Megatron counts: every position, forward and backward. The pooler
+    and binary head run once per sample and are left out."""
+    dense = 6 * cfg.hidden_size * cfg.hidden_size
+    return decoder_flops_per_token(cfg, seq_length, padded_vocab_size) + dense

@@ -1,0 +1,174 @@
+"""A single-device BERT with Megatron-core's parameter names and initialisation.
+
+Megatron-core's ``BertModel`` with its local layer spec: word + position (+ token-type)
+embeddings; the GPT's pre-norm transformer layers, attending both ways with the padding
+masked; the masked-LM head (dense, GeLU, layer norm, then the tied word embeddings plus a
+bias); with the binary head, a pooler (dense + tanh on position 0) and a 2-way linear.
+Shapes as in the GPT: ``b`` batch, ``s`` sequence, ``h`` hidden, ``V`` padded vocabulary.
+
+One intended difference from Megatron: padding is masked as keys only (``[b, 1, 1, s]``), not
+also as queries. A real position's output is the same either way; a padded position's output,
+which no loss reads, is an average over the real ones instead of Megatron's uniform average
+over everything, and the mask costs ``s`` instead of ``s x s`` booleans per sample.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mega.core.plugins.specs import BuildContext
+from mega.core.training.init import normal_
+from mega.parallel.linear import Linear
+from mega.plugins.models.bert.config import BertConfig
+from mega.plugins.models.gpt.model import Embedding, OutputHead, TransformerBlock
+
+
+class BertEmbedding(Embedding):
+    """The GPT's word and position embeddings plus Megatron's ``tokentype_embeddings``."""
+
+    def __init__(self, cfg: BertConfig, vocab_size: int, max_positions: int) -> None:
+        super().__init__(cfg, vocab_size, max_positions)
+        types = cfg.num_tokentypes()
+        self.tokentype_embeddings = nn.Embedding(types, cfg.hidden_size) if types else None
+
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, types=None
+    ) -> torch.Tensor:
+        hidden = self.word_embeddings(tokens)  # [b, s, h]
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings.weight[: tokens.shape[1]][None]
+        if self.tokentype_embeddings is not None:
+            hidden = hidden + self.tokentype_embeddings(types)
+        return self.embedding_dropout(hidden)
+
+
+class LMHead(nn.Module):
+    """Megatron's ``BertLMHead``: dense, exact GeLU, layer norm (before the tied output)."""
+
+    def __init__(self, cfg: BertConfig) -> None:
+        super().__init__()
+        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.layer_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer_norm(F.gelu(self.dense(hidden)))
+
+
+class OutputBias(nn.Module):
+    """The output layer's bias ``[V]`` (its weight is the word embeddings)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.empty(vocab_size))
+
+
+class FirstToken(nn.Module):
+    """``[b, s, h] -> [b, h]`` at position 0 ([CLS]): what the pooler reads. Its own module so
+    that sequence parallelism can gather the sequence in front of it."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, 0]
+
+
+class Pooler(nn.Module):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.dense = Linear(hidden_size, hidden_size)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first))
+
+
+class BertModel(nn.Module):
+    """``forward(text, types, padding_mask, labels=None)``: given labels, the per-token masked-LM
+    loss ``[b, s]`` (float32) and the binary logits ``[b, 2]`` (None without the binary head);
+    without labels, the logits ``[b, s, V]`` and the binary logits."""
+
+    def __init__(self, cfg: BertConfig, ctx: BuildContext) -> None:
+        super().__init__()
+        problems = cfg.validate()
+        if problems:
+            raise ValueError("invalid BERT config: " + "; ".join(problems))
+        if ctx.padded_vocab_size <= 0:
+            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
+        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
+        if cfg.position_embedding_type == "learned_absolute" and ctx.seq_length > max_positions:
+            raise ValueError(
+                f"--seq-length ({ctx.seq_length}) exceeds --max-position-embeddings ({max_positions})"
+            )
+        self.config = cfg
+        self.seed = ctx.seed
+        h = cfg.hidden_size
+        with torch.device("meta"):  # materialised once, by reset_parameters
+            self.embedding = BertEmbedding(cfg, ctx.padded_vocab_size, max_positions)
+            self.encoder = TransformerBlock(cfg, causal=False)
+            self.lm_head = LMHead(cfg)
+            self.output_layer = OutputBias(ctx.padded_vocab_size)
+            self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))
+            self.first_token = self.pooler = self.binary_head = None
+            if cfg.bert_binary_head:
+                self.first_token = FirstToken()
+                self.pooler = Pooler(h)
+                self.binary_head = Linear(h, 2)
+        self.to_empty(device="cpu")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init, drawn per parameter from (seed, name): every weight N(0, std), the
+        residual-branch outputs N(0, std / sqrt(2 L)), biases 0, norms 1."""
+        cfg = self.config
+        scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        norms = {
+            f"{module_name}.{param_name}"
+            for module_name, module in self.named_modules()
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
+            for param_name, _ in module.named_parameters(recurse=False)
+        }
+        for name, param in self.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif name in norms:
+                param.fill_(1.0)
+            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                normal_(param, std=scaled_std, seed=self.seed, name=name)
+            else:
+                normal_(param, std=cfg.init_method_std, seed=self.seed, name=name)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        text: torch.Tensor,
+        padding_mask: torch.Tensor,
+        types: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``text``/``types [b, s]`` ids, ``padding_mask [b, s]`` (1 on tokens), ``labels [b, s]``
+        (-1 where nothing is predicted). As a pipeline stage: ``hidden_states`` replaces the
+        embeddings; a stage without the heads returns its hidden states."""
+        # True = masked, for keys only (module docstring); broadcast over heads and queries
+        attention_mask = (padding_mask < 0.5)[:, None, None, :]
+        if hidden_states is None:
+            hidden = self.embedding(text, types=types)
+        else:
+            hidden = hidden_states
+        hidden = self.encoder(hidden, attention_mask=attention_mask)
+        if self.output_head is None:
+            return hidden
+        binary_logits = None
+        if self.binary_head is not None:
+            binary_logits = self.binary_head(self.pooler(self.first_token(hidden)))
+        if labels is not None:
+            # -1 marks unpredicted positions; any id will do there, the loss mask drops them
+            labels = labels.clamp(min=0)
+        lm = self.output_head(
+            self.lm_head(hidden), self.output_weight(), labels, self.output_layer.bias
+        )
+        return lm, binary_logits

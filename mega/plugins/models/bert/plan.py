@@ -1,0 +1,66 @@
+"""BERT's ParallelPlan: the GPT's cuts (``encoder`` for ``decoder``) plus BERT's heads. No torch.
+
+Tensor parallelism: the masked-LM head's dense and layer norm run replicated (under sequence
+parallelism on ``s/tp`` positions, like the encoder's norms); the tied output's bias is split by
+vocabulary rows with the word embeddings; the pooler reads position 0, so under sequence
+parallelism ``first_token`` gathers the sequence first and the pooler and binary head run
+replicated (as Megatron's ``Pooler``).
+
+Pipeline stages: the embeddings on the first; the final norm and every head on the last, which
+keeps its own copy of the tied word embeddings.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mega.parallel.plan import (
+    COLUMN,
+    LM_HEAD,
+    ROW,
+    SEQUENCE_GATHER,
+    SEQUENCE_SCATTER,
+    VOCAB_BIAS,
+    VOCAB_EMBEDDING,
+    ParallelPlan,
+)
+from mega.plugins.models.bert.config import BertConfig
+from mega.plugins.models.gpt.plan import tensor_parallel_problems
+
+LAYERS = "encoder.layers"
+CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
+TIED_WEIGHT = "embedding.word_embeddings.weight"
+HEADS = ("lm_head", "output_layer", "output_head", "first_token", "pooler", "binary_head")
+
+
+def bert_parallel_plan(cfg: BertConfig) -> ParallelPlan:
+    tensor = {
+        "embedding.word_embeddings": VOCAB_EMBEDDING,
+        "embedding.embedding_dropout": SEQUENCE_SCATTER,
+        f"{LAYERS}.*.self_attention.linear_qkv": COLUMN,
+        f"{LAYERS}.*.self_attention.linear_proj": ROW,
+        f"{LAYERS}.*.mlp.linear_fc1": COLUMN,
+        f"{LAYERS}.*.mlp.linear_fc2": ROW,
+        "output_layer": VOCAB_BIAS,
+        "output_head": LM_HEAD,
+        "first_token": SEQUENCE_GATHER,
+    }
+    return ParallelPlan(
+        tensor=tensor,
+        stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
+        layers=LAYERS,
+        core_attention=CORE_ATTENTION,
+        vocab_parameters=(TIED_WEIGHT, "output_layer.bias"),
+        tensor_parallel_rng=(CORE_ATTENTION,),
+        sequence_parallel_region=("encoder", "lm_head"),
+        problems=partial(tensor_parallel_problems, cfg),
+        num_layers=cfg.num_layers,
+        pipeline_first=("embedding",),
+        pipeline_last=("encoder.final_layernorm", *HEADS),
+        tied_weight=TIED_WEIGHT,
+        activation_shape=partial(_hidden_shape, cfg.hidden_size),
+    )
+
+
+def _hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
+    return (micro_batch, positions, hidden_size)  # batch-first [b, s, h]

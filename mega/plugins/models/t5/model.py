@@ -1,0 +1,188 @@
+"""A single-device T5 with Megatron-core's parameter names and initialisation.
+
+Megatron-core's ``T5Model`` with its local layer specs: one embedding (word + learned position)
+for both stacks; the encoder is the GPT's pre-norm layers attending both ways with the padding
+masked; each decoder layer adds cross-attention (``linear_q`` from the decoder, ``linear_kv``
+from the encoder's output, rows ``[k; v]`` per head) between its causal self-attention and its
+MLP; each stack ends in a layer norm; the LM head is the tied word embeddings plus a bias.
+
+Megatron-core 0.16.1's *local* block specs name ``TENorm`` for the stacks' final norms, which is
+None without Transformer Engine, so a CPU megatron-core T5 silently has no final norms; every
+GPU run (with Transformer Engine) has them, and so does this model (the oracle test builds
+megatron-core's blocks with a torch norm there). Padding is masked as keys only, as in mega's
+BERT; the decoder needs no padding mask (its padding comes after every real position).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mega.core.plugins.specs import BuildContext
+from mega.core.training.init import normal_
+from mega.parallel.linear import Linear
+from mega.plugins.models.bert.model import OutputBias
+from mega.plugins.models.gpt.model import (
+    MLP,
+    CoreAttention,
+    Embedding,
+    OutputHead,
+    SelfAttention,
+    TransformerBlock,
+    _norm,
+)
+from mega.plugins.models.t5.config import T5Config
+
+
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys and values from the encoder's output."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.head_dim = d = cfg.resolved_kv_channels()
+        projection = cfg.num_attention_heads * d
+        bias = cfg.add_bias_linear
+        self.linear_q = Linear(cfg.hidden_size, projection, bias=bias)
+        self.linear_kv = Linear(cfg.hidden_size, 2 * projection, bias=bias)  # [k; v] per head
+        self.core_attention = CoreAttention(
+            cfg.attention_dropout, cfg.attention_backend, causal=False
+        )
+        self.linear_proj = Linear(projection, cfg.hidden_size, bias=bias)
+
+    def forward(
+        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        d = self.head_dim
+        query = self.linear_q(hidden)
+        kv = self.linear_kv(context)
+        # sizes read from the projections: under sequence parallelism they gathered the sequence
+        query = query.view(*query.shape[:2], -1, d)  # [b, sd, np, d]
+        key, value = kv.view(*kv.shape[:2], -1, 2 * d).split(d, dim=-1)  # [b, se, np, d] each
+        return self.linear_proj(self.core_attention(query, key, value, context_mask))
+
+
+class DecoderLayer(nn.Module):
+    """x + self-attention (causal), x + cross-attention, x + MLP; each after its own norm."""
+
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.self_attention = SelfAttention(cfg, causal=True)
+        self.pre_cross_attn_layernorm = _norm(cfg, cfg.hidden_size)
+        self.cross_attention = CrossAttention(cfg)
+        self.pre_mlp_layernorm = _norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        attention = self.self_attention(self.input_layernorm(hidden), None)
+        hidden = hidden + self.hidden_dropout(attention)
+        cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden), context, context_mask)
+        hidden = hidden + self.hidden_dropout(cross)
+        return hidden + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(hidden)))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, cfg: T5Config) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_layernorm = _norm(cfg, cfg.hidden_size)
+
+    def forward(
+        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        for layer in self.layers:
+            hidden = layer(hidden, context, context_mask)
+        return self.final_layernorm(hidden)
+
+
+class LMHead(nn.Module):
+    """Megatron-core's ``T5LMHead``: here only its output layer's bias (the weight is tied)."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.output_layer = OutputBias(vocab_size)
+
+
+class T5Model(nn.Module):
+    """``forward(text_enc, text_dec, enc_mask, labels=None)``: given labels, the per-token loss
+    ``[b, sd]`` (float32) over the decoder positions; else the logits ``[b, sd, V]``."""
+
+    def __init__(self, cfg: T5Config, ctx: BuildContext) -> None:
+        super().__init__()
+        problems = cfg.validate()
+        if problems:
+            raise ValueError("invalid T5 config: " + "; ".join(problems))
+        if ctx.padded_vocab_size <= 0:
+            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
+        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
+        longest = max(ctx.seq_length, cfg.decoder_seq_length)
+        if longest > max_positions:
+            raise ValueError(
+                f"--seq-length ({ctx.seq_length}) and --decoder-seq-length"
+                f" ({cfg.decoder_seq_length}) must not exceed --max-position-embeddings"
+                f" ({max_positions})"
+            )
+        self.config = cfg
+        self.seed = ctx.seed
+        with torch.device("meta"):  # materialised once, by reset_parameters
+            self.embedding = Embedding(cfg, ctx.padded_vocab_size, max_positions)
+            self.encoder = TransformerBlock(cfg.stack(cfg.resolved_encoder_layers()), causal=False)
+            self.decoder = DecoderBlock(cfg.stack(cfg.resolved_decoder_layers()))
+            self.lm_head = LMHead(ctx.padded_vocab_size)
+            self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))
+        self.to_empty(device="cpu")
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Megatron's init, per parameter from (seed, name): weights N(0, std), the residual
+        outputs N(0, std / sqrt(2 L)) with ``L`` the layers of their own stack (megatron-core
+        scales by each stack's config), biases 0, norms 1."""
+        cfg = self.config
+        std = cfg.init_method_std
+        stacks = {
+            "encoder.": std / math.sqrt(2.0 * cfg.resolved_encoder_layers()),
+            "decoder.": std / math.sqrt(2.0 * cfg.resolved_decoder_layers()),
+        }
+        norms = {
+            f"{module_name}.{param_name}"
+            for module_name, module in self.named_modules()
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
+            for param_name, _ in module.named_parameters(recurse=False)
+        }
+        for name, param in self.named_parameters():
+            if name.endswith(".bias"):
+                param.zero_()
+            elif name in norms:
+                param.fill_(1.0)
+            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                normal_(param, std=stacks[name[:8]], seed=self.seed, name=name)
+            else:
+                normal_(param, std=std, seed=self.seed, name=name)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word_embeddings.weight
+
+    def forward(
+        self,
+        text_enc: torch.Tensor,
+        text_dec: torch.Tensor,
+        enc_mask: torch.Tensor,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``text_enc [b, se]``, ``text_dec [b, sd]`` ids; ``enc_mask [b, se]`` 1 on the encoder's
+        tokens; ``labels [b, sd]`` (-1 on padding)."""
+        # True = masked: padded encoder positions, as keys, for the encoder and the cross-attention
+        padding = (enc_mask < 0.5)[:, None, None, :]
+        context = self.encoder(self.embedding(text_enc), attention_mask=padding)
+        hidden = self.decoder(self.embedding(text_dec), context, padding)
+        if labels is not None:
+            labels = labels.clamp(min=0)  # -1 on padding: the loss mask drops those positions
+        return self.output_head(
+            hidden, self.output_weight(), labels, self.lm_head.output_layer.bias
+        )

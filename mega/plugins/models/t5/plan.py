@@ -1,0 +1,60 @@
+"""T5's ParallelPlan: the GPT's tensor-parallel cuts in both stacks, plus the cross-attention
+(``linear_q`` and ``linear_kv`` column-parallel: ``[k; v]`` rows are per head, so a contiguous
+split keeps whole heads; ``linear_proj`` row-parallel). No torch.
+
+Under sequence parallelism the shared embedding's dropout splits both inputs along their
+sequence; the encoder's output stays split, and the cross-attention's ``linear_kv`` gathers it.
+No pipeline stages (``pipeline_first`` is empty, so ``--pipeline-model-parallel-size`` > 1 is
+refused before launch): Megatron's T5 splits encoder and decoder over stages, which mega's
+one-activation stage contract does not express yet.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from mega.parallel.plan import (
+    COLUMN,
+    LM_HEAD,
+    ROW,
+    SEQUENCE_SCATTER,
+    VOCAB_BIAS,
+    VOCAB_EMBEDDING,
+    ParallelPlan,
+)
+from mega.plugins.models.gpt.plan import tensor_parallel_problems
+from mega.plugins.models.t5.config import T5Config
+
+CORE_ATTENTION = "*.layers.*.*.core_attention"  # self- and cross-attention, both stacks
+TIED_WEIGHT = "embedding.word_embeddings.weight"
+
+
+def t5_parallel_plan(cfg: T5Config) -> ParallelPlan:
+    tensor = {
+        "embedding.word_embeddings": VOCAB_EMBEDDING,
+        "embedding.embedding_dropout": SEQUENCE_SCATTER,
+        "lm_head.output_layer": VOCAB_BIAS,
+        "output_head": LM_HEAD,
+    }
+    for stack in ("encoder", "decoder"):
+        layers = f"{stack}.layers.*"
+        tensor[f"{layers}.self_attention.linear_qkv"] = COLUMN
+        tensor[f"{layers}.self_attention.linear_proj"] = ROW
+        tensor[f"{layers}.mlp.linear_fc1"] = COLUMN
+        tensor[f"{layers}.mlp.linear_fc2"] = ROW
+    tensor["decoder.layers.*.cross_attention.linear_q"] = COLUMN
+    tensor["decoder.layers.*.cross_attention.linear_kv"] = COLUMN
+    tensor["decoder.layers.*.cross_attention.linear_proj"] = ROW
+    fc1 = ("encoder.layers.*.mlp.linear_fc1", "decoder.layers.*.mlp.linear_fc1")
+    return ParallelPlan(
+        tensor=tensor,
+        stacked=dict.fromkeys(fc1, 2) if cfg.swiglu else {},
+        layers="decoder.layers",
+        more_layers=("encoder.layers",),
+        core_attention=CORE_ATTENTION,
+        vocab_parameters=(TIED_WEIGHT, "lm_head.output_layer.bias"),
+        tensor_parallel_rng=(CORE_ATTENTION,),
+        sequence_parallel_region=("encoder", "decoder"),
+        problems=partial(tensor_parallel_problems, cfg),
+        num_layers=cfg.resolved_decoder_layers(),
+    )
