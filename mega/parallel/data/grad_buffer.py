@@ -44,7 +44,9 @@ from mega.parallel.topology import Topology
 
 # Megatron's default: max(40M, 1M x DP) elements per bucket.
 DEFAULT_BUCKET_ELEMENTS = 40_000_000
-# Bucket ends are padded so each rank's shard starts on a 128-byte boundary (and splits evenly).
+# Every parameter starts on a multiple of 64 elements (as in Megatron's buffer), and bucket ends
+# are padded so each rank's shard does too (and splits evenly): cuBLAS reads a bias at a 4-byte
+# offset (after BERT's binary-head bias of 2 elements) as a misaligned address on a GPU.
 _ALIGN = 64
 
 
@@ -147,6 +149,7 @@ class ParamAndGradBuffer:
             pad = _ALIGN * _group_size(topology, group)
             start = offset
             for param in members:
+                offset = -(-offset // _ALIGN) * _ALIGN
                 ranges[param] = (offset, offset + param.numel())
                 offset += param.numel()
             offset = -(-offset // pad) * pad
