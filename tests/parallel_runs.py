@@ -1,7 +1,8 @@
 """Train the same tiny GPT on N forked CPU ranks and on one, and collect what must match.
 
 ``layout_run(args, world_size)`` returns rank 0's per-iteration losses, the full (TP-gathered)
-parameters after training, and each rank's optimizer-state bytes.
+parameters after training, and each rank's optimizer-state bytes. ``losses`` is the ``lm loss``;
+a model with more loss parts (BERT's ``sop loss``) has them in ``other_losses``, by metrics key.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from mega import hookimpl
 from mega.core.config.resolve import resolve_config
 from mega.core.console.display import Display
+from mega.core.console.metrics import metric_key
 from mega.core.plugins.manager import make_plugins
 from mega.core.training.engine import Engine
 from mega.testing.ranks import run_ranks
@@ -41,12 +43,20 @@ class _Losses:
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        # every loss part but the lm loss ({"sop_loss": [...]} for BERT), by metrics key
+        self.other_losses: dict[str, list[float]] = {}
 
     @hookimpl
     def step_end(self, engine: Any, iteration: int, metrics: dict[str, float]) -> None:
         if "lm_loss" in metrics:
             self.losses.append(metrics["lm_loss"])
             self.grad_norms.append(metrics["grad_norm"])
+            # the model's own parts only: MoE router statistics (load_balancing_loss, z_loss)
+            # are also ``*_loss`` metrics, but not what training minimises
+            for name in getattr(engine, "loss_names", ("lm loss",)):
+                key = metric_key(name)
+                if key != "lm_loss":
+                    self.other_losses.setdefault(key, []).append(metrics[key])
 
 
 def full_parameters(engine: Engine) -> dict[str, torch.Tensor]:
@@ -86,6 +96,7 @@ def _train(rank: int, world_size: int, args: list[str], run_dir: str) -> dict[st
     params = full_parameters(engine)  # collective: every rank takes part
     return {
         "losses": capture.losses,
+        "other_losses": capture.other_losses,
         "grad_norms": capture.grad_norms,
         "params": params if rank == 0 else None,
         "state_bytes": engine.optimizer.state_bytes(),
@@ -102,7 +113,8 @@ def layout_run(args: list[str], world_size: int, run_dir: str) -> list[dict[str,
 def assert_same_training(
     reference: dict[str, Any], other: dict[str, Any], rel: float = 1e-5, atol: float = 1e-5
 ) -> None:
-    """Same per-iteration losses (relative difference <= rel) and the same final parameters.
+    """Same per-iteration losses, every loss part (relative difference <= rel), and the same
+    final parameters.
 
     Parameters get an absolute tolerance: a different layout sums in a different order, and
     Adam's m/(sqrt(v) + eps) turns the rounding of a small gradient into a different step (see
@@ -114,6 +126,12 @@ def assert_same_training(
     assert len(ref_losses) == len(losses) > 0
     for i, (a, b) in enumerate(zip(ref_losses, losses, strict=True), start=1):
         assert abs(a - b) <= rel * abs(a), f"iteration {i}: lm loss {b} vs {a}"
+    ref_parts, parts = reference.get("other_losses", {}), other.get("other_losses", {})
+    assert ref_parts.keys() == parts.keys(), f"loss parts {sorted(parts)} vs {sorted(ref_parts)}"
+    for key, ref_values in ref_parts.items():
+        assert len(ref_values) == len(parts[key]) == len(ref_losses), key
+        for i, (a, b) in enumerate(zip(ref_values, parts[key], strict=True), start=1):
+            assert abs(a - b) <= rel * abs(a), f"iteration {i}: {key} {b} vs {a}"
     # the clipping norm: Adam hides a wrong one (it is nearly scale-invariant), so check it here
     pairs = zip(reference["grad_norms"], other["grad_norms"], strict=True)
     for i, (a, b) in enumerate(pairs, start=1):

@@ -81,8 +81,8 @@ def pipeline_setup(config: Any, plugins: Any) -> tuple[PipelineSetup | None, lis
         return None, [no_plan_message(f"model '{config.model_name}'", [f"{PP} {pp}"])]
     if not plan.pipeline_first:  # no first-stage modules named: the split has no map
         return None, [
-            f"model '{config.model_name}' has a parallel plan without pipeline stages, so it"
-            f" supports no pipeline stages (--parallel {spec.name}, {PP} {pp})"
+            f"{PP} {pp}: model '{config.model_name}' cannot be split into pipeline stages"
+            f" (its parallel plan names none; --parallel {spec.name})"
         ]
     vpp, problems = virtual_stages_per_rank(plan.num_layers, pp, *virtual_flags)
     first, last = p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers
