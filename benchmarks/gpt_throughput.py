@@ -251,10 +251,13 @@ def run_mega(args: argparse.Namespace, clock: StepClock, total_iters: int, flags
     return train_mega(argv, clock, args.warmup, args.iters)
 
 
-def train_mega(argv: list[str], clock: StepClock, warmup: int, iters: int) -> dict:
+def train_mega(
+    argv: list[str], clock: StepClock, warmup: int, iters: int, extra_plugins: tuple = ()
+) -> dict:
     """``Engine(resolve_config(argv)).train()`` with ``clock`` told of every step's end; the
     iteration lines' numbers over the timed steps (``warmup`` < iteration <= ``warmup + iters``;
-    ``argv``'s ``--log-interval`` must divide both)."""
+    ``argv``'s ``--log-interval`` must divide both). ``extra_plugins``: ``(name, plugin)`` pairs
+    registered with the built-in ones (a benchmark's own dataset)."""
     from mega import hookimpl
     from mega.core.config.resolve import resolve_config
     from mega.core.plugins.manager import make_plugins
@@ -269,7 +272,7 @@ def train_mega(argv: list[str], clock: StepClock, warmup: int, iters: int) -> di
             if "tflops_per_gpu" in metrics:
                 lines.append(dict(metrics))
 
-    plugins = make_plugins()
+    plugins = make_plugins(extra=list(extra_plugins))
     plugins.pm.register(Clock(), name="benchmark-clock")
     config = resolve_config(argv, plugins)
     engine = Engine(config, plugins)
