@@ -27,6 +27,16 @@ from mega.plugins.models.bert.config import BertConfig
 from mega.plugins.models.gpt.model import Embedding, OutputHead, TransformerBlock
 
 
+def key_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor | None:
+    """``padding_mask [b, s]`` (1 on tokens) -> the attention mask, True = masked, for keys only
+    (module docstring), broadcast over heads and queries: ``[b, 1, 1, s]``; None when nothing
+    is padding, so that attention runs without a mask (flash and cuDNN kernels take none). The
+    check costs one host sync per micro-batch."""
+    if bool(padding_mask.all()):
+        return None
+    return (padding_mask < 0.5)[:, None, None, :]
+
+
 class BertEmbedding(Embedding):
     """The GPT's word and position embeddings plus Megatron's ``tokentype_embeddings``."""
 
@@ -153,8 +163,7 @@ class BertModel(nn.Module):
         """``text``/``types [b, s]`` ids, ``padding_mask [b, s]`` (1 on tokens), ``labels [b, s]``
         (-1 where nothing is predicted). As a pipeline stage: ``hidden_states`` replaces the
         embeddings; a stage without the heads returns its hidden states."""
-        # True = masked, for keys only (module docstring); broadcast over heads and queries
-        attention_mask = (padding_mask < 0.5)[:, None, None, :]
+        attention_mask = key_padding_mask(padding_mask)
         if hidden_states is None:
             hidden = self.embedding(text, types=types)
         else:

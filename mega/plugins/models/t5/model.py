@@ -23,7 +23,7 @@ from torch import nn
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import normal_
 from mega.parallel.linear import Linear
-from mega.plugins.models.bert.model import OutputBias
+from mega.plugins.models.bert.model import OutputBias, key_padding_mask
 from mega.plugins.models.gpt.model import (
     MLP,
     CoreAttention,
@@ -177,8 +177,8 @@ class T5Model(nn.Module):
     ) -> torch.Tensor:
         """``text_enc [b, se]``, ``text_dec [b, sd]`` ids; ``enc_mask [b, se]`` 1 on the encoder's
         tokens; ``labels [b, sd]`` (-1 on padding)."""
-        # True = masked: padded encoder positions, as keys, for the encoder and the cross-attention
-        padding = (enc_mask < 0.5)[:, None, None, :]
+        # padded encoder positions, as keys, for the encoder and the cross-attention
+        padding = key_padding_mask(enc_mask)
         context = self.encoder(self.embedding(text_enc), attention_mask=padding)
         hidden = self.decoder(self.embedding(text_dec), context, padding)
         if labels is not None:
