@@ -41,3 +41,24 @@ def test_quickstart_speed_reads_its_own_iteration_lines(tmp_path: Path):
     # tokens/s is the quickstart's global batch of 16 x 128 tokens over the measured step time
     assert abs(row["tokens_per_s"] - 16 * 128 / (row["step_ms"] / 1000.0)) < 1.0
     assert float(row["lm_loss"]) < 5.6  # below ln(256): it trained
+
+
+def test_bert_throughput_smoke_run_on_the_cpu(tmp_path: Path):
+    """mega (through its third-party-style synthetic dataset) and one Hugging Face system; the
+    compiled ones take a minute each on a CPU and run the same code."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "bert_throughput.py"), "--device", "cpu",
+        "--systems", "hf-fp32-autocast,mega", "--layers", "1", "--hidden", "32", "--heads", "2",
+        "--seq", "32", "--vocab", "256", "--mbs", "2", "--gbs", "4", "--warmup", "4",
+        "--iters", "2", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("bert_throughput_*.json")
+    report = json.loads(result.read_text())
+    hf, mega = report["results"]
+    assert (hf["system"], mega["system"]) == ("hf-fp32-autocast", "mega")
+    assert report["summary"]["fastest_hf"] == "hf-fp32-autocast"
+    # both start near ln(V) + ln(2): the masked-LM loss of uniform logits plus the binary one
+    assert abs(mega["first_loss"] + mega["last_iteration_line"]["sop_loss"] - 6.24) < 0.5
+    assert abs(hf["first_loss"] - 6.24) < 0.5
