@@ -132,3 +132,23 @@ def test_optimal_dtype_follows_megatron():
     assert optimal_dtype(65499) is np.uint16
     assert optimal_dtype(65500) is np.int32
     assert optimal_dtype(128256) is np.int32
+
+
+@pytest.mark.parametrize("dtype", [np.uint16, np.int32])
+def test_in_memory_reads_as_the_written_files(tmp_path: Path, dtype):
+    """``IndexedDataset.in_memory`` (the embedded sentences) holds exactly what the builder
+    writes for the same documents, empty sequences included, and reads it the same way."""
+    documents = [[[5, 6, 7], [], [8]], [[9, 10]], []]
+    builder = IndexedDatasetBuilder(tmp_path / "d", dtype=dtype)
+    for document in documents:
+        builder.add_document(document)
+    builder.finalize()
+    files, memory = IndexedDataset(tmp_path / "d"), IndexedDataset.in_memory(documents, dtype)
+    for name in ("sequence_lengths", "sequence_pointers", "document_indices"):
+        np.testing.assert_array_equal(getattr(memory, name), getattr(files, name), err_msg=name)
+    assert (len(memory), memory.num_documents, memory.num_tokens) == (4, 3, 6)
+    for i in range(len(files)):
+        np.testing.assert_array_equal(memory[i], files[i])
+        assert memory[i].dtype == files[i].dtype
+        assert not (len(memory[i]) and memory[i].flags.writeable)  # a view of read-only bytes
+    np.testing.assert_array_equal(memory.get(0, 1, 2), [6, 7])

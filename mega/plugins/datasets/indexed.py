@@ -91,6 +91,29 @@ class IndexedDataset:
         if binary.stat().st_size < expected_bytes:
             raise IndexedDatasetError(f"{binary}: truncated (index expects {expected_bytes} bytes)")
         self._bin = np.memmap(binary, dtype=np.uint8, mode="r") if expected_bytes else None
+        self._buffer = self._bin._mmap if self._bin is not None else b""
+
+    @classmethod
+    def in_memory(
+        cls, documents: list[list[list[int]]], dtype: type = np.int32, name: str = "<memory>"
+    ) -> IndexedDataset:
+        """What ``IndexedDatasetBuilder`` would write for ``documents`` (each a list of
+        sequences), held in memory and read the same way; ``name`` stands for the prefix in
+        messages. Empty sequences are kept (the builder keeps them too)."""
+        self = cls.__new__(cls)
+        self.prefix = name
+        self.dtype = np.dtype(dtype)
+        sequences = [sequence for document in documents for sequence in document]
+        self.sequence_lengths = np.asarray([len(s) for s in sequences], dtype=np.int32)
+        starts = np.zeros(len(sequences) + 1, dtype=np.int64)
+        np.cumsum(self.sequence_lengths, out=starts[1:])
+        self.sequence_pointers = starts[:-1] * self.dtype.itemsize
+        counts = np.asarray([len(document) for document in documents], dtype=np.int64)
+        self.document_indices = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        flat = [token for sequence in sequences for token in sequence]
+        self._bin = None
+        self._buffer = np.asarray(flat, dtype=self.dtype).tobytes()  # read-only, as a memmap
+        return self
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -113,7 +136,7 @@ class IndexedDataset:
         if length == 0:
             return np.empty(0, dtype=self.dtype)
         start = int(self.sequence_pointers[index]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin._mmap, self.dtype, length, start)
+        return np.frombuffer(self._buffer, self.dtype, length, start)
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)

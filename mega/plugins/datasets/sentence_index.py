@@ -350,9 +350,9 @@ def open_split_indices(
         indexed = IndexedDataset(prefix)
         cache_path = request.cache_path
     else:
-        from mega.plugins.datasets.embedded_sentences import EmbeddedSentences
+        from mega.plugins.datasets.embedded_sentences import embedded_sentences
 
-        indexed = EmbeddedSentences(ctx.tokenizer)
+        indexed = embedded_sentences(ctx.tokenizer)
         prefix, cache_path = indexed.prefix, None
     ranges = split_ranges(request.split, indexed.num_documents)
     if ranges[0] is None:

@@ -34,8 +34,8 @@ def largest_token_id(prefix: str, cache_dir: str | Path | None = None) -> int:
     data = IndexedDataset(prefix)
     total = data.num_tokens
     largest = -1
-    if total and data._bin is not None:
-        tokens = np.frombuffer(data._bin._mmap, data.dtype, total, 0)
+    if total:
+        tokens = np.frombuffer(data._buffer, data.dtype, total, 0)
         for start in range(0, total, CHUNK_TOKENS):
             largest = max(largest, int(tokens[start : start + CHUNK_TOKENS].max()))
     if cached is not None:

@@ -198,7 +198,8 @@ def _pieces(raw: bytes, options: EncodeOptions) -> list[list[str]]:
     return out
 
 
-def _tokenize(tokenizer: Any, texts: list[str]) -> list:
+def tokenize_texts(tokenizer: Any, texts: list[str]) -> list:
+    """Each text's token ids, through ``tokenize_batch`` when the tokenizer has one."""
     batch = getattr(tokenizer, "tokenize_batch", None)
     if batch is not None:
         return batch(texts) if texts else []
@@ -219,7 +220,7 @@ def _tokenize_flat(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.nda
         size += len(text)
         if size < TOKENIZE_BATCH_CHARS and end < len(texts):
             continue
-        ids = _tokenize(tokenizer, texts[start:end])
+        ids = tokenize_texts(tokenizer, texts[start:end])
         lengths = np.fromiter((len(x) for x in ids), np.int64, len(ids))
         if ids and isinstance(ids[0], np.ndarray):
             tokens = np.concatenate(ids).astype(np.int64, copy=False)

@@ -21,10 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.core.plugins.specs import BuildContext
-from mega.core.training.init import normal_
 from mega.parallel.linear import Linear
 from mega.plugins.models.bert.config import BertConfig
-from mega.plugins.models.gpt.model import Embedding, OutputHead, TransformerBlock
+from mega.plugins.models.gpt.model import (
+    Embedding,
+    OutputHead,
+    TransformerBlock,
+    checked_max_positions,
+    megatron_init_,
+)
 
 
 def key_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor | None:
@@ -45,12 +50,8 @@ class BertEmbedding(Embedding):
         types = cfg.num_tokentypes()
         self.tokentype_embeddings = nn.Embedding(types, cfg.hidden_size) if types else None
 
-    def forward(
-        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None, types=None
-    ) -> torch.Tensor:
-        hidden = self.word_embeddings(tokens)  # [b, s, h]
-        if self.position_embeddings is not None:
-            hidden = hidden + self.position_embeddings.weight[: tokens.shape[1]][None]
+    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed(tokens)  # [b, s, h]
         if self.tokentype_embeddings is not None:
             hidden = hidden + self.tokentype_embeddings(types)
         return self.embedding_dropout(hidden)
@@ -100,16 +101,7 @@ class BertModel(nn.Module):
 
     def __init__(self, cfg: BertConfig, ctx: BuildContext) -> None:
         super().__init__()
-        problems = cfg.validate()
-        if problems:
-            raise ValueError("invalid BERT config: " + "; ".join(problems))
-        if ctx.padded_vocab_size <= 0:
-            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
-        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
-        if cfg.position_embedding_type == "learned_absolute" and ctx.seq_length > max_positions:
-            raise ValueError(
-                f"--seq-length ({ctx.seq_length}) exceeds --max-position-embeddings ({max_positions})"
-            )
+        max_positions = checked_max_positions(cfg, ctx, "BERT")
         self.config = cfg
         self.seed = ctx.seed
         h = cfg.hidden_size
@@ -127,27 +119,11 @@ class BertModel(nn.Module):
         self.to_empty(device="cpu")
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron's init, drawn per parameter from (seed, name): every weight N(0, std), the
-        residual-branch outputs N(0, std / sqrt(2 L)), biases 0, norms 1."""
+        """Megatron's init (the GPT's, ``megatron_init_``)."""
         cfg = self.config
         scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        norms = {
-            f"{module_name}.{param_name}"
-            for module_name, module in self.named_modules()
-            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
-            for param_name, _ in module.named_parameters(recurse=False)
-        }
-        for name, param in self.named_parameters():
-            if name.endswith(".bias"):
-                param.zero_()
-            elif name in norms:
-                param.fill_(1.0)
-            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                normal_(param, std=scaled_std, seed=self.seed, name=name)
-            else:
-                normal_(param, std=cfg.init_method_std, seed=self.seed, name=name)
+        megatron_init_(self, self.seed, cfg.init_method_std, lambda name: scaled_std)
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word_embeddings.weight

@@ -15,17 +15,18 @@ from __future__ import annotations
 from functools import partial
 
 from mega.parallel.plan import (
-    COLUMN,
     LM_HEAD,
-    ROW,
     SEQUENCE_GATHER,
-    SEQUENCE_SCATTER,
     VOCAB_BIAS,
-    VOCAB_EMBEDDING,
     ParallelPlan,
 )
 from mega.plugins.models.bert.config import BertConfig
-from mega.plugins.models.gpt.plan import tensor_parallel_problems
+from mega.plugins.models.gpt.plan import (
+    EMBEDDING_STYLES,
+    hidden_shape,
+    layer_styles,
+    tensor_parallel_problems,
+)
 
 LAYERS = "encoder.layers"
 CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
@@ -35,12 +36,8 @@ HEADS = ("lm_head", "output_layer", "output_head", "first_token", "pooler", "bin
 
 def bert_parallel_plan(cfg: BertConfig) -> ParallelPlan:
     tensor = {
-        "embedding.word_embeddings": VOCAB_EMBEDDING,
-        "embedding.embedding_dropout": SEQUENCE_SCATTER,
-        f"{LAYERS}.*.self_attention.linear_qkv": COLUMN,
-        f"{LAYERS}.*.self_attention.linear_proj": ROW,
-        f"{LAYERS}.*.mlp.linear_fc1": COLUMN,
-        f"{LAYERS}.*.mlp.linear_fc2": ROW,
+        **EMBEDDING_STYLES,
+        **layer_styles(LAYERS),
         "output_layer": VOCAB_BIAS,
         "output_head": LM_HEAD,
         "first_token": SEQUENCE_GATHER,
@@ -58,9 +55,5 @@ def bert_parallel_plan(cfg: BertConfig) -> ParallelPlan:
         pipeline_first=("embedding",),
         pipeline_last=("encoder.final_layernorm", *HEADS),
         tied_weight=TIED_WEIGHT,
-        activation_shape=partial(_hidden_shape, cfg.hidden_size),
+        activation_shape=partial(hidden_shape, cfg.hidden_size),
     )
-
-
-def _hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
-    return (micro_batch, positions, hidden_size)  # batch-first [b, s, h]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +74,11 @@ class Embedding(nn.Module):
     def forward(
         self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
+        return self.embedding_dropout(self.embed(tokens, position_ids))
+
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Word plus position embeddings ``[b, s, h]``, before the dropout (a subclass adds
+        its own embeddings there: BERT's token types)."""
         hidden = self.word_embeddings(tokens)  # [b, s, h]
         if self.position_embeddings is not None:
             seq_length = tokens.shape[1]
@@ -85,7 +91,7 @@ class Embedding(nn.Module):
                 hidden = hidden + self.position_embeddings.weight[:seq_length][None]
             else:  # [b, s]: positions restart after each document with --reset-position-ids
                 hidden = hidden + self.position_embeddings(position_ids)
-        return self.embedding_dropout(hidden)
+        return hidden
 
 
 # --attention-backend (Megatron's names) -> the SDPA kernels allowed. "fused" is cuDNN's fused
@@ -339,26 +345,67 @@ class OutputHead(nn.Module):
         return loss.view_as(labels)
 
 
+def checked_max_positions(
+    cfg: GPTConfig, ctx: BuildContext, model: str, lengths: dict[str, int] | None = None
+) -> int:
+    """What a model built on the GPT's config and layers (GPT, BERT, T5) refuses at build time:
+    its config's problems, a context without the padded vocabulary, cuDNN attention off a GPU,
+    a sequence longer than the learned position table. Returns that table's size. ``lengths``:
+    flag -> positions the table must cover (default ``--seq-length``)."""
+    problems = cfg.validate()
+    if problems:
+        raise ValueError(f"invalid {model} config: " + "; ".join(problems))
+    if ctx.padded_vocab_size <= 0:
+        raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
+    if cfg.attention_backend == "fused" and ctx.device != "cuda":
+        raise ValueError(
+            "--attention-backend fused is cuDNN's attention and needs a CUDA GPU; "
+            "use flash, unfused or auto on the CPU"
+        )
+    max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
+    if cfg.position_embedding_type == "learned_absolute":
+        for flag, length in (lengths or {"--seq-length": ctx.seq_length}).items():
+            if length > max_positions:
+                raise ValueError(
+                    f"{flag} ({length}) exceeds --max-position-embeddings ({max_positions})"
+                )
+    return max_positions
+
+
+RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")  # each residual branch's last
+
+
+@torch.no_grad()
+def megatron_init_(
+    model: nn.Module, seed: int, std: float, residual_std: Callable[[str], float]
+) -> None:
+    """Megatron's init of every parameter of ``model``, each drawn from (seed, its name) so the
+    values do not depend on the layout: biases 0, norm weights 1, the residual branches' output
+    weights N(0, ``residual_std(name)``) (Megatron: std / sqrt(2 x layers)), the rest N(0, std).
+    The GPT, BERT and T5 models share it."""
+    norms = {
+        f"{module_name}.{param_name}" if module_name else param_name
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.LayerNorm | nn.RMSNorm)
+        for param_name, _ in module.named_parameters(recurse=False)
+    }
+    for name, param in model.named_parameters():
+        if name.endswith(".bias"):
+            param.zero_()
+        elif name in norms:
+            param.fill_(1.0)
+        elif name.endswith(RESIDUAL_OUTPUTS):
+            normal_(param, std=residual_std(name), seed=seed, name=name)
+        else:
+            normal_(param, std=std, seed=seed, name=name)
+
+
 class GPTModel(nn.Module):
     """Decoder-only GPT. ``forward(tokens, labels=None)``: logits ``[b, s, V]`` or float32 loss ``[b, s]``."""
 
     def __init__(self, cfg: GPTConfig, ctx: BuildContext) -> None:
         super().__init__()
-        problems = cfg.validate()
-        if problems:
-            raise ValueError("invalid GPT config: " + "; ".join(problems))
-        if ctx.padded_vocab_size <= 0:
-            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
-        if cfg.attention_backend == "fused" and ctx.device != "cuda":
-            raise ValueError(
-                "--attention-backend fused is cuDNN's attention and needs a CUDA GPU; "
-                "use flash, unfused or auto on the CPU"
-            )
-        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
-        if cfg.position_embedding_type == "learned_absolute" and ctx.seq_length > max_positions:
-            raise ValueError(
-                f"--seq-length ({ctx.seq_length}) exceeds --max-position-embeddings ({max_positions})"
-            )
+        max_positions = checked_max_positions(cfg, ctx, "GPT")
         self.config = cfg
         self.seed = ctx.seed
         self.share_embeddings_and_output_weights = not cfg.untie_embeddings_and_output_weights
@@ -374,27 +421,11 @@ class GPTModel(nn.Module):
         self.to_empty(device="cpu")
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
         """Megatron's init, drawn per parameter from (seed, name): layout-invariant."""
         cfg = self.config
-        std = cfg.init_method_std
-        scaled_std = std / math.sqrt(2.0 * cfg.num_layers)  # residual-branch outputs
-        norms = {
-            f"{module_name}.{param_name}" if module_name else param_name
-            for module_name, module in self.named_modules()
-            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
-            for param_name, _ in module.named_parameters(recurse=False)
-        }
-        for name, param in self.named_parameters():
-            if name.endswith(".bias"):
-                param.zero_()
-            elif name in norms:
-                param.fill_(1.0)
-            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                normal_(param, std=scaled_std, seed=self.seed, name=name)
-            else:
-                normal_(param, std=std, seed=self.seed, name=name)
+        scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        megatron_init_(self, self.seed, cfg.init_method_std, lambda name: scaled_std)
 
     def output_weight(self) -> torch.Tensor:
         """The ``[V, h]`` matrix that produces logits: the word embeddings when tied."""

@@ -34,16 +34,26 @@ TIED_WEIGHT = "embedding.word_embeddings.weight"
 VOCAB_PARAMETERS = (TIED_WEIGHT, "output_layer.weight")
 
 
-def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
-    tensor = {
-        "embedding.word_embeddings": VOCAB_EMBEDDING,
-        "embedding.embedding_dropout": SEQUENCE_SCATTER,
-        f"{LAYERS}.*.self_attention.linear_qkv": COLUMN,
-        f"{LAYERS}.*.self_attention.linear_proj": ROW,
-        f"{LAYERS}.*.mlp.linear_fc1": COLUMN,
-        f"{LAYERS}.*.mlp.linear_fc2": ROW,
-        "output_head": LM_HEAD,
+# the embedding's tensor-parallel styles, for every model built on the GPT's Embedding
+EMBEDDING_STYLES = {
+    "embedding.word_embeddings": VOCAB_EMBEDDING,
+    "embedding.embedding_dropout": SEQUENCE_SCATTER,
+}
+
+
+def layer_styles(layers: str) -> dict[str, str]:
+    """The tensor-parallel styles of a stack of the GPT's transformer layers (the ModuleList at
+    ``layers``): Megatron's column-parallel QKV and FC1, row-parallel proj and FC2."""
+    return {
+        f"{layers}.*.self_attention.linear_qkv": COLUMN,
+        f"{layers}.*.self_attention.linear_proj": ROW,
+        f"{layers}.*.mlp.linear_fc1": COLUMN,
+        f"{layers}.*.mlp.linear_fc2": ROW,
     }
+
+
+def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
+    tensor = {**EMBEDDING_STYLES, **layer_styles(LAYERS), "output_head": LM_HEAD}
     if cfg.untie_embeddings_and_output_weights:
         tensor["output_layer"] = COLUMN
     return ParallelPlan(
@@ -61,11 +71,11 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         pipeline_first=("embedding",),
         pipeline_last=("decoder.final_layernorm", "output_layer", "output_head"),
         tied_weight="" if cfg.untie_embeddings_and_output_weights else TIED_WEIGHT,
-        activation_shape=partial(_hidden_shape, cfg.hidden_size),
+        activation_shape=partial(hidden_shape, cfg.hidden_size),
     )
 
 
-def _hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
+def hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
     return (micro_batch, positions, hidden_size)  # batch-first [b, s, h]
 
 

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from mega.core.plugins.specs import BuildContext
-from mega.core.training.init import normal_
 from mega.parallel.linear import Linear
 from mega.plugins.models.bert.model import OutputBias, key_padding_mask
 from mega.plugins.models.gpt.model import (
@@ -32,6 +31,8 @@ from mega.plugins.models.gpt.model import (
     SelfAttention,
     TransformerBlock,
     _norm,
+    checked_max_positions,
+    megatron_init_,
 )
 from mega.plugins.models.t5.config import T5Config
 
@@ -114,19 +115,8 @@ class T5Model(nn.Module):
 
     def __init__(self, cfg: T5Config, ctx: BuildContext) -> None:
         super().__init__()
-        problems = cfg.validate()
-        if problems:
-            raise ValueError("invalid T5 config: " + "; ".join(problems))
-        if ctx.padded_vocab_size <= 0:
-            raise ValueError("BuildContext.padded_vocab_size must be set before building the model")
-        max_positions = cfg.resolved_max_position_embeddings(ctx.seq_length)
-        longest = max(ctx.seq_length, cfg.decoder_seq_length)
-        if longest > max_positions:
-            raise ValueError(
-                f"--seq-length ({ctx.seq_length}) and --decoder-seq-length"
-                f" ({cfg.decoder_seq_length}) must not exceed --max-position-embeddings"
-                f" ({max_positions})"
-            )
+        lengths = {"--seq-length": ctx.seq_length, "--decoder-seq-length": cfg.decoder_seq_length}
+        max_positions = checked_max_positions(cfg, ctx, "T5", lengths)
         self.config = cfg
         self.seed = ctx.seed
         with torch.device("meta"):  # materialised once, by reset_parameters
@@ -138,32 +128,16 @@ class T5Model(nn.Module):
         self.to_empty(device="cpu")
         self.reset_parameters()
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron's init, per parameter from (seed, name): weights N(0, std), the residual
-        outputs N(0, std / sqrt(2 L)) with ``L`` the layers of their own stack (megatron-core
-        scales by each stack's config), biases 0, norms 1."""
+        """Megatron's init (the GPT's, ``megatron_init_``); a residual output's std is scaled by
+        the layers of its own stack, as megatron-core scales by each stack's config."""
         cfg = self.config
         std = cfg.init_method_std
         stacks = {
-            "encoder.": std / math.sqrt(2.0 * cfg.resolved_encoder_layers()),
-            "decoder.": std / math.sqrt(2.0 * cfg.resolved_decoder_layers()),
+            "encoder": std / math.sqrt(2.0 * cfg.resolved_encoder_layers()),
+            "decoder": std / math.sqrt(2.0 * cfg.resolved_decoder_layers()),
         }
-        norms = {
-            f"{module_name}.{param_name}"
-            for module_name, module in self.named_modules()
-            if isinstance(module, nn.LayerNorm | nn.RMSNorm)
-            for param_name, _ in module.named_parameters(recurse=False)
-        }
-        for name, param in self.named_parameters():
-            if name.endswith(".bias"):
-                param.zero_()
-            elif name in norms:
-                param.fill_(1.0)
-            elif name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-                normal_(param, std=stacks[name[:8]], seed=self.seed, name=name)
-            else:
-                normal_(param, std=std, seed=self.seed, name=name)
+        megatron_init_(self, self.seed, std, lambda name: stacks[name.partition(".")[0]])
 
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word_embeddings.weight

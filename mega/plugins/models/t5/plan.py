@@ -17,12 +17,10 @@ from mega.parallel.plan import (
     COLUMN,
     LM_HEAD,
     ROW,
-    SEQUENCE_SCATTER,
     VOCAB_BIAS,
-    VOCAB_EMBEDDING,
     ParallelPlan,
 )
-from mega.plugins.models.gpt.plan import tensor_parallel_problems
+from mega.plugins.models.gpt.plan import EMBEDDING_STYLES, layer_styles, tensor_parallel_problems
 from mega.plugins.models.t5.config import T5Config
 
 CORE_ATTENTION = "*.layers.*.*.core_attention"  # self- and cross-attention, both stacks
@@ -31,17 +29,12 @@ TIED_WEIGHT = "embedding.word_embeddings.weight"
 
 def t5_parallel_plan(cfg: T5Config) -> ParallelPlan:
     tensor = {
-        "embedding.word_embeddings": VOCAB_EMBEDDING,
-        "embedding.embedding_dropout": SEQUENCE_SCATTER,
+        **EMBEDDING_STYLES,
+        **layer_styles("encoder.layers"),
+        **layer_styles("decoder.layers"),
         "lm_head.output_layer": VOCAB_BIAS,
         "output_head": LM_HEAD,
     }
-    for stack in ("encoder", "decoder"):
-        layers = f"{stack}.layers.*"
-        tensor[f"{layers}.self_attention.linear_qkv"] = COLUMN
-        tensor[f"{layers}.self_attention.linear_proj"] = ROW
-        tensor[f"{layers}.mlp.linear_fc1"] = COLUMN
-        tensor[f"{layers}.mlp.linear_fc2"] = ROW
     tensor["decoder.layers.*.cross_attention.linear_q"] = COLUMN
     tensor["decoder.layers.*.cross_attention.linear_kv"] = COLUMN
     tensor["decoder.layers.*.cross_attention.linear_proj"] = ROW
