@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -48,18 +46,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt_throughput import (  # noqa: E402  the same optimizer settings and timing
-    BETAS,
     CLIP,
-    EPS,
     LR,
-    PEAK_TFLOPS,
     WARMUP,
-    WEIGHT_DECAY,
     StepClock,
     fresh_gpu,
     run_argv,
     train_mega,
     with_timing,
+)
+from hf_baselines import (  # noqa: E402
+    against_fastest_hf,
+    checked_systems,
+    hf_adamw,
+    write_result,
 )
 
 AUX = 1e-2  # the load-balancing loss's coefficient, on both sides
@@ -141,13 +141,7 @@ def run_hf(
     model.config.use_cache = False
     model.train()
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=LR, betas=BETAS, eps=EPS, fused=args.device == "cuda",
-    )  # fmt: skip
+    optimizer = hf_adamw(params, args.device)
     forward = torch.compile(model) if name.endswith("-compile") else model
     schedule = LRSchedule(
         max_lr=LR, min_lr=0.0, decay_style="constant", decay_iters=total_iters, warmup_iters=WARMUP
@@ -205,19 +199,8 @@ def run_system(
 def summarise(rows: list[dict]) -> dict:
     """Each mega row against the fastest Hugging Face row, and mega's grouped GEMM against its
     expert loop."""
-    summary: dict = {}
-    hf = [r for r in rows if r["system"].startswith("hf-")]
+    summary = against_fastest_hf(rows)
     megas = {r["system"]: r for r in rows if r["system"].startswith("mega")}
-    if hf:
-        fastest = max(hf, key=lambda r: r["tokens_per_s"])
-        summary["fastest_hf"] = fastest["system"]
-        for label, row in megas.items():
-            summary[f"{label} vs {fastest['system']}"] = {
-                "tokens_per_s": round(row["tokens_per_s"] / fastest["tokens_per_s"], 4),
-                "peak_memory": round(row["peak_memory_gib"] / fastest["peak_memory_gib"], 4)
-                if row["peak_memory_gib"]
-                else None,
-            }
     if "mega --moe-grouped-gemm" in megas and "mega" in megas:
         summary["mega grouped GEMM vs expert loop"] = round(
             megas["mega --moe-grouped-gemm"]["tokens_per_s"] / megas["mega"]["tokens_per_s"], 4
@@ -252,14 +235,7 @@ def main() -> None:
     parser.add_argument("--name", default="moe_throughput", help="result file name prefix")
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
-    if args.warmup + args.iters <= WARMUP:
-        raise SystemExit(f"--warmup + --iters must exceed the {WARMUP} LR warm-up steps")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("moe_throughput.py needs a CUDA GPU (--device cpu: a smoke run only)")
-    systems = args.systems.split(",")
-    for name in systems:
-        if name not in (*HF_SYSTEMS, "mega"):
-            raise SystemExit(f"unknown system '{name}': choose from {HF_SYSTEMS}, mega")
+    systems = checked_systems(args, "moe_throughput.py", HF_SYSTEMS)
     scratch = Path(tempfile.mkdtemp(prefix="moe_throughput_"))
     args.run_dir = str(scratch / "runs")  # mega's run files, not kept
     checkpoint = scratch / "hf-init"
@@ -271,37 +247,14 @@ def main() -> None:
             rows.append(run_system(name, args, flags, checkpoint, flops))
             shown = {k: v for k, v in rows[-1].items() if k not in ("argv", "profile")}
             print(json.dumps(shown), flush=True)
-    import transformers
-
-    from mega import __version__
-
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "versions": {
-            "mega": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "settings": {
-            "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "query_groups": args.groups, "experts": args.experts, "expert_ffn": args.ffn,
-            "topk": args.topk, "aux_loss_coeff": AUX, "seq": args.seq, "vocab": args.vocab,
-            "micro_batch": args.mbs, "global_batch": args.gbs, "warmup": args.warmup,
-            "timed_steps": args.iters, "flops_per_token": flops, "peak_tflops": PEAK_TFLOPS,
-        },
-        "summary": summarise(rows),
-        "results": rows,
+    settings = {
+        "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+        "query_groups": args.groups, "experts": args.experts, "expert_ffn": args.ffn,
+        "topk": args.topk, "aux_loss_coeff": AUX, "seq": args.seq, "vocab": args.vocab,
+        "micro_batch": args.mbs, "global_batch": args.gbs, "warmup": args.warmup,
+        "timed_steps": args.iters, "flops_per_token": flops,
     }  # fmt: skip
-    path = Path(args.out) / f"{args.name}_{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    for row in rows:
-        if "profile" in row:
-            print(f"--- {row['system']}\n{row['profile']}")
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {path}")
+    write_result(args.name, args, rows, settings, summarise(rows))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ ids and labels, no padding), one after the other in this one process:
   in bf16 parameters, or fp32 under ``torch.autocast(bf16)``, with
   ``torch.optim.AdamW(fused=True)``, eager and under ``torch.compile``.
 
-Optimizer, schedule, timing and the result file as in ``bert_throughput.py``; tokens/s counts
+Optimizer, schedule, timing and the result file as in ``bert_throughput.py``
+(``hf_baselines.py``); tokens/s counts
 encoder positions (``--seq``), TFLOP/s uses mega's T5 FLOPs per encoder token. Writes
 ``benchmarks/results/t5_throughput_<date>.json`` (or ``--out``).
 """
@@ -29,15 +30,9 @@ encoder positions (``--seq``), TFLOP/s uses mega's T5 FLOPs per encoder token. W
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import math
-import os
-import platform
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,25 +40,18 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bert_throughput import summarise  # noqa: E402  mega against the fastest HF row
-from gpt_throughput import (  # noqa: E402  the same optimizer settings and timing
-    BETAS,
-    CLIP,
-    EPS,
-    LR,
-    PEAK_TFLOPS,
-    WARMUP,
-    WEIGHT_DECAY,
-    StepClock,
-    fresh_gpu,
-    run_argv,
-    train_mega,
-    with_timing,
+from gpt_throughput import StepClock, run_argv  # noqa: E402
+from hf_baselines import (  # noqa: E402
+    SyntheticDataset,
+    against_fastest_hf,
+    checked_systems,
+    common_flags,
+    run_all,
+    run_system,
+    train_hf,
+    write_result,
 )
 
-from mega import DatasetSpec, DatasetSplits, hookimpl  # noqa: E402
-
-HF_SYSTEMS = ("hf-bf16", "hf-bf16-compile", "hf-fp32-autocast", "hf-fp32-autocast-compile")
 SAMPLE_KEYS = ("text_enc", "text_dec", "enc_mask", "dec_mask", "labels", "loss_mask")
 
 
@@ -88,27 +76,13 @@ class SyntheticT5Samples:
         }
 
 
-@dataclass(kw_only=True)
-class SyntheticConfig:
-    """No options."""
-
-
-class SyntheticDatasetPlugin:
-    """Registers ``t5-synthetic``, the way a third-party package adds a dataset."""
-
-    @hookimpl
-    def register_datasets(self, register: Any) -> None:
-        def build(config: Any, request: Any, ctx: Any) -> DatasetSplits:
-            dec = ctx.model_config.decoder_seq_length
-            samples = SyntheticT5Samples(ctx.seq_length, dec, ctx.tokenizer.vocab_size)
-            return DatasetSplits(train=samples)
-
-        register(
-            DatasetSpec(
-                name="t5-synthetic", config_cls=SyntheticConfig, build=build,
-                description="random T5 samples (benchmarks)", provides=SAMPLE_KEYS,
-            )
-        )  # fmt: skip
+DATASET = SyntheticDataset(
+    "t5-synthetic",
+    SAMPLE_KEYS,
+    lambda ctx: SyntheticT5Samples(
+        ctx.seq_length, ctx.model_config.decoder_seq_length, ctx.tokenizer.vocab_size
+    ),
+)
 
 
 def mega_argv(args: argparse.Namespace, train_iters: int, log_interval: int) -> list[str]:
@@ -117,7 +91,7 @@ def mega_argv(args: argparse.Namespace, train_iters: int, log_interval: int) -> 
     return [
         "--model", "t5", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),
         "--num-attention-heads", str(args.heads), "--ffn-hidden-size", str(args.ffn),
-        "--decoder-seq-length", str(args.dec_seq), "--dataset", "t5-synthetic",
+        "--decoder-seq-length", str(args.dec_seq), "--dataset", DATASET.name,
         "--hidden-dropout", str(args.dropout), "--attention-dropout", str(args.dropout),
         *common,
     ]  # fmt: skip
@@ -138,9 +112,6 @@ def hf_batches(args: argparse.Namespace, step: int) -> list[dict[str, torch.Tens
 def run_hf(args: argparse.Namespace, clock: StepClock, total_iters: int, name: str) -> dict:
     import transformers
 
-    from mega.core.training.lr_schedule import LRSchedule
-
-    bf16 = name.startswith("hf-bf16")
     sdpa = getattr(transformers.T5ForConditionalGeneration, "_supports_sdpa", False)
     config = transformers.T5Config(
         vocab_size=args.vocab, d_model=args.hidden, d_kv=args.hidden // args.heads,
@@ -150,64 +121,8 @@ def run_hf(args: argparse.Namespace, clock: StepClock, total_iters: int, name: s
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config).to(args.device)
-    if bf16:
-        model = model.to(torch.bfloat16)
-    model.train()
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ],
-        lr=LR, betas=BETAS, eps=EPS, fused=args.device == "cuda",
-    )  # fmt: skip
-    forward = torch.compile(model) if name.endswith("-compile") else model
-    autocast = torch.autocast(args.device, dtype=torch.bfloat16, enabled=not bf16)
-    schedule = LRSchedule(
-        max_lr=LR, min_lr=0.0, decay_style="constant", decay_iters=total_iters, warmup_iters=WARMUP
-    )
-    losses = []
-    for step in range(total_iters):
-        for group in optimizer.param_groups:
-            group["lr"] = schedule.lr_at(step)
-        microbatches = hf_batches(args, step)
-        total = torch.zeros((), device=args.device)
-        for mb in microbatches:
-            with autocast:
-                loss = forward(**mb).loss
-            (loss / len(microbatches)).backward()
-            total += loss.detach().float()
-        torch.nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(total / len(microbatches))
-        clock.step_done(step + 1)
-    timed = slice(args.warmup, args.warmup + args.iters)
-    return {
-        "loss": float(torch.stack(losses[timed]).mean()),
-        "first_loss": float(losses[0]),
-        "parameters": sum(p.numel() for p in params),
-        "attention": config._attn_implementation,
-    }
-
-
-def run_system(name: str, args: argparse.Namespace, flops: float) -> dict:
-    fresh_gpu()
-    cuda = args.device == "cuda"
-    baseline = torch.cuda.memory_allocated() if cuda else 0
-    profile_steps = 3 if args.profile and cuda else 0
-    total_iters = args.warmup + args.iters + profile_steps
-    clock = StepClock(args.warmup + 1, args.warmup + args.iters, profile_steps, cuda)
-    started = time.perf_counter()
-    if name == "mega":
-        argv = mega_argv(args, total_iters, math.gcd(args.warmup, args.iters))
-        plugins = (("t5-synthetic", SyntheticDatasetPlugin()),)
-        row = train_mega(argv, clock, args.warmup, args.iters, plugins)
-        row.pop("flops_per_token")
-    else:
-        row = run_hf(args, clock, total_iters, name)
-    row = {"system": name, **row, "wall_s": round(time.perf_counter() - started, 1)}
-    return with_timing(row, clock, args.gbs * args.seq, flops, baseline)
+    row = train_hf(model, name, partial(hf_batches, args), args, clock, total_iters)
+    return {**row, "attention": config._attn_implementation}
 
 
 def mega_flops_per_token(args: argparse.Namespace) -> float:
@@ -223,7 +138,6 @@ def mega_flops_per_token(args: argparse.Namespace) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join((*HF_SYSTEMS, "mega")))
     parser.add_argument("--layers", type=int, default=12, help="per stack")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
@@ -231,62 +145,21 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512, help="encoder positions")
     parser.add_argument("--dec-seq", type=int, default=128, help="decoder positions")
     parser.add_argument("--vocab", type=int, default=32128)
-    parser.add_argument("--dropout", type=float, default=0.1)
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--mbs", type=int, default=32)
-    parser.add_argument("--gbs", type=int, default=32, help="global batch (samples per step)")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--iters", type=int, default=20, help="timed steps")
-    parser.add_argument("--profile", action="store_true", help="a kernel table of 3 more steps")
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    common_flags(parser, mbs=32)
     args = parser.parse_args()
-    if args.warmup + args.iters <= WARMUP:
-        raise SystemExit(f"--warmup + --iters must exceed the {WARMUP} LR warm-up steps")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("t5_throughput.py needs a CUDA GPU (--device cpu: a smoke run only)")
-    systems = args.systems.split(",")
-    for name in systems:
-        if name not in (*HF_SYSTEMS, "mega"):
-            raise SystemExit(f"unknown system '{name}': choose from {HF_SYSTEMS}, mega")
+    systems = checked_systems(args, "t5_throughput.py")
     args.run_dir = str(Path(tempfile.mkdtemp(prefix="t5_throughput_")) / "runs")
     flops = mega_flops_per_token(args)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in systems:
-        rows.append(run_system(name, args, flops))
-        shown = {k: v for k, v in rows[-1].items() if k not in ("argv", "profile")}
-        print(json.dumps(shown), flush=True)
-    import transformers
-
-    from mega import __version__
-
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "versions": {
-            "mega": __version__, "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "settings": {
-            "layers_per_stack": args.layers, "hidden": args.hidden, "heads": args.heads,
-            "ffn": args.ffn, "seq": args.seq, "decoder_seq": args.dec_seq, "vocab": args.vocab,
-            "dropout": args.dropout, "micro_batch": args.mbs, "global_batch": args.gbs,
-            "warmup": args.warmup, "timed_steps": args.iters, "flops_per_token": flops,
-            "peak_tflops": PEAK_TFLOPS,
-        },
-        "summary": summarise(rows),
-        "results": rows,
+    rows = run_all(
+        args, systems, lambda name: run_system(name, args, flops, mega_argv, DATASET, run_hf)
+    )
+    settings = {
+        "layers_per_stack": args.layers, "hidden": args.hidden, "heads": args.heads,
+        "ffn": args.ffn, "seq": args.seq, "decoder_seq": args.dec_seq, "vocab": args.vocab,
+        "dropout": args.dropout, "micro_batch": args.mbs, "global_batch": args.gbs,
+        "warmup": args.warmup, "timed_steps": args.iters, "flops_per_token": flops,
     }  # fmt: skip
-    path = Path(args.out) / f"t5_throughput_{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    for row in rows:
-        if "profile" in row:
-            print(f"--- {row['system']}\n{row['profile']}")
-    print(json.dumps(result["summary"], indent=1))
-    print(f"wrote {path}")
+    write_result("t5_throughput", args, rows, settings, against_fastest_hf(rows))
 
 
 if __name__ == "__main__":
