@@ -4,7 +4,9 @@ forked gloo ranks against the same run on one rank. Every loss part per iteratio
 ``lm loss`` and ``sop loss``) within rel 1e-5, the grad norms, and the final parameters gathered
 to global tensors; the tolerances and why dropout is off, Adam's eps is 1e-6 and the linears
 have no biases are in ``parallel_runs``. Also: recomputation changes no number, and T5 (no
-pipeline stages) is refused before launch at ``--pipeline-model-parallel-size 2``."""
+pipeline stages) is refused before launch at ``--pipeline-model-parallel-size 2``. The same for
+the architectures Hugging Face's checkpoints convert to (post-norm BERT; T5 with relative
+position bias, RMSNorm and ReLU)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,13 @@ BERT = model_args("bert", *SHAPE, "--seq-length", "64")
 # encoder 64 positions, decoder 16 (room for the span-corruption targets of 64 encoder tokens)
 T5 = model_args("t5", *SHAPE, "--seq-length", "64", "--decoder-seq-length", "16")
 
+# the architectures Hugging Face's checkpoints convert to (tests/test_convert_bert_t5.py):
+# post-norm BERT; T5 with relative position bias (a table split over heads under TP), RMSNorm
+# and ReLU (no biases: EQUIVALENCE has --disable-bias-linear)
+BERT_POST = [*BERT, "--bert-post-layernorm"]
+T5_HF = [*T5, "--position-embedding-type", "relative", "--normalization", "RMSNorm", "--relu"]
+MODELS = {"bert": BERT, "t5": T5, "bert-post": BERT_POST, "t5-hf": T5_HF}
+
 TP2 = ["--tensor-model-parallel-size", "2"]
 DP2_DISTOPT = ["--use-distributed-optimizer"]  # world 2, no other parallelism: DP=2
 PP2 = ["--pipeline-model-parallel-size", "2"]
@@ -53,7 +62,7 @@ def single(tmp_path_factory) -> Callable[[str], dict]:
 
     def get(model: str) -> dict:
         if model not in runs:
-            args = {"bert": BERT, "t5": T5}[model]
+            args = MODELS[model]
             runs[model] = layout_run(args, 1, str(tmp_path_factory.mktemp(f"single-{model}")))[0]
         return runs[model]
 
@@ -79,16 +88,22 @@ def test_references_train_every_loss_part(single):
         ("t5", TP2),
         ("t5", [*TP2, "--sequence-parallel"]),
         ("t5", DP2_DISTOPT),
+        ("bert-post", [*TP2, "--sequence-parallel"]),
+        ("bert-post", PP2),
+        ("t5-hf", [*TP2, "--sequence-parallel"]),
     ],
-    ids=["bert-tp2-sp", "bert-dp2-distopt", "bert-pp2", "t5-tp2", "t5-tp2-sp", "t5-dp2-distopt"],
-)
+    ids=[
+        "bert-tp2-sp", "bert-dp2-distopt", "bert-pp2", "t5-tp2", "t5-tp2-sp", "t5-dp2-distopt",
+        "bert-post-tp2-sp", "bert-post-pp2", "t5-hf-tp2-sp",
+    ],
+)  # fmt: skip
 def test_layout_matches_one_process(single, tmp_path: Path, model, flags):
     """Measured (10 steps): losses <= 1.3e-7 (lm) and 1.8e-6 (sop) relative, parameters <= 5.3e-6
     apart. Grad norms up to 9.0e-5 relative (t5-dp2-distopt, iteration 3; limit 1e-4), though
     every gradient of iteration 1 matches to 3e-7: torch's fp32 CPU norm of one large tensor is
     accumulated without pairwise summation, and the 4224 x 64 word-embedding gradient's norm is
     then 4e-5 off in the one-process run (the sharded runs take norms of smaller pieces)."""
-    args = {"bert": BERT, "t5": T5}[model]
+    args = MODELS[model]
     results = layout_run([*args, *flags], 2, str(tmp_path))
     assert_same_training(single(model), results[0])
     if "--use-distributed-optimizer" in flags:  # every rank logged the same, DP-averaged losses
@@ -96,11 +111,20 @@ def test_layout_matches_one_process(single, tmp_path: Path, model, flags):
         assert all(r["other_losses"] == results[0]["other_losses"] for r in results)
 
 
-@pytest.mark.parametrize("model", ["bert", "t5"])
-@pytest.mark.parametrize("flags", [FULL_RECOMPUTE, SELECTIVE_RECOMPUTE], ids=["full", "selective"])
+@pytest.mark.parametrize(
+    ("model", "flags"),
+    [
+        ("bert", FULL_RECOMPUTE),
+        ("bert", SELECTIVE_RECOMPUTE),
+        ("t5", FULL_RECOMPUTE),
+        ("t5", SELECTIVE_RECOMPUTE),
+        ("t5-hf", SELECTIVE_RECOMPUTE),  # the attention's float mask (the bias) has a gradient
+    ],
+    ids=["bert-full", "bert-selective", "t5-full", "t5-selective", "t5-hf-selective"],
+)
 def test_recompute_changes_no_number(single, tmp_path: Path, model, flags):
     """Recomputing a layer's forward redoes the same float operations in the same order."""
-    args = {"bert": BERT, "t5": T5}[model]
+    args = MODELS[model]
     result = layout_run([*args, *flags], 1, str(tmp_path))[0]
     assert_same_training(single(model), result, rel=0.0, atol=0.0)  # bit-identical
 

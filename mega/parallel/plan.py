@@ -22,6 +22,9 @@ VOCAB_BIAS = "vocab_bias"  # a module whose one parameter ``bias [V]`` is split 
 # under SP, this parameter-free module's input is gathered along the sequence (what follows it
 # is replicated: BERT's pooler reads position 0); the gradient is split back, not summed
 SEQUENCE_GATHER = "sequence_gather"
+# an nn.Embedding whose columns are the attention heads (T5's relative position bias
+# ``[buckets, heads]``): split by columns, each rank keeping its own heads' columns
+HEAD_COLUMNS = "head_columns"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,6 +15,7 @@ What each plan style becomes (module paths may contain ``*`` for one path compon
 | SEQUENCE_SCATTER   | elementwise, parameter-free (a dropout) | under SP: ``ScatterToSequence`` |
 | SEQUENCE_GATHER    | parameter-free    | under SP: ``GatherFromSequence`` (input gathered) |
 | VOCAB_BIAS         | module with ``bias [V]`` only | the same module, ``bias [V/tp]``          |
+| HEAD_COLUMNS       | ``nn.Embedding [n, heads]`` | the same module, ``weight [n, heads/tp]``   |
 
 Then ``tensor_parallel_rng`` modules run under the TP RNG; under SP, dropouts inside
 ``sequence_parallel_region`` do too, that region's replicated parameters get
@@ -32,6 +33,7 @@ from torch import nn
 
 from mega.parallel.plan import (
     COLUMN,
+    HEAD_COLUMNS,
     LM_HEAD,
     ROW,
     SEQUENCE_GATHER,
@@ -166,6 +168,11 @@ def _parallel_module(
                 f"--tensor-model-parallel-size ({size})"
             )
         module.bias = shard_parameter(module.bias, ShardSpec((rows,), 0, 1, rank, size))
+        return None
+    if style == HEAD_COLUMNS:
+        _expect(module, nn.Embedding, path, style)
+        shape = tuple(module.weight.shape)  # heads divide by tp: the plan's problems say so
+        module.weight = shard_parameter(module.weight, ShardSpec(shape, 1, 1, rank, size))
         return None
     raise ValueError(f"plan marks '{path}' with unknown tensor-parallel style {style!r}")
 

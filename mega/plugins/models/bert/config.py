@@ -11,7 +11,8 @@ from mega.plugins.models.gpt.config import flops_per_token as decoder_flops_per_
 
 @dataclass(kw_only=True)
 class BertConfig(GPTConfig):
-    """Megatron's BERT: a bidirectional GPT-style (pre-norm) encoder with BERT's heads.
+    """Megatron's BERT: a bidirectional GPT-style (pre-norm, or with --bert-post-layernorm the
+    original post-norm) encoder with BERT's heads.
 
     Every transformer flag is the GPT's (``--num-layers``, ``--hidden-size``...), with the same
     defaults; mixture-of-experts flags are refused (Megatron's BERT has no MoE layer spec).
@@ -23,6 +24,13 @@ class BertConfig(GPTConfig):
         "bert dataset then makes single segments (Megatron's --bert-no-binary-head).",
         flag="--bert-no-binary-head",
         store=False,
+    )
+
+    bert_post_layernorm: bool = option(
+        False,
+        "Post-norm layers: a layer norm on the embeddings and after each residual sum, none at "
+        "the end of the encoder (the original BERT's, Hugging Face's BertModel); Megatron's BERT "
+        "normalises before each sub-layer.",
     )
 
     def num_tokentypes(self) -> int:

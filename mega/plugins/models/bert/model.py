@@ -4,6 +4,9 @@ Megatron-core's ``BertModel`` with its local layer spec: word + position (+ toke
 embeddings; the GPT's pre-norm transformer layers, attending both ways with the padding
 masked; the masked-LM head (dense, GeLU, layer norm, then the tied word embeddings plus a
 bias); with the binary head, a pooler (dense + tanh on position 0) and a 2-way linear.
+``--bert-post-layernorm`` builds the original BERT instead (Hugging Face's ``BertModel``): a
+norm on the embeddings and after each residual sum, none at the end of the encoder; megatron-
+core has no such layer, so that variant is checked against transformers (the converter's test).
 Shapes as in the GPT: ``b`` batch, ``s`` sequence, ``h`` hidden, ``V`` padded vocabulary.
 
 One intended difference from Megatron: padding is masked as keys only (``[b, 1, 1, s]``), not
@@ -24,9 +27,12 @@ from mega.core.plugins.specs import BuildContext
 from mega.parallel.linear import Linear
 from mega.plugins.models.bert.config import BertConfig
 from mega.plugins.models.gpt.model import (
+    MLP,
     Embedding,
     OutputHead,
+    SelfAttention,
     TransformerBlock,
+    _norm,
     checked_max_positions,
     megatron_init_,
 )
@@ -43,18 +49,54 @@ def key_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor | None:
 
 
 class BertEmbedding(Embedding):
-    """The GPT's word and position embeddings plus Megatron's ``tokentype_embeddings``."""
+    """The GPT's word and position embeddings plus Megatron's ``tokentype_embeddings``; with
+    post-norm layers, a layer norm on their sum (before the dropout)."""
 
     def __init__(self, cfg: BertConfig, vocab_size: int, max_positions: int) -> None:
         super().__init__(cfg, vocab_size, max_positions)
         types = cfg.num_tokentypes()
         self.tokentype_embeddings = nn.Embedding(types, cfg.hidden_size) if types else None
+        self.layernorm = _norm(cfg, cfg.hidden_size) if cfg.bert_post_layernorm else None
 
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed(tokens)  # [b, s, h]
         if self.tokentype_embeddings is not None:
             hidden = hidden + self.tokentype_embeddings(types)
+        if self.layernorm is not None:
+            hidden = self.layernorm(hidden)
         return self.embedding_dropout(hidden)
+
+
+class PostNormLayer(nn.Module):
+    """The original BERT's layer (``--bert-post-layernorm``): x = norm(x + drop(attn(x))), then
+    x = norm(x + drop(mlp(x))). Built by the GPT's TransformerBlock in place of its pre-norm
+    layer, with the same call (``rotary`` is always None here)."""
+
+    def __init__(self, cfg: BertConfig, moe: bool = False, causal: bool = False) -> None:
+        super().__init__()
+        self.self_attention = SelfAttention(cfg, causal)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.mlp = MLP(cfg)
+        self.post_mlp_layernorm = _norm(cfg, cfg.hidden_size)
+        self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attention = self.self_attention(hidden, rotary, attention_mask)
+        hidden = self.post_attention_layernorm(hidden + self.hidden_dropout(attention))
+        return self.post_mlp_layernorm(hidden + self.hidden_dropout(self.mlp(hidden)))
+
+
+def bert_encoder(cfg: BertConfig) -> TransformerBlock:
+    """The bidirectional encoder: the GPT's pre-norm block, or post-norm layers and no final
+    norm (``--bert-post-layernorm``)."""
+    if cfg.bert_post_layernorm:
+        return TransformerBlock(cfg, causal=False, layer=PostNormLayer, final_norm=False)
+    return TransformerBlock(cfg, causal=False)
 
 
 class LMHead(nn.Module):
@@ -107,7 +149,7 @@ class BertModel(nn.Module):
         h = cfg.hidden_size
         with torch.device("meta"):  # materialised once, by reset_parameters
             self.embedding = BertEmbedding(cfg, ctx.padded_vocab_size, max_positions)
-            self.encoder = TransformerBlock(cfg, causal=False)
+            self.encoder = bert_encoder(cfg)
             self.lm_head = LMHead(cfg)
             self.output_layer = OutputBias(ctx.padded_vocab_size)
             self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))

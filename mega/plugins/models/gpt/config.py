@@ -34,6 +34,9 @@ class GPTConfig:
         "moe_router_load_balancing_type",
     )  # fmt: skip
 
+    # the --position-embedding-type values this model builds (T5 swaps rope for relative)
+    POSITION_EMBEDDINGS: ClassVar[tuple[str, ...]] = POSITION_EMBEDDING_TYPES
+
     num_layers: int = option(4, "Number of transformer layers.")
     hidden_size: int = option(128, "Transformer hidden size.")
     ffn_hidden_size: int | None = option(
@@ -169,6 +172,14 @@ class GPTConfig:
     def resolved_max_position_embeddings(self, seq_length: int) -> int:
         return self.max_position_embeddings or seq_length
 
+    def mlp_activation(self) -> str:
+        """The MLP's activation: ``swiglu`` (gated: fc1 holds ``[gate; up]``), ``gelu`` (exact
+        erf, Megatron's default) or ``gelu_tanh`` (--openai-gelu). A model whose config adds
+        activations (T5's ``relu``) overrides this."""
+        if self.swiglu:
+            return "swiglu"
+        return "gelu_tanh" if self.openai_gelu else "gelu"
+
     def resolved_moe_ffn_hidden_size(self) -> int:
         return self.moe_ffn_hidden_size or self.resolved_ffn_hidden_size()
 
@@ -204,10 +215,10 @@ class GPTConfig:
             problems.append(f"--norm-epsilon ({self.norm_epsilon}) must be positive")
         if self.init_method_std < 0:
             problems.append(f"--init-method-std ({self.init_method_std}) must not be negative")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
+        if self.position_embedding_type not in self.POSITION_EMBEDDINGS:
             problems.append(
                 f"--position-embedding-type ({self.position_embedding_type!r}) must be one of "
-                f"{', '.join(POSITION_EMBEDDING_TYPES)}"
+                f"{', '.join(self.POSITION_EMBEDDINGS)}"
             )
         if self.normalization not in NORMALIZATIONS:
             problems.append(

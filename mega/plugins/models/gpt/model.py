@@ -134,7 +134,8 @@ class CoreAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``query [b, s, np, d]``, ``key``/``value [b, s_k, ng, d]`` -> context ``[b, s, np*d]``;
-        ``attention_mask`` bool, True = masked, broadcast to ``[b, np, s, s_k]``."""
+        ``attention_mask`` broadcast to ``[b, np, s, s_k]``: bool, True = masked; or float, added
+        to the scores (T5's relative position bias, with -inf where masked)."""
         b, s, heads, _ = query.shape
         with sdpa_backends(self.backend):
             context = self._sdpa(query, key, value, attention_mask)
@@ -148,14 +149,17 @@ class CoreAttention(nn.Module):
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         heads = query.shape[2]
+        mask = attention_mask
+        if mask is not None:
+            # Megatron's bool mask is True where attention is *not* allowed; SDPA's the opposite
+            mask = ~mask if mask.dtype == torch.bool else mask.to(query.dtype)
         # SDPA wants [b, heads, s, d]. Query head i belongs to group i // (np/ng), which is exactly
         # the repeat_interleave that enable_gqa applies to key/value heads.
         return F.scaled_dot_product_attention(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
-            # Megatron's mask is True where attention is *not* allowed; SDPA's is the opposite.
-            attn_mask=None if attention_mask is None else ~attention_mask,
+            attn_mask=mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=attention_mask is None and self.causal,
             enable_gqa=heads != key.shape[2],  # only when needed: not every fused kernel has it
@@ -218,13 +222,22 @@ class SelfAttention(nn.Module):
         return self.linear_proj(context)
 
 
+# the MLP's activations by GPTConfig.mlp_activation's names (SwiGLU's gate is applied apart)
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,  # exact erf GeLU, Megatron's default
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # GPT-2's (--openai-gelu)
+    "relu": F.relu,  # the original T5's
+}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig, ffn: int | None = None) -> None:
         super().__init__()
         ffn = ffn or cfg.resolved_ffn_hidden_size()
-        self.swiglu = cfg.swiglu
-        self.gelu_approximate = "tanh" if cfg.openai_gelu else "none"
-        fc1_rows = 2 * ffn if cfg.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
+        activation = cfg.mlp_activation()
+        self.swiglu = activation == "swiglu"
+        self.activation = None if self.swiglu else ACTIVATIONS[activation]
+        fc1_rows = 2 * ffn if self.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
         self.linear_fc1 = Linear(cfg.hidden_size, fc1_rows, bias=cfg.add_bias_linear)
         self.linear_fc2 = Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
 
@@ -234,8 +247,7 @@ class MLP(nn.Module):
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = F.silu(gate) * up
         else:
-            # exact erf GeLU, as Megatron's default; --openai-gelu: GPT-2's tanh approximation
-            intermediate = F.gelu(intermediate, approximate=self.gelu_approximate)
+            intermediate = self.activation(intermediate)
         return self.linear_fc2(intermediate)
 
 
@@ -274,12 +286,21 @@ class TransformerBlock(nn.Module):
     ``sequence_shards`` is how many ranks the input's sequence is split over (sequence parallelism
     sets it to the tensor-parallel size): the RoPE tables must cover the full sequence, because
     attention sees all of it after the QKV projection gathers the shards.
+
+    ``layer(cfg, moe, causal)`` builds each layer (BERT's post-norm layers replace the GPT's);
+    ``final_norm``: end in a norm (pre-norm stacks do; post-norm ones are normalised already).
     """
 
-    def __init__(self, cfg: GPTConfig, causal: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        causal: bool = True,
+        layer: Callable[[GPTConfig, bool, bool], nn.Module] = TransformerLayer,
+        final_norm: bool = True,
+    ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(cfg, moe, causal) for moe in cfg.moe_layers())
-        self.final_layernorm = _norm(cfg, cfg.hidden_size)
+        self.layers = nn.ModuleList(layer(cfg, moe, causal) for moe in cfg.moe_layers())
+        self.final_layernorm = _norm(cfg, cfg.hidden_size) if final_norm else None
         self.rope = cfg.position_embedding_type == "rope"
         self.head_dim = cfg.resolved_kv_channels()
         self.rotary_base = cfg.rotary_base
@@ -303,7 +324,7 @@ class TransformerBlock(nn.Module):
                 hidden = layer(hidden, rotary, attention_mask)
             else:
                 hidden = layer(hidden, rotary, attention_mask, kv_cache)
-        if self.final_layernorm is None:  # a pipeline stage before the last
+        if self.final_layernorm is None:  # a pipeline stage before the last, or post-norm layers
             return hidden
         return self.final_layernorm(hidden)
 

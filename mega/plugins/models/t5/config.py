@@ -4,17 +4,40 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
 
 from mega.core.config.fields import option
 from mega.plugins.datasets.t5 import DEFAULT_DECODER_SEQ_LENGTH  # noqa: E402  one default
 from mega.plugins.models.bert.config import encoder_model_problems
 from mega.plugins.models.gpt.config import GPTConfig
 
+# Megatron's T5 positions: a learned table, or T5's bucketed relative bias per head
+T5_POSITION_EMBEDDINGS = ("learned_absolute", "relative")
+
 
 @dataclass(kw_only=True)
 class T5Config(GPTConfig):
     """Megatron's T5: a bidirectional encoder and a causal decoder with cross-attention, both
-    with the GPT's pre-norm layers, sharing one embedding (words and learned positions)."""
+    with the GPT's pre-norm layers, sharing one embedding (words and learned positions, or
+    the original T5's relative position bias)."""
+
+    POSITION_EMBEDDINGS: ClassVar[tuple[str, ...]] = T5_POSITION_EMBEDDINGS
+
+    position_embedding_type: str = option(
+        "learned_absolute",
+        "Position embedding type: a learned table, or relative (the original T5's: a learned"
+        " bias per attention head and bucket of key-query distance, one table per stack).",
+        choices=T5_POSITION_EMBEDDINGS,
+    )
+    relative_attention_num_buckets: int = option(
+        32, "Distance buckets of --position-embedding-type relative."
+    )
+    relative_attention_max_distance: int = option(
+        128, "Distance from which --position-embedding-type relative's buckets stop growing."
+    )
+    relu: bool = option(
+        False, "ReLU in the MLPs instead of GeLU (the original T5's, Hugging Face's default)."
+    )
 
     encoder_num_layers: int | None = option(None, "Encoder layers (default: --num-layers).")
     decoder_num_layers: int | None = option(None, "Decoder layers (default: --num-layers).")
@@ -26,6 +49,11 @@ class T5Config(GPTConfig):
     def stack(self, layers: int) -> GPTConfig:
         """This config for one stack of ``layers`` layers (what the GPT's blocks read)."""
         return dataclasses.replace(self, num_layers=layers)
+
+    def mlp_activation(self) -> str:
+        if self.relu:
+            return "relu"
+        return super().mlp_activation()
 
     def resolved_encoder_layers(self) -> int:
         return self.encoder_num_layers or self.num_layers
@@ -45,11 +73,13 @@ class T5Config(GPTConfig):
                 problems.append(f"--{name.replace('_', '-')} ({value}) must be positive")
         if self.decoder_seq_length <= 0:
             problems.append(f"--decoder-seq-length ({self.decoder_seq_length}) must be positive")
-        if self.position_embedding_type != "learned_absolute":
-            problems.append(
-                f"--position-embedding-type {self.position_embedding_type}: mega's T5 has learned"
-                " absolute positions only (Megatron's default)"
-            )
+        for name in ("relative_attention_num_buckets", "relative_attention_max_distance"):
+            if getattr(self, name) <= 0:
+                problems.append(
+                    f"--{name.replace('_', '-')} ({getattr(self, name)}) must be positive"
+                )
+        if self.relu and (self.swiglu or self.openai_gelu):
+            problems.append("--relu with --swiglu or --openai-gelu: give one activation")
         if self.group_query_attention:  # Megatron's cross-attention has one key/value per head
             problems.append("--group-query-attention: the t5 model's attention has no groups")
         return problems

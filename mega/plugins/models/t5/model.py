@@ -11,6 +11,14 @@ None without Transformer Engine, so a CPU megatron-core T5 silently has no final
 GPU run (with Transformer Engine) has them, and so does this model (the oracle test builds
 megatron-core's blocks with a torch norm there). Padding is masked as keys only, as in mega's
 BERT; the decoder needs no padding mask (its padding comes after every real position).
+
+The original T5's architecture (what Hugging Face's ``T5ForConditionalGeneration`` holds) is
+these flags: ``--position-embedding-type relative`` (a bias per head and distance bucket, one
+table per stack, added to the self-attention scores; megatron-core's local layers cannot add
+it), ``--normalization RMSNorm``, ``--relu``, ``--disable-bias-linear``. The last also drops
+the LM head's bias, which megatron-core keeps whenever the output is tied: T5 has none.
+T5's unscaled attention scores and its ``d_model^-0.5`` on the tied output are folded into the
+weights by the converter (``mega.plugins.convert.hf_t5``), not built here.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from mega.plugins.models.gpt.model import (
     megatron_init_,
 )
 from mega.plugins.models.t5.config import T5Config
+from mega.plugins.models.t5.relative_position import RelativePositionBias
 
 
 class CrossAttention(nn.Module):
@@ -78,9 +87,15 @@ class DecoderLayer(nn.Module):
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
-        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attention = self.self_attention(self.input_layernorm(hidden), None)
+        """``attention_mask``: None (causal), or the self-attention's float mask (the relative
+        position bias, -inf above the diagonal)."""
+        attention = self.self_attention(self.input_layernorm(hidden), None, attention_mask)
         hidden = hidden + self.hidden_dropout(attention)
         cross = self.cross_attention(self.pre_cross_attn_layernorm(hidden), context, context_mask)
         hidden = hidden + self.hidden_dropout(cross)
@@ -94,11 +109,37 @@ class DecoderBlock(nn.Module):
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(
-        self, hidden: torch.Tensor, context: torch.Tensor, context_mask: torch.Tensor | None
+        self,
+        hidden: torch.Tensor,
+        context: torch.Tensor,
+        context_mask: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for layer in self.layers:
-            hidden = layer(hidden, context, context_mask)
+            hidden = layer(hidden, context, context_mask, attention_mask)
         return self.final_layernorm(hidden)
+
+
+def with_relative_bias(
+    bias: RelativePositionBias | None,
+    length: int,
+    mask: torch.Tensor | None,
+    causal: bool,
+) -> torch.Tensor | None:
+    """A stack's self-attention mask: with relative positions, the bias ``[1, np, s, s]``
+    with -inf where ``mask`` (bool ``[b, 1, 1, s]``, True = masked) or the causal triangle
+    hides a key; without, ``mask`` as it is (None: causal or all keys, by the stack)."""
+    if bias is None:
+        return mask
+    scores = bias(length, length)
+    hidden = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+    if not causal:
+        hidden = mask
+    elif mask is not None:
+        hidden = hidden | mask
+    if hidden is None:
+        return scores
+    return torch.where(hidden, float("-inf"), scores)  # [b or 1, np, s, s]
 
 
 class LMHead(nn.Module):
@@ -107,6 +148,15 @@ class LMHead(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.output_layer = OutputBias(vocab_size)
+
+
+def _relative_bias(cfg: T5Config, bidirectional: bool) -> RelativePositionBias:
+    return RelativePositionBias(
+        cfg.num_attention_heads,
+        cfg.relative_attention_num_buckets,
+        cfg.relative_attention_max_distance,
+        bidirectional,
+    )
 
 
 class T5Model(nn.Module):
@@ -121,9 +171,14 @@ class T5Model(nn.Module):
         self.seed = ctx.seed
         with torch.device("meta"):  # materialised once, by reset_parameters
             self.embedding = Embedding(cfg, ctx.padded_vocab_size, max_positions)
+            self.encoder_relative_pos_emb = self.decoder_relative_pos_emb = None
+            if cfg.position_embedding_type == "relative":
+                self.encoder_relative_pos_emb = _relative_bias(cfg, bidirectional=True)
+                self.decoder_relative_pos_emb = _relative_bias(cfg, bidirectional=False)
             self.encoder = TransformerBlock(cfg.stack(cfg.resolved_encoder_layers()), causal=False)
             self.decoder = DecoderBlock(cfg.stack(cfg.resolved_decoder_layers()))
-            self.lm_head = LMHead(ctx.padded_vocab_size)
+            # --disable-bias-linear drops this bias too, unlike Megatron (module docstring)
+            self.lm_head = LMHead(ctx.padded_vocab_size) if cfg.add_bias_linear else None
             self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))
         self.to_empty(device="cpu")
         self.reset_parameters()
@@ -153,10 +208,16 @@ class T5Model(nn.Module):
         tokens; ``labels [b, sd]`` (-1 on padding)."""
         # padded encoder positions, as keys, for the encoder and the cross-attention
         padding = key_padding_mask(enc_mask)
-        context = self.encoder(self.embedding(text_enc), attention_mask=padding)
-        hidden = self.decoder(self.embedding(text_dec), context, padding)
+        # the sequence lengths of the inputs: under sequence parallelism the stacks hold parts
+        encoder_mask = with_relative_bias(
+            self.encoder_relative_pos_emb, text_enc.shape[1], padding, causal=False
+        )
+        decoder_mask = with_relative_bias(
+            self.decoder_relative_pos_emb, text_dec.shape[1], None, causal=True
+        )
+        context = self.encoder(self.embedding(text_enc), attention_mask=encoder_mask)
+        hidden = self.decoder(self.embedding(text_dec), context, padding, decoder_mask)
         if labels is not None:
             labels = labels.clamp(min=0)  # -1 on padding: the loss mask drops those positions
-        return self.output_head(
-            hidden, self.output_weight(), labels, self.lm_head.output_layer.bias
-        )
+        bias = None if self.lm_head is None else self.lm_head.output_layer.bias
+        return self.output_head(hidden, self.output_weight(), labels, bias)

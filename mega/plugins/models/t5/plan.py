@@ -15,6 +15,7 @@ from functools import partial
 
 from mega.parallel.plan import (
     COLUMN,
+    HEAD_COLUMNS,
     LM_HEAD,
     ROW,
     VOCAB_BIAS,
@@ -34,6 +35,9 @@ def t5_parallel_plan(cfg: T5Config) -> ParallelPlan:
         **layer_styles("decoder.layers"),
         "lm_head.output_layer": VOCAB_BIAS,
         "output_head": LM_HEAD,
+        # the relative position bias of the heads this rank holds
+        "encoder_relative_pos_emb.relative_attention_bias": HEAD_COLUMNS,
+        "decoder_relative_pos_emb.relative_attention_bias": HEAD_COLUMNS,
     }
     tensor["decoder.layers.*.cross_attention.linear_q"] = COLUMN
     tensor["decoder.layers.*.cross_attention.linear_kv"] = COLUMN
