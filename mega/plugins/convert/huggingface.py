@@ -1,6 +1,7 @@
 """Hugging Face models (``config.json`` + ``*.safetensors``) as a ``mega convert-checkpoint``
-format: ``GPT2LMHeadModel``, ``LlamaForCausalLM`` and ``MixtralForCausalLM`` (the layouts are in
-``hf_layouts`` and ``hf_mixtral``).
+format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM``,
+``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the layouts are in ``hf_layouts``,
+``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
 
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
@@ -24,7 +25,7 @@ from mega.core.errors import MegaUsageError
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-    "merges.txt", "tokenizer.model", "generation_config.json",
+    "merges.txt", "tokenizer.model", "generation_config.json", "vocab.txt", "spiece.model",
 )  # fmt: skip
 DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -36,13 +37,15 @@ def detect(path: Path) -> bool:
 
 
 def read(path: Path) -> ModelWeights:
-    from mega.plugins.convert import hf_layouts, hf_mixtral
+    from mega.plugins.convert import hf_bert, hf_layouts, hf_mixtral, hf_t5
     from mega.plugins.convert.safetensors_files import read_lazy
 
     readers = {
         hf_layouts.GPT2: hf_layouts.gpt2_to_mega,
         hf_layouts.LLAMA: hf_layouts.llama_to_mega,
         hf_layouts.MIXTRAL: hf_mixtral.mixtral_to_mega,
+        hf_bert.BERT: hf_bert.bert_to_mega,
+        hf_t5.T5: hf_t5.t5_to_mega,
     }
     try:
         config = json.loads((path / "config.json").read_text())
@@ -72,17 +75,22 @@ def read(path: Path) -> ModelWeights:
 
 
 def write(path: Path, weights: ModelWeights) -> None:
-    from mega.plugins.convert import hf_layouts, hf_mixtral
+    from mega.plugins.convert import hf_bert, hf_layouts, hf_mixtral, hf_t5
     from mega.plugins.convert.safetensors_files import write_files
 
     writers = {
         hf_layouts.GPT2: hf_layouts.mega_to_gpt2,
         hf_layouts.LLAMA: hf_layouts.mega_to_llama,
         hf_layouts.MIXTRAL: hf_mixtral.mega_to_mixtral,
+        hf_bert.BERT: hf_bert.mega_to_bert,
+        hf_t5.T5: hf_t5.mega_to_t5,
     }
-    architecture = hf_layouts.hf_architecture(weights.model)
+    by_model = {"bert": hf_bert.BERT, "t5": hf_t5.T5}  # the GPT's class depends on its flags
+    architecture = by_model.get(weights.model.get("name", "gpt"))
+    architecture = architecture or hf_layouts.hf_architecture(weights.model)
     config, tensors = writers[architecture](weights.model, weights.tensors, weights.vocab_size)
-    if architecture != hf_layouts.GPT2 and not weights.model.get("max_position_embeddings"):
+    rope_model = architecture in (hf_layouts.LLAMA, hf_layouts.MIXTRAL)
+    if rope_model and not weights.model.get("max_position_embeddings"):
         # rope has no position table; the length the model was trained at is the honest limit
         config["max_position_embeddings"] = weights.seq_length or config["max_position_embeddings"]
     dtype = str(weights.tensors["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
@@ -106,7 +114,7 @@ def register_checkpoint_converters(register):
             detect=detect,
             description=(
                 "Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM,"
-                " MixtralForCausalLM"
+                " MixtralForCausalLM, BertForPreTraining, T5ForConditionalGeneration"
             ),
         )
     )
