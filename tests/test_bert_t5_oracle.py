@@ -226,15 +226,22 @@ def test_t5_losses_equal_megatron_cores(pair):
 
 
 def test_padding_changes_no_real_position():
-    """A batch without padding runs unmasked (flash/cuDNN kernels on a GPU); one more position
-    of padding, masked, leaves every real position's loss and the binary logits unchanged."""
+    """A batch without padding loses its mask on the host (the plugin's prepare_microbatch) and
+    runs unmasked (flash/cuDNN kernels on a GPU); one more position of padding, masked, leaves
+    every real position's loss and the binary logits unchanged."""
+    from mega.plugins.models.bert import without_full_mask
+
     model = _mega_bert(True)
     batch = {key: value[:, : SEQ - 1] for key, value in _bert_batch().items()}
     batch["padding_mask"] = torch.ones_like(batch["padding_mask"])
     padded = {key: torch.cat([value, value[:, :1]], dim=1) for key, value in batch.items()}
     padded["padding_mask"][:, -1] = 0
+    prepare = without_full_mask("padding_mask")
+    unmasked = prepare({key: value.numpy() for key, value in batch.items()})
+    assert sorted(unmasked) == sorted(set(batch) - {"padding_mask"})
+    assert "padding_mask" in prepare({key: value.numpy() for key, value in padded.items()})
     with torch.no_grad():
-        lm, binary = model(**batch)
+        lm, binary = model(**{key: torch.from_numpy(value) for key, value in unmasked.items()})
         lm_padded, binary_padded = model(**padded)
     torch.testing.assert_close(lm_padded[:, :-1], lm, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(binary_padded, binary, rtol=1e-5, atol=1e-6)

@@ -118,6 +118,10 @@ class ModelSpec:
     # the dataset a run of this model uses when it names none (None: the engine's defaults,
     # language-model windows of the embedded text, ``--mock-data`` or ``--data-path``)
     default_dataset: str | None = None
+    # A micro-batch's numpy arrays -> the arrays that go to the device, on the host before the
+    # copy: what would cost a device sync in ``forward`` is decided here for free (BERT and T5
+    # drop a padding mask that masks nothing, so attention runs on the unmasked kernels).
+    prepare_microbatch: Callable[[dict[str, Any]], dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,7 @@ position is a single integer and resuming from a checkpoint continues the same s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -20,9 +21,12 @@ def global_batch(
     device: torch.device,
     dp_rank: int = 0,
     dp_size: int = 1,
+    prepare: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """This data-parallel rank's micro-batches of samples ``start .. start+global_batch_size``, as
     dicts of tensors (every key the samples have: tokens, labels, loss_mask, e.g. position_ids).
+    ``prepare`` (the model's ``prepare_microbatch``) sees each micro-batch's stacked arrays on
+    the host before they are copied to ``device``.
 
     As in Megatron's sampler, micro-batch ``j`` of the global batch holds samples
     ``start + j*mbs ..`` and goes to rank ``j % dp_size``: every layout groups the same samples
@@ -33,12 +37,13 @@ def global_batch(
     stride = micro_batch_size * dp_size
     for first in range(start + dp_rank * micro_batch_size, start + global_batch_size, stride):
         samples = [source[i % length] for i in range(first, first + micro_batch_size)]
+        arrays = {key: np.stack([s[key] for s in samples]) for key in samples[0]}
+        if prepare is not None:
+            arrays = prepare(arrays)
         microbatches.append(
             {
-                key: torch.from_numpy(np.stack([s[key] for s in samples])).to(
-                    device, non_blocking=True
-                )
-                for key in samples[0]
+                key: torch.from_numpy(values).to(device, non_blocking=True)
+                for key, values in arrays.items()
             }
         )
     return microbatches

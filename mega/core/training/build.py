@@ -54,6 +54,7 @@ class RunParts:
     lr_schedule: LRSchedule
     flops_per_token: float
     loss_names: tuple[str, ...]  # the model's loss parts, in the order the executor gives them
+    prepare_microbatch: Any  # ModelSpec.prepare_microbatch: the host-side step of each batch
 
 
 def build_run(
@@ -146,6 +147,7 @@ def build_run(
         lr_schedule=lr_schedule(config),
         flops_per_token=model_spec.flops_per_token(config.model, t.seq_length, padded_vocab),
         loss_names=model_spec.losses_of(config.model),
+        prepare_microbatch=model_spec.prepare_microbatch,
     )
 
 

@@ -90,6 +90,7 @@ class Engine:
         self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
         self.lr_schedule, self.flops_per_token = parts.lr_schedule, parts.flops_per_token
         self.loss_names = parts.loss_names
+        self.prepare_microbatch = parts.prepare_microbatch
         self.log = RunLog(
             cfg, self.topology, self.device, self.display, parts.flops_per_token, self.loss_names
         )
@@ -276,6 +277,7 @@ class Engine:
             self.device,
             topo.dp_rank,
             topo.data_parallel_size,
+            self.prepare_microbatch,
         )
 
     def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:

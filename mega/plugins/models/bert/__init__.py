@@ -17,7 +17,7 @@ from mega import ModelSpec, hookimpl
 from mega.plugins.models.bert.config import BertConfig, flops_per_token
 from mega.plugins.models.bert.plan import bert_parallel_plan
 
-__all__ = ["BertConfig", "bert_loss", "register_models"]
+__all__ = ["BertConfig", "bert_loss", "register_models", "without_full_mask"]
 
 BATCH_KEYS = ("text", "types", "padding_mask", "labels", "loss_mask", "is_random")
 
@@ -42,6 +42,19 @@ def bert_loss(output: Any, microbatch: dict[str, Any]) -> dict[str, Any]:
     return parts
 
 
+def without_full_mask(key: str) -> Any:
+    """A ``prepare_microbatch`` that drops ``key`` (a padding mask, 1 on tokens) from a
+    micro-batch without padding: the model then attends unmasked, on the flash or cuDNN kernels
+    that take no mask, and no device-side test (a host sync per micro-batch) is needed."""
+
+    def prepare(arrays: dict[str, Any]) -> dict[str, Any]:
+        if arrays[key].all():
+            return {name: values for name, values in arrays.items() if name != key}
+        return arrays
+
+    return prepare
+
+
 def bert_loss_names(cfg: BertConfig) -> tuple[str, ...]:
     return ("lm loss", "sop loss") if cfg.bert_binary_head else ("lm loss",)
 
@@ -60,5 +73,6 @@ def register_models(register) -> None:
             loss=bert_loss,
             loss_names=bert_loss_names,
             default_dataset="bert",
+            prepare_microbatch=without_full_mask("padding_mask"),
         )
     )

@@ -38,12 +38,13 @@ from mega.plugins.models.gpt.model import (
 )
 
 
-def key_padding_mask(padding_mask: torch.Tensor) -> torch.Tensor | None:
+def key_padding_mask(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
     """``padding_mask [b, s]`` (1 on tokens) -> the attention mask, True = masked, for keys only
-    (module docstring), broadcast over heads and queries: ``[b, 1, 1, s]``; None when nothing
-    is padding, so that attention runs without a mask (flash and cuDNN kernels take none). The
-    check costs one host sync per micro-batch."""
-    if bool(padding_mask.all()):
+    (module docstring), broadcast over heads and queries: ``[b, 1, 1, s]``. None (no padding)
+    stays None, so that attention runs without a mask (flash and cuDNN kernels take none): the
+    model plugin's ``prepare_microbatch`` drops a mask that masks nothing, on the host, where
+    the test costs no device sync."""
+    if padding_mask is None:
         return None
     return (padding_mask < 0.5)[:, None, None, :]
 
@@ -173,14 +174,14 @@ class BertModel(nn.Module):
     def forward(
         self,
         text: torch.Tensor,
-        padding_mask: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
         types: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``text``/``types [b, s]`` ids, ``padding_mask [b, s]`` (1 on tokens), ``labels [b, s]``
-        (-1 where nothing is predicted). As a pipeline stage: ``hidden_states`` replaces the
-        embeddings; a stage without the heads returns its hidden states."""
+        """``text``/``types [b, s]`` ids, ``padding_mask [b, s]`` (1 on tokens; None: no padding),
+        ``labels [b, s]`` (-1 where nothing is predicted). As a pipeline stage: ``hidden_states``
+        replaces the embeddings; a stage without the heads returns its hidden states."""
         attention_mask = key_padding_mask(padding_mask)
         if hidden_states is None:
             hidden = self.embedding(text, types=types)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega import ModelSpec, hookimpl
+from mega.plugins.models.bert import without_full_mask
 from mega.plugins.models.t5.config import T5Config, flops_per_token
 from mega.plugins.models.t5.plan import t5_parallel_plan
 
@@ -36,5 +37,6 @@ def register_models(register) -> None:
             description="T5 encoder-decoder with cross-attention (Megatron-style)",
             needs=BATCH_KEYS,
             default_dataset="t5",
+            prepare_microbatch=without_full_mask("enc_mask"),
         )
     )

@@ -201,11 +201,11 @@ class T5Model(nn.Module):
         self,
         text_enc: torch.Tensor,
         text_dec: torch.Tensor,
-        enc_mask: torch.Tensor,
+        enc_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``text_enc [b, se]``, ``text_dec [b, sd]`` ids; ``enc_mask [b, se]`` 1 on the encoder's
-        tokens; ``labels [b, sd]`` (-1 on padding)."""
+        tokens (None: no padding); ``labels [b, sd]`` (-1 on padding)."""
         # padded encoder positions, as keys, for the encoder and the cross-attention
         padding = key_padding_mask(enc_mask)
         # the sequence lengths of the inputs: under sequence parallelism the stacks hold parts
