@@ -245,3 +245,31 @@ def test_padding_changes_no_real_position():
         lm_padded, binary_padded = model(**padded)
     torch.testing.assert_close(lm_padded[:, :-1], lm, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(binary_padded, binary, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_lm_loss_at_the_predicted_positions_only_is_the_whole_sequence_loss():
+    """The plugin's prepare_microbatch hands the model the loss mask's positions, and the
+    vocabulary-sized product and loss run there only: the lm loss and every gradient equal the
+    whole-sequence computation (to float rounding: the sums run over fewer terms)."""
+    from mega.plugins.models.bert import bert_loss, bert_prepare_microbatch
+
+    batch = _bert_batch()
+    batch["loss_mask"] = (batch["labels"] >= 0).long()
+    batch["is_random"] = torch.tensor([0, 1, 0])
+    prepared = bert_prepare_microbatch({key: value.numpy() for key, value in batch.items()})
+    prepared = {key: torch.from_numpy(value) for key, value in prepared.items()}
+    assert prepared["lm_positions"].numel() == int(batch["loss_mask"].sum())
+    results = []
+    for microbatch in (batch, prepared):
+        torch.manual_seed(0)  # the same perturbation of the norms and biases
+        model = _mega_bert(True).train()
+        inputs = {k: v for k, v in microbatch.items() if k not in ("loss_mask", "is_random")}
+        parts = bert_loss(model(**inputs), microbatch)
+        sum(parts.values()).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        results.append((parts, grads))
+    (whole, whole_grads), (sparse, sparse_grads) = results
+    assert sparse["lm loss"].shape == () and whole["lm loss"].item() > 1.0
+    torch.testing.assert_close(sparse["lm loss"], whole["lm loss"], rtol=1e-6, atol=0)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mega.parallel.positions import at_positions
 from mega.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from mega.parallel.tensor.mappings import (
     copy_to_tensor_parallel,
@@ -25,9 +26,10 @@ from mega.parallel.tensor.mappings import (
 
 
 class VocabParallelOutputHead(nn.Module):
-    """``forward(hidden, weight [V/tp, h], labels=None, bias=None [V/tp])``: the loss ``[b, s]``
-    (float32) without ever forming ``[b, s, V]``; with no labels, the gathered logits
-    ``[b, s, V]`` (inference)."""
+    """``forward(hidden, weight [V/tp, h], labels=None, bias=None [V/tp], positions=None)``: the
+    loss ``[b, s]`` (float32) without ever forming ``[b, s, V]``, or ``[1, n]`` at ``positions``
+    (as the single-device ``OutputHead``); with no labels, the gathered logits ``[b, s, V]``
+    (inference)."""
 
     def __init__(self, group: Any, sequence_parallel: bool, vocab_size: int | None = None) -> None:
         super().__init__()
@@ -41,11 +43,14 @@ class VocabParallelOutputHead(nn.Module):
         weight: torch.Tensor,
         labels: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.sequence_parallel:
             hidden = gather_from_sequence(hidden, self.group)  # [b, s/tp, h] -> [b, s, h]
         else:
             hidden = copy_to_tensor_parallel(hidden, self.group)
+        if positions is not None:  # the single-device head's positions: [1, n] from here on
+            hidden, labels = at_positions(hidden, labels, positions)
         logits = F.linear(hidden, weight, bias)  # [b, s, V/tp]
         rank = 0 if self.group is None else dist.get_rank(self.group)
         vocab_start = rank * weight.shape[0]

@@ -177,11 +177,15 @@ class BertModel(nn.Module):
         padding_mask: torch.Tensor | None = None,
         types: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        lm_positions: torch.Tensor | None = None,
         hidden_states: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``text``/``types [b, s]`` ids, ``padding_mask [b, s]`` (1 on tokens; None: no padding),
-        ``labels [b, s]`` (-1 where nothing is predicted). As a pipeline stage: ``hidden_states``
-        replaces the embeddings; a stage without the heads returns its hidden states."""
+        ``labels [b, s]`` (-1 where nothing is predicted). ``lm_positions [n]``: the flat
+        positions of the loss mask (the plugin's ``prepare_microbatch`` adds them); the
+        masked-LM loss is then computed there only, ``[1, n]``. As a pipeline stage:
+        ``hidden_states`` replaces the embeddings; a stage without the heads returns its hidden
+        states."""
         attention_mask = key_padding_mask(padding_mask)
         if hidden_states is None:
             hidden = self.embedding(text, types=types)
@@ -196,7 +200,8 @@ class BertModel(nn.Module):
         if labels is not None:
             # -1 marks unpredicted positions; any id will do there, the loss mask drops them
             labels = labels.clamp(min=0)
-        lm = self.output_head(
-            self.lm_head(hidden), self.output_weight(), labels, self.output_layer.bias
-        )
+        weight, bias = self.output_weight(), self.output_layer.bias
+        if labels is None:  # logits everywhere: positions select losses only
+            lm_positions = None
+        lm = self.output_head(self.lm_head(hidden), weight, labels, bias, lm_positions)
         return lm, binary_logits

@@ -23,6 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import normal_
 from mega.parallel.linear import Linear
+from mega.parallel.positions import at_positions
 from mega.plugins.models.gpt.config import GPTConfig
 from mega.plugins.models.gpt.moe import MoELayer
 
@@ -351,9 +352,13 @@ class OutputHead(nn.Module):
         weight: torch.Tensor,
         labels: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``hidden [b, s, h]`` -> logits ``[b, s, V]`` (plus ``bias [V]``: BERT's, T5's), or given
-        ``labels [b, s]`` the float32 cross-entropy ``[b, s]``."""
+        ``labels [b, s]`` the float32 cross-entropy ``[b, s]``; given ``positions [n]`` too
+        (flat indices into ``b x s``), only theirs: ``[1, n]``."""
+        if positions is not None:
+            hidden, labels = at_positions(hidden, labels, positions)
         logits = F.linear(hidden, weight, bias)  # [b, s, V]
         if self.vocab_size is not None and self.vocab_size < logits.shape[-1]:
             logits[..., self.vocab_size :] = float("-inf")  # linear's backward never reads it
