@@ -91,8 +91,10 @@ DATASET = SyntheticDataset(
 )
 
 
-def mega_argv(args: argparse.Namespace, train_iters: int, log_interval: int) -> list[str]:
-    """The ``mega train`` flags of the benchmark model."""
+def mega_argv(
+    args: argparse.Namespace, train_iters: int, log_interval: int, system: str = "mega"
+) -> list[str]:
+    """The ``mega train`` flags of the benchmark model (one mega system)."""
     common = [a for a in run_argv(args, train_iters, log_interval) if a != "--mock-data"]
     return [
         "--model", "bert", "--num-layers", str(args.layers), "--hidden-size", str(args.hidden),

@@ -128,7 +128,7 @@ def run_system(
     name: str,
     args: argparse.Namespace,
     flops: float,
-    mega_argv: Callable[[argparse.Namespace, int, int], list[str]],
+    mega_argv: Callable[[argparse.Namespace, int, int, str], list[str]],
     dataset: SyntheticDataset,
     run_hf: Callable[[argparse.Namespace, StepClock, int, str], dict],
 ) -> dict:
@@ -141,8 +141,8 @@ def run_system(
     total_iters = args.warmup + args.iters + profile_steps
     clock = StepClock(args.warmup + 1, args.warmup + args.iters, profile_steps, cuda)
     started = time.perf_counter()
-    if name == "mega":
-        argv = mega_argv(args, total_iters, math.gcd(args.warmup, args.iters))
+    if name.startswith("mega"):  # "mega" or a script's variant of it ("mega-original")
+        argv = mega_argv(args, total_iters, math.gcd(args.warmup, args.iters), name)
         row = train_mega(argv, clock, args.warmup, args.iters, ((dataset.name, dataset),))
         row.pop("flops_per_token")
     else:
@@ -213,7 +213,10 @@ def run_all(args: argparse.Namespace, systems: list[str], run: Callable[[str], d
 
 
 def checked_systems(
-    args: argparse.Namespace, script: str, hf_systems: tuple[str, ...] = HF_SYSTEMS
+    args: argparse.Namespace,
+    script: str,
+    hf_systems: tuple[str, ...] = HF_SYSTEMS,
+    mega_systems: tuple[str, ...] = ("mega",),
 ) -> list[str]:
     """``--systems`` as a list, after the checks every script makes."""
     if args.warmup + args.iters <= WARMUP:
@@ -222,14 +225,16 @@ def checked_systems(
         raise SystemExit(f"{script} needs a CUDA GPU (--device cpu: a smoke run only)")
     systems = args.systems.split(",")
     for name in systems:
-        if name not in (*hf_systems, "mega"):
-            raise SystemExit(f"unknown system '{name}': choose from {hf_systems}, mega")
+        if name not in (*hf_systems, *mega_systems):
+            raise SystemExit(f"unknown system '{name}': choose from {hf_systems + mega_systems}")
     return systems
 
 
-def common_flags(parser: argparse.ArgumentParser, mbs: int) -> None:
+def common_flags(
+    parser: argparse.ArgumentParser, mbs: int, mega_systems: tuple[str, ...] = ("mega",)
+) -> None:
     """The flags every script shares after its model's."""
-    parser.add_argument("--systems", default=",".join((*HF_SYSTEMS, "mega")))
+    parser.add_argument("--systems", default=",".join((*HF_SYSTEMS, *mega_systems)))
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--mbs", type=int, default=mbs)

@@ -16,6 +16,8 @@ ids and labels, no padding), one after the other in this one process:
 
 * ``mega``: ``mega train``'s code path with a ``t5-synthetic`` dataset plugin registered below,
   bf16 parameters with fp32 master weights and gradients, ``--compile`` at its default (on);
+* ``mega-original``: the same with Hugging Face's architecture (``--position-embedding-type
+  relative --normalization RMSNorm --relu --disable-bias-linear``), the like-for-like row;
 * ``hf-bf16[-compile]``, ``hf-fp32-autocast[-compile]``: ``T5ForConditionalGeneration`` (SDPA
   attention where the installed transformers offers it for T5, as 5.17 does; 4.57's is eager)
   in bf16 parameters, or fp32 under ``torch.autocast(bf16)``, with
@@ -85,7 +87,20 @@ DATASET = SyntheticDataset(
 )
 
 
-def mega_argv(args: argparse.Namespace, train_iters: int, log_interval: int) -> list[str]:
+# mega's systems: Megatron's T5, and the original T5 that Hugging Face's class holds (relative
+# position bias, RMSNorm, ReLU, no biases: the same architecture as the hf-* rows)
+MEGA_SYSTEMS = {
+    "mega": [],
+    "mega-original": [
+        "--position-embedding-type", "relative", "--normalization", "RMSNorm", "--relu",
+        "--disable-bias-linear",
+    ],
+}  # fmt: skip
+
+
+def mega_argv(
+    args: argparse.Namespace, train_iters: int, log_interval: int, system: str = "mega"
+) -> list[str]:
     common = [a for a in run_argv(args, train_iters, log_interval) if a != "--mock-data"]
     common[common.index("--max-position-embeddings") + 1] = str(max(args.seq, args.dec_seq))
     return [
@@ -93,7 +108,7 @@ def mega_argv(args: argparse.Namespace, train_iters: int, log_interval: int) -> 
         "--num-attention-heads", str(args.heads), "--ffn-hidden-size", str(args.ffn),
         "--decoder-seq-length", str(args.dec_seq), "--dataset", DATASET.name,
         "--hidden-dropout", str(args.dropout), "--attention-dropout", str(args.dropout),
-        *common,
+        *common, *MEGA_SYSTEMS[system],
     ]  # fmt: skip
 
 
@@ -145,9 +160,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512, help="encoder positions")
     parser.add_argument("--dec-seq", type=int, default=128, help="decoder positions")
     parser.add_argument("--vocab", type=int, default=32128)
-    common_flags(parser, mbs=32)
+    common_flags(parser, mbs=32, mega_systems=tuple(MEGA_SYSTEMS))
     args = parser.parse_args()
-    systems = checked_systems(args, "t5_throughput.py")
+    systems = checked_systems(args, "t5_throughput.py", mega_systems=tuple(MEGA_SYSTEMS))
     args.run_dir = str(Path(tempfile.mkdtemp(prefix="t5_throughput_")) / "runs")
     flops = mega_flops_per_token(args)
     rows = run_all(

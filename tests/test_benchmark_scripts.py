@@ -67,14 +67,17 @@ def test_bert_throughput_smoke_run_on_the_cpu(tmp_path: Path):
 def test_t5_throughput_smoke_run_on_the_cpu(tmp_path: Path):
     command = [
         sys.executable, str(ROOT / "benchmarks" / "t5_throughput.py"), "--device", "cpu",
-        "--systems", "hf-fp32-autocast,mega", "--layers", "1", "--hidden", "32", "--heads", "2",
-        "--ffn", "64", "--seq", "32", "--dec-seq", "16", "--vocab", "256", "--mbs", "2",
+        "--systems", "hf-fp32-autocast,mega,mega-original", "--layers", "1", "--hidden", "32",
+        "--heads", "2", "--ffn", "64", "--seq", "32", "--dec-seq", "16", "--vocab", "256", "--mbs", "2",
         "--gbs", "4", "--warmup", "4", "--iters", "2", "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.glob("t5_throughput_*.json")
-    hf, mega = json.loads(result.read_text())["results"]
+    hf, mega, original = json.loads(result.read_text())["results"]
     assert (hf["system"], mega["system"]) == ("hf-fp32-autocast", "mega")
-    # random labels over 256 ids: both start near ln(256) = 5.55
-    assert abs(mega["first_loss"] - 5.55) < 0.5 and abs(hf["first_loss"] - 5.55) < 1.0
+    assert "--relu" in original["argv"] and "relative" in original["argv"]
+    # random labels over 256 ids: all start near ln(256) = 5.55
+    for row in (mega, original):
+        assert abs(row["first_loss"] - 5.55) < 0.5
+    assert abs(hf["first_loss"] - 5.55) < 1.0
