@@ -11,6 +11,7 @@ import argparse
 import datetime
 import json
 import math
+import shlex
 import os
 import platform
 import sys
@@ -143,6 +144,7 @@ def run_system(
     started = time.perf_counter()
     if name.startswith("mega"):  # "mega" or a script's variant of it ("mega-original")
         argv = mega_argv(args, total_iters, math.gcd(args.warmup, args.iters), name)
+        argv += shlex.split(args.mega_flags)
         row = train_mega(argv, clock, args.warmup, args.iters, ((dataset.name, dataset),))
         row.pop("flops_per_token")
     else:
@@ -242,4 +244,7 @@ def common_flags(
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=20, help="timed steps")
     parser.add_argument("--profile", action="store_true", help="a kernel table of 3 more steps")
+    parser.add_argument(
+        "--mega-flags", default="", help="more mega train flags for the mega systems (quoted)"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
