@@ -20,7 +20,9 @@ gradient clipping at 1.0. Per system: the median step time over ``--iters`` step
 TFLOP/s and MFU against 989 TFLOP/s with Megatron's 6·N + 12·L·h·s FLOPs per token, peak memory,
 and the mean loss over the timed steps. For mega it also records the TFLOP/s that its own
 iteration lines printed over the same steps. ``--profile`` adds a torch-profiler table of each
-system's kernels (3 steps after the timed ones), grouped into GEMM / attention / optimizer / other.
+system's kernels (3 steps after the timed ones), grouped into GEMM / attention / optimizer / other;
+with ``MEGA_BENCH_TRACE=DIR`` in the environment it also records the host's side and writes a
+Chrome trace per system into DIR (where the GPU waits for the host, and what the host did then).
 
 Writes ``benchmarks/results/gpt_throughput_<date>.json`` (or ``--out``) with the command, device,
 versions and numbers.
@@ -184,15 +186,22 @@ class StepClock:
                 self.events[iteration] = time.perf_counter()
         if not self.profile_steps:
             return
+        # MEGA_BENCH_TRACE=DIR: also the host's side, as a Chrome trace per system in DIR (where
+        # the GPU waits for the host: gaps between kernels, and what Python did then)
+        trace = os.environ.get("MEGA_BENCH_TRACE")
         if iteration == self.last_timed:
-            self.profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CUDA]
-            )
+            activities = [torch.profiler.ProfilerActivity.CUDA]
+            if trace:
+                activities.append(torch.profiler.ProfilerActivity.CPU)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
         elif iteration == self.last_timed + self.profile_steps and self.profiler is not None:
             torch.cuda.synchronize()
             self.profiler.stop()
             self.table = kernel_table(self.profiler, self.profile_steps)
+            if trace:
+                Path(trace).mkdir(parents=True, exist_ok=True)
+                self.profiler.export_chrome_trace(f"{trace}/trace_{time.time_ns()}.json")
 
     def step_ms(self) -> list[float]:
         if not self.cuda:
