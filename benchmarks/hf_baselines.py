@@ -11,9 +11,9 @@ import argparse
 import datetime
 import json
 import math
-import shlex
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable
