@@ -41,6 +41,10 @@ class ParallelPlan:
     # further layer lists (T5's encoder, before its decoder's ``layers``): recomputed, compiled
     # and counted like ``layers``, but never split over pipeline stages
     more_layers: tuple[str, ...] = ()
+    # --compile's unit: False compiles each layer on its own; True compiles the module owning
+    # each layer list (its stack) as one graph, fewer host calls per step, longer compiles.
+    # Which is faster depends on the model: measure (mega.core.training.compile has the numbers)
+    compile_stacks: bool = False
     # module path (with *) of the parameter-free core attention: selective recompute's target
     core_attention: str = ""
     # parameters whose rows are the padded vocabulary (embedding, untied output layer): a

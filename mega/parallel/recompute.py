@@ -31,8 +31,6 @@ def _tracker_contexts(tracker: Any) -> Callable[[], tuple[Any, Any]]:
     """checkpoint's ``context_fn``: the recompute runs with the tracker state of the forward."""
 
     def context_fn() -> tuple[Any, Any]:
-        if tracker is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
         saved = tracker.get_state()
 
         @contextlib.contextmanager
@@ -50,13 +48,16 @@ def _tracker_contexts(tracker: Any) -> Callable[[], tuple[Any, Any]]:
 
 
 def _checkpointed(forward: Callable[..., Any], tracker: Any) -> Callable[..., Any]:
-    context_fn = _tracker_contexts(tracker)
+    # Without a tracker, checkpoint's own context: torch.compile accepts no other (it traces
+    # checkpoint as a graph region, and the recompute's dropout masks are its business then).
+    # There is a tracker only under tensor parallelism, which --compile is refused with.
+    extra = {} if tracker is None else {"context_fn": _tracker_contexts(tracker)}
 
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     return run
 

@@ -101,7 +101,7 @@ def build_run(
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     compile_layers = _compile_by_default(device, topology) if t.compile is None else t.compile
     if compile_layers:
-        compile_model(model, plan)
+        compile_model(model, plan, chunks)
     p = config.parallel
     pipelined = layout.pp > 1
     buffer = ParamAndGradBuffer.build(

@@ -1,13 +1,24 @@
-"""``--compile``: torch.compile the model's repeated unit, each transformer layer, and its output
-head, in place.
+"""``--compile``: torch.compile the model's transformer layers and its output head, in place.
 
-Compiling each layer rather than the whole model keeps one compiled graph for all the layers (they
-run the same code on different parameters) and compiles in seconds instead of minutes. The head
-(logits and cross-entropy) is compiled on its own so that the float32 log-softmax is fused and the
-float32 logits are never written out. Everything between them (embedding, pipeline sends) stays
-eager. ``Module.compile`` keeps parameter names, so checkpoints, the gradient buffer and the
-optimizer see the same model either way. Tensor-parallel layers hold collectives, which compiled
-layers mishandled (measured on 4 H200, torch 2.11): ``--compile`` is refused with TP > 1.
+The unit compiled is each layer, or, where the model's plan sets ``compile_stacks``, each layer
+list's owner (the stack: ``encoder`` for ``encoder.layers``) as one graph. A stack pays the
+compiled call's guards and AOTAutograd wrappers once per step instead of once per layer, and
+compiles for longer. Which wins depends on the model (one H100, torch 2.11, step times):
+
+- BERT-large, where each compiled layer cost about as much host time to launch as the GPU took
+  to run it: 88.8 ms by layer, 84.8 ms as one stack (+35 s of compiling). BERT sets it.
+- the 1.3B GPT: 143.7 ms by layer, 142.4 ms as a stack (+29 s): not worth it.
+- T5-base: 71.5 ms by layer, 85.0 ms as stacks. The decoder stack's one backward graph took 57 ms
+  of host time against 30 ms for its twelve layers' graphs; every op in it launched about 1.7x
+  slower (``aten::addmm`` 64 against 38 us), while forward ops cost the same. Not explained.
+
+An MoE layer is always compiled on its own: its routing sets shapes on the host, so a stack of
+them cannot be one graph. The head (logits and cross-entropy) is compiled on its own so that the
+float32 log-softmax is fused and the float32 logits are never written out. Everything else
+(embedding, pipeline sends) stays eager. ``Module.compile`` keeps parameter names, so
+checkpoints, the gradient buffer and the optimizer see the same model either way.
+Tensor-parallel layers hold collectives, which compiled layers mishandled (measured on 4 H200,
+torch 2.11): ``--compile`` is refused with TP > 1.
 """
 
 from __future__ import annotations
@@ -17,18 +28,39 @@ import torch
 from mega.parallel.plan import LM_HEAD, ParallelPlan, layer_lists
 
 
-def compile_model(model: torch.nn.Module, plan: ParallelPlan | None) -> int:
-    """Compile each entry of the plan's layer list and its output head (the whole model if
-    there is no plan); returns how many modules were compiled. Not for tensor-parallel models:
-    their layers hold collectives (refused when the config is resolved)."""
+def compiled_units(chunk: torch.nn.Module, plan: ParallelPlan) -> list[torch.nn.Module]:
+    """What ``--compile`` compiles in one pipeline chunk (the whole model without pipelining):
+    each layer, or the stack owning each layer list (see above), then the output head if the
+    chunk holds it."""
+    present = dict(chunk.named_modules())  # a pipeline chunk lacks what other stages hold
+    stacks = plan.compile_stacks and not plan.moe_layers
+    units = []
+    for path in layer_lists(plan):
+        owner = path.rpartition(".")[0]
+        if path not in present:
+            continue
+        if stacks and owner:  # a list owned by the model itself has no stack apart from it
+            units.append(present[owner])
+        else:
+            units += list(present[path].children())
+    units += [present[p] for p, style in plan.tensor.items() if style == LM_HEAD and p in present]
+    return units
+
+
+def compile_model(
+    model: torch.nn.Module, plan: ParallelPlan | None, chunks: list[torch.nn.Module] | None = None
+) -> int:
+    """Compile the units of each pipeline chunk (``chunks``; ``[model]`` without pipelining), or
+    the whole model if there is no plan; returns how many modules were compiled. Each chunk is
+    compiled, not the rank model: a chunk's stack is its own shallow copy of the model's (it holds
+    only the chunk's layers), so compiling the rank model's would not reach what runs. Not for
+    tensor-parallel models: their layers hold collectives (refused when the config is resolved)."""
     if plan is None or not plan.layers:
         model.compile()
         return 1
-    modules = [
-        layer for path in layer_lists(plan) for layer in model.get_submodule(path).children()
-    ]
-    present = dict(model.named_modules())  # a pipeline stage without the head lacks it
-    modules += [present[p] for p, style in plan.tensor.items() if style == LM_HEAD and p in present]
-    for module in modules:
-        module.compile()
-    return len(modules)
+    units: dict[int, torch.nn.Module] = {}  # a head or layer is shared by a chunk and the model
+    for chunk in chunks or [model]:
+        units.update((id(unit), unit) for unit in compiled_units(chunk, plan))
+    for unit in units.values():
+        unit.compile()
+    return len(units)

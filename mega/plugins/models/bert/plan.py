@@ -46,6 +46,7 @@ def bert_parallel_plan(cfg: BertConfig) -> ParallelPlan:
         tensor=tensor,
         stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
         layers=LAYERS,
+        compile_stacks=True,  # one H100, BERT-large: 84.8 ms per step, against 88.8 by layer
         core_attention=CORE_ATTENTION,
         vocab_parameters=(TIED_WEIGHT, "output_layer.bias"),
         tensor_parallel_rng=(CORE_ATTENTION,),
