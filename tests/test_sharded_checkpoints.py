@@ -19,6 +19,7 @@ PP2_INTERLEAVED = [
     "--num-layers-per-virtual-pipeline-stage", "1",
 ]  # fmt: skip
 PP2 = ["--pipeline-model-parallel-size", "2"]
+CP2 = ["--context-parallel-size", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,11 @@ def tail(run: dict, first: int) -> dict:
         ((4, [*TP2, *DP_DISTOPT]), (2, PP2_INTERLEAVED)),
         ((2, PP2), (1, [])),
         ((4, DP_DISTOPT), (2, DP_DISTOPT)),
+        ((4, [*CP2, *DP_DISTOPT]), (2, TP2)),
+        ((1, []), (2, [*CP2, *DP_DISTOPT])),
     ],
     ids=["1-to-tp2", "tp2-to-dp2-distopt", "tp2dp2-distopt-to-pp2-interleaved", "pp2-to-1",
-         "dp4-distopt-to-dp2-distopt"],
+         "dp4-distopt-to-dp2-distopt", "cp2dp2-distopt-to-tp2", "1-to-cp2-distopt"],
 )  # fmt: skip
 def test_resharded_resume_continues_the_single_process_run(single, tmp_path, first, second):
     resumed = save_then_load(tmp_path, first, second)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mega.parallel.context.validate import context_parallel_problems
 from mega.parallel.pipeline.setup import pipeline_setup
 from mega.parallel.plan import no_plan_message, plan_features
 from mega.parallel.tensor.validate import sequence_parallel_problems
@@ -16,10 +17,6 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
     """Every reason the run's parallel layout cannot run."""
     p = config.parallel
     errors = world_problems(config.world_size, p.sizes())
-    if p.context_parallel_size > 1:
-        errors.append(
-            f"--context-parallel-size {p.context_parallel_size}: only 1 is supported so far"
-        )
     if p.expert_tensor_parallel_size != 1:
         errors.append(
             f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size}: experts are not split"
@@ -43,6 +40,7 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
         elif features:
             errors += plan.problems(tp)
     errors += expert_problems(config, plan, plugins)
+    errors += context_parallel_problems(config, plan, plugins)
     errors += pipeline_setup(config, plugins)[1]
     if p.sequence_parallel:
         errors += sequence_parallel_problems(config.training.seq_length, tp)

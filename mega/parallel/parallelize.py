@@ -1,6 +1,6 @@
 """Turn a single-device model into this rank's part of the parallel model. The order:
-tensor/sequence -> expert -> pipeline split -> activation recompute (per chunk) -> data parallel /
-distributed optimizer (in the engine, once the model sits on its device in its dtype).
+tensor/sequence -> expert -> context -> pipeline split -> activation recompute (per chunk) -> data
+parallel / distributed optimizer (in the engine, once the model sits on its device in its dtype).
 
 Tensor parallelism goes first, on the whole model, so that every plan path exists when it is
 applied; the split then keeps modules that are already sharded. (DESIGN.md listed the split
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from mega.core.errors import MegaUsageError
+from mega.parallel.context.apply import apply_context_parallel
 from mega.parallel.expert.apply import apply_expert_parallel
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
@@ -34,10 +35,12 @@ def parallelize(
     topology: Topology,
     layout: PipelineLayout | None = None,
     build_dispatcher: Callable[[Any], Any] | None = None,
+    cp_comm_type: Any = None,
 ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """This rank's model (global parameter names) and its pipeline chunks (``[model]`` without
     pipelining). Tensor/sequence parallelism, expert parallelism (``build_dispatcher``: the
-    registered MoE dispatcher's ``build``) and recompute are applied in place."""
+    registered MoE dispatcher's ``build``), context parallelism (``cp_comm_type``: the
+    registered ``CPCommTypeSpec``) and recompute are applied in place."""
     features = plan_features(parallel)
     if layout is not None and layout.pp * layout.vpp > 1:
         features.append("pipeline stages")
@@ -48,6 +51,9 @@ def parallelize(
 
         apply_tensor_parallel(model, plan, topology, sequence_parallel=parallel.sequence_parallel)
     apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, build_dispatcher)
+    if topology.context_parallel_size > 1:
+        spec = cp_comm_type
+        apply_context_parallel(model, plan, topology, spec.build, spec.name)
     chunks = [model]
     if layout is not None:
         model, chunks = split_for_pipeline(model, plan, layout, topology.pp_rank)

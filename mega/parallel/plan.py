@@ -45,8 +45,13 @@ class ParallelPlan:
     # each layer list (its stack) as one graph, fewer host calls per step, longer compiles.
     # Which is faster depends on the model: measure (mega.core.training.compile has the numbers)
     compile_stacks: bool = False
-    # module path (with *) of the parameter-free core attention: selective recompute's target
+    # module path (with *) of the parameter-free core attention: selective recompute's target,
+    # and what context parallelism replaces
     core_attention: str = ""
+    # the model runs under context parallelism: causal self-attention only (its core attention
+    # gets no mask), positions taken from ``position_ids``, its loss a masked mean over the
+    # ``loss_mask`` (each rank's is weighted by its share of those tokens)
+    context_parallel: bool = False
     # parameters whose rows are the padded vocabulary (embedding, untied output layer): a
     # checkpoint stores them cut to the real vocabulary. By name, never by shape: a hidden size
     # or sequence length can equal the padded vocabulary size.

@@ -73,7 +73,9 @@ def training_tensors(
     """This rank's ``ShardedTensor``s of ``model`` and its ``optimizer`` (a
     ``MixedPrecisionAdamW``). ``for_load``: the keys a load reads first (in an fp32 run the
     parameters prefer a checkpoint's fp32 masters to its bf16 weights)."""
-    dp, dp_rank, tp_rank = topology.data_parallel_size, topology.dp_rank, topology.tp_rank
+    # the ranks holding the same dense weights take turns writing them
+    dp, dp_rank = topology.data_context_parallel_size, topology.group_rank("dpcp")
+    tp_rank = topology.tp_rank
     edp, edp_rank = topology.expert_data_parallel_size, topology.group_rank("edp")
     distributed = optimizer is not None and optimizer.buffer.distributed
     states = optimizer.flat_states() if with_optimizer and optimizer is not None else {}

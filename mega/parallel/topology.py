@@ -54,7 +54,9 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
 
     "mp" (model parallel) is tp x pp: the ranks that hold one copy of the dense model between
     them, over which a gradient norm is summed. "dp" varies the ep and dp coordinates (dense data
-    parallelism), "edp" the dp coordinate alone (see the module docstring).
+    parallelism), "edp" the dp coordinate alone (see the module docstring), "dpcp" the cp, ep
+    and dp coordinates: the ranks with the same dense weights, over which their gradients are
+    reduced (context-parallel ranks hold the same weights and parts of the same sequences).
     """
     problems = layout_problems(world_size, sizes)
     if problems:
@@ -70,8 +72,8 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
         return out
 
     groups: dict[str, list[list[int]]] = {}
-    combined = {"mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"}}
-    for varying in [*ORDER, "mp", "edp"]:
+    combined = {"mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"}, "dpcp": {"cp", "ep", "dp"}}
+    for varying in [*ORDER, "mp", "edp", "dpcp"]:
         axes = combined.get(varying, {varying})
         by_key: dict[tuple, list[int]] = {}
         for rank in range(world_size):
@@ -107,6 +109,11 @@ class Topology:
         return self.world_size // model_parallel
 
     @property
+    def data_context_parallel_size(self) -> int:
+        """Ranks with the same dense weights (the ``dpcp`` group): data x context parallel."""
+        return self.data_parallel_size * self.context_parallel_size
+
+    @property
     def expert_data_parallel_size(self) -> int:
         """Ranks with the same experts and different data."""
         return self.data_parallel_size // self.expert_model_parallel_size
@@ -117,7 +124,8 @@ class Topology:
         return members.index(self.rank) if members else 0
 
     def group(self, dim: str) -> Any:
-        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "edp", "pp", "mp"), None if size 1;
+        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "edp", "dpcp", "pp", "mp"), None if
+        size 1;
         "embd" is the first and last pipeline stage, on those ranks only."""
         return self.groups.get(dim)
 
@@ -167,6 +175,8 @@ def build_topology(
         import torch.distributed as dist
 
         for dim, ranks_lists in all_groups.items():
+            if dim == "dpcp" and cp == 1:  # the dp group itself: no second communicator
+                continue
             for ranks in ranks_lists:
                 # every rank creates every group, in the same order (new_group is collective)
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -174,6 +184,10 @@ def build_topology(
                     members[dim] = tuple(ranks)
                     if group is not None:
                         groups[dim] = group
+        if cp == 1:
+            members["dpcp"] = members["dp"]
+            if "dp" in groups:
+                groups["dpcp"] = groups["dp"]
         # the first and last stage of each pipeline: they sum the tied embeddings' gradients
         for ranks in all_groups["pp"] if pp > 1 else []:
             pair = [ranks[0], ranks[-1]]

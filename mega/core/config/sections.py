@@ -368,7 +368,14 @@ class ParallelConfig:
         "Overlap pipeline sends and receives with compute: wait for a received tensor only "
         "when a chunk needs it, and for sends at the end of the step.",
     )
-    context_parallel_size: int = option(1, "Context-parallel size (sequence shards).")
+    context_parallel_size: int = option(
+        1, "Context-parallel size: ranks splitting every sequence (attention sees all of it)."
+    )
+    cp_comm_type: str = option(
+        "p2p",
+        "How attention reaches other context-parallel ranks' positions (a registered type:"
+        " p2p, all_gather, a2a).",
+    )
     expert_model_parallel_size: int = option(
         1, "Expert-parallel size: ranks (among the data-parallel ones) splitting the experts."
     )

@@ -111,6 +111,19 @@ def register_moe_dispatchers(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
+def register_cp_comm_types(register: Callable[[Any], None]) -> None:
+    """Register context-parallel communication types.
+
+    :param register: call ``register(CPCommTypeSpec(...))``; users select one with
+        ``--cp-comm-type NAME``. A type computes causal attention over a sequence split across
+        the context-parallel ranks (``mega.parallel.context``); ``p2p``, ``all_gather`` and
+        ``a2a`` are built in.
+
+    Called on: every rank. When: once, while the plugin manager is built.
+    """
+
+
+@hookspec
 def register_commands(register: Callable[[Any], None]) -> None:
     """Register command-line commands.
 

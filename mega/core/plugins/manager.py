@@ -84,6 +84,10 @@ class Plugins:
         return self.registries["moe dispatcher"]
 
     @property
+    def cp_comm_types(self) -> Registry[Any]:
+        return self.registries["cp comm type"]
+
+    @property
     def commands(self) -> Registry[Any]:
         return self.registries["command"]
 

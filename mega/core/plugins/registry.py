@@ -90,5 +90,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "checkpoint backend": "register_checkpoint_backends",
     "checkpoint converter": "register_checkpoint_converters",
     "moe dispatcher": "register_moe_dispatchers",
+    "cp comm type": "register_cp_comm_types",
     "command": "register_commands",
 }

@@ -181,6 +181,27 @@ class PipelineScheduleSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CPCommTypeSpec:
+    """How attention reaches the positions other context-parallel ranks hold, selected by
+    ``--cp-comm-type NAME``.
+
+    ``build(group, rank, size, peers)`` is called once per run with the cp process group, this
+    rank's index in it, its size and ``peers`` (the global ranks of the next and the previous
+    member: a ring). It returns ``attend(query, key, value, core_attention)``: this rank's
+    ``query [b, s_local, h, d]`` and ``key``/``value [b, s_local, g, d]`` (it holds sequence
+    chunks ``rank`` and ``2*size-1-rank`` of ``2*size``: ``mega.parallel.context.layout``) ->
+    causal attention's context ``[b, s_local, h*d]`` over the whole sequence, differentiable.
+    ``core_attention`` is the model's own (``(q, k, v, None)`` -> context over what it is given).
+    ``heads_split``: it splits heads over the group (they must divide by its size).
+    """
+
+    name: str
+    build: Callable[..., Any]
+    description: str = ""
+    heads_split: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class MoEDispatcherSpec:
     """How tokens reach experts on other ranks, selected by ``--moe-token-dispatcher-type NAME``.
 

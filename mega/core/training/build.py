@@ -96,7 +96,12 @@ def build_run(
     dispatcher = None
     if plan is not None and plan.moe_layers:
         dispatcher = plugins.moe_dispatchers.get(plan.moe_dispatcher).build
-    model, chunks = parallelize(model, plan, config.parallel, topology, layout, dispatcher)
+    cp_comm_type = None
+    if topology.context_parallel_size > 1:
+        cp_comm_type = plugins.cp_comm_types.get(config.parallel.cp_comm_type)
+    model, chunks = parallelize(
+        model, plan, config.parallel, topology, layout, dispatcher, cp_comm_type
+    )
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     compile_layers = _compile_by_default(device, topology) if t.compile is None else t.compile
@@ -116,7 +121,9 @@ def build_run(
         for param in buffer.params:  # honoured by mega.parallel.linear's linear layers
             param.fuse_wgrad = True
     optimizer = MixedPrecisionAdamW(buffer, config.optimizer, config.precision)
-    positions = t.seq_length // (p.tensor_model_parallel_size if p.sequence_parallel else 1)
+    # the positions one rank holds: its context-parallel share, split again by SP
+    positions = t.seq_length // topology.context_parallel_size
+    positions //= p.tensor_model_parallel_size if p.sequence_parallel else 1
     executor = PipelineExecutor(
         name=pipeline.spec.name,
         chunks=chunks,
@@ -128,7 +135,7 @@ def build_run(
         dtype=dtype,
         device=device,
         forward_fn=model_forward,
-        loss_fn=loss_parts(model_spec, config.model),
+        loss_fn=loss_parts(model_spec, config.model, topology.group("cp")),
         overlap_p2p=p.overlap_p2p_communication,
     )
     if layout.pp * layout.vpp > 1:
@@ -147,7 +154,7 @@ def build_run(
         lr_schedule=lr_schedule(config),
         flops_per_token=model_spec.flops_per_token(config.model, t.seq_length, padded_vocab),
         loss_names=model_spec.losses_of(config.model),
-        prepare_microbatch=model_spec.prepare_microbatch,
+        prepare_microbatch=microbatch_preparation(model_spec.prepare_microbatch, topology),
     )
 
 
@@ -199,6 +206,25 @@ def lr_schedule(config: RunConfig) -> LRSchedule:
 
 
 def _compile_by_default(device: torch.device, topology: Topology) -> bool:
-    """--compile's default: on a GPU without tensor parallelism, where it was measured to
-    win (1.3B GPT on one H100: 55.7k against 50.8k tokens/s)."""
-    return device.type == "cuda" and topology.tensor_model_parallel_size == 1
+    """--compile's default: on a GPU without tensor or context parallelism, where it was
+    measured to win (1.3B GPT on one H100: 55.7k against 50.8k tokens/s)."""
+    single = topology.tensor_model_parallel_size == 1 and topology.context_parallel_size == 1
+    return device.type == "cuda" and single
+
+
+def microbatch_preparation(model_step: Any, topology: Topology) -> Any:
+    """The host-side step of each micro-batch: the model's (``ModelSpec.prepare_microbatch``),
+    then, under context parallelism, the cut to this rank's positions."""
+    cp = topology.context_parallel_size
+    if cp == 1:
+        return model_step
+    from mega.parallel.context.layout import split_microbatch
+
+    rank = topology.group_rank("cp")
+
+    def prepare(arrays: dict) -> dict:
+        if model_step is not None:
+            arrays = model_step(arrays)
+        return split_microbatch(arrays, rank, cp)
+
+    return prepare

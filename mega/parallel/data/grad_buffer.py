@@ -13,7 +13,10 @@ their weight-gradient GEMM, and the hook only counts them.
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
 PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
-the reduced slice it owns (``shard``). With ``overlap`` the reduction of a bucket starts, async, as
+the reduced slice it owns (``shard``). Dense buckets are reduced over ``dpcp``, the data-parallel
+ranks and their context-parallel ones: a context-parallel rank's loss is its share of the
+micro-batch's loss (:mod:`mega.parallel.context`), so its gradients are summed, not averaged,
+and the distributed optimizer shards over all of them. With ``overlap`` the reduction of a bucket starts, async, as
 soon as backward has produced all its gradients for the last micro-batch; buckets always start in
 index order, so every rank issues the same collectives in the same order.
 
@@ -72,7 +75,9 @@ class Bucket:
     end: int
     waiting: int = 0  # gradients of this step's last micro-batch still to arrive
     tied: bool = False  # holds tied weights: reduced only after their cross-stage sum
-    group: str = "dp"  # the topology group it is reduced over: "edp" for expert weights
+    # the topology group it is reduced over: "dpcp" (data x context parallel) for dense weights,
+    # "edp" for expert weights
+    group: str = "dpcp"
     handle: Any = None  # the async collective in flight
     started: bool = False
 
@@ -145,7 +150,7 @@ class ParamAndGradBuffer:
             # Inside a bucket the order is free (it is ready when all of it is): matrices first,
             # then vectors, so that the optimizer sees one weight-decay run and one without.
             members = sorted(members, key=lambda p: p.ndim < 2)
-            group = "edp" if kind(members[0]) == 1 else "dp"
+            group = "edp" if kind(members[0]) == 1 else "dpcp"
             pad = _ALIGN * _group_size(topology, group)
             start = offset
             for param in members:
@@ -232,10 +237,13 @@ class ParamAndGradBuffer:
     def _start(self, bucket: Bucket, async_op: bool) -> None:
         dp = self.topology.data_parallel_size
         bucket.started = True
-        if dp == 1:
+        if dp * self.topology.context_parallel_size == 1:
             return
         grad = self.main_grad[bucket.start : bucket.end]
-        grad.mul_(1.0 / dp)  # dense and expert gradients alike (module docstring)
+        # dense and expert gradients alike (module docstring); summed over context-parallel
+        # ranks, whose losses are shares of one loss (mega.parallel.context)
+        if dp > 1:
+            grad.mul_(1.0 / dp)
         group = self.topology.group(bucket.group)
         if group is None:  # expert weights with one expert-data-parallel rank
             return
@@ -302,7 +310,7 @@ class ParamAndGradBuffer:
 
     def gather_params(self) -> None:
         """Distributed optimizer: every rank's updated shard of every bucket, to every rank."""
-        if not self.distributed or self.topology.data_parallel_size == 1:
+        if not self.distributed or self.topology.data_context_parallel_size == 1:
             return
         handles = []
         for bucket in self.buckets:
@@ -317,7 +325,7 @@ class ParamAndGradBuffer:
 
 
 def _group_size(topology: Topology, group: str) -> int:
-    """Ranks in ``group`` ("dp" or "edp")."""
+    """Ranks in ``group`` ("dpcp" or "edp")."""
     if group == "edp":
         return topology.expert_data_parallel_size
-    return topology.data_parallel_size
+    return topology.data_context_parallel_size

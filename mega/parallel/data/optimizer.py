@@ -194,7 +194,7 @@ class MixedPrecisionAdamW:
         """Combine a per-rank partial result over every rank that holds other gradients (the
         expert-parallel ranks hold other experts: all data-parallel ranks then)."""
         if self.buffer.distributed or self.topology.expert_model_parallel_size > 1:
-            comm.all_reduce(tensor, self.topology.group("dp"), op)
+            comm.all_reduce(tensor, self.topology.group("dpcp"), op)
         comm.all_reduce(tensor, self.topology.group("mp"), op)
 
     def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:

@@ -61,6 +61,7 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
         layers=LAYERS,
         core_attention=CORE_ATTENTION,
+        context_parallel=True,
         vocab_parameters=VOCAB_PARAMETERS,
         moe_layers=f"{LAYERS}.*.mlp" if cfg.num_experts else "",
         moe_dispatcher=cfg.moe_token_dispatcher_type,

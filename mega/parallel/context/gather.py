@@ -1,0 +1,86 @@
+"""``--cp-comm-type all_gather``: gather every rank's keys and values, attend the local queries.
+
+Forward all-gathers the keys and values (one collective), then computes each local query
+chunk's attention as two blocks, the earlier chunks in full and its own chunk causally, merged by
+their log-sum-exp. Backward computes the gradient of every gathered key and value and
+reduce-scatters them to their owners. Simple, and the keys and values of the whole sequence are
+held at once: at long sequences, the ring (``p2p``) holds two blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.parallel import comm
+from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
+from mega.parallel.context.layout import rank_chunks
+
+
+def _chunk(kv: torch.Tensor, chunk: int, cp: int) -> torch.Tensor:
+    """Global chunk ``chunk`` of gathered ``kv [cp, 2, b, g, s_local, d]``: ``[2, b, g, c, d]``."""
+    for rank in range(cp):
+        local = rank_chunks(rank, cp)
+        if chunk in local:
+            half = kv.shape[-2] // 2
+            start = local.index(chunk) * half
+            return kv[rank, :, :, :, start : start + half]
+    raise IndexError(chunk)
+
+
+class _GatheredAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group: Any, rank: int, cp: int, scale: float):  # noqa: ANN001
+        kv = torch.stack((k, v)).contiguous()  # [2, b, g, s_local, d]
+        gathered = kv.new_empty((cp, *kv.shape))
+        comm.all_gather_into(gathered.view(cp * 2, *kv.shape[1:]), kv, group)
+        half = q.shape[2] // 2
+        outs, lses = [], []
+        for index, chunk in enumerate(rank_chunks(rank, cp)):
+            part = q[:, :, index * half : (index + 1) * half]
+            acc = None
+            if chunk:
+                earlier = torch.cat([_chunk(gathered, c, cp) for c in range(chunk)], dim=-2)
+                acc = block_forward(part, earlier[0], earlier[1], FULL, scale)
+            own = _chunk(gathered, chunk, cp)
+            out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale))
+            outs.append(out)
+            lses.append(lse)
+        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, gathered, out, lse)
+        ctx.group, ctx.rank, ctx.cp, ctx.scale = group, rank, cp, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):  # noqa: ANN001
+        q, gathered, out, lse = ctx.saved_tensors
+        rank, cp, scale = ctx.rank, ctx.cp, ctx.scale
+        half = q.shape[2] // 2
+        dgathered = torch.zeros_like(gathered, dtype=torch.float32)
+        dqs = []
+        for index, chunk in enumerate(rank_chunks(rank, cp)):
+            rows = slice(index * half, (index + 1) * half)
+            args = (dout[:, :, rows], q[:, :, rows])
+            saved = (out[:, :, rows], lse[:, :, rows])
+            own = _chunk(gathered, chunk, cp)
+            dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale)
+            _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
+            for earlier in range(chunk):  # one block per chunk: same sums as one wide block
+                kv = _chunk(gathered, earlier, cp)
+                dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale)
+                dq = dq + dq_e
+                _chunk(dgathered, earlier, cp).add_(torch.stack((dk, dv)))
+            dqs.append(dq)
+        dkv = dgathered.new_empty(dgathered.shape[1:])
+        comm.reduce_scatter_into(dkv, dgathered.view(cp * 2, *dgathered.shape[2:]), ctx.group)
+        dtype = q.dtype
+        return torch.cat(dqs, dim=-2).to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), *[None] * 4
+
+
+def gathered_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, cp: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of this rank's queries ``q [b, h, s_local, d]`` over the whole sequence,
+    whose keys and values ``[b, g, s_local, d]`` are split over ``group``: ``[b, h, s_local, d]``."""
+    return _GatheredAttention.apply(q, k, v, group, rank, cp, scale)

@@ -1,0 +1,132 @@
+"""Context parallelism (``--context-parallel-size``) matches a one-process run: 10 fp32 steps of
+a tiny GPT with RoPE and GQA on forked gloo ranks, for every communication type at CP=2 and
+CP=4 and combined with TP+SP, PP and DP with the distributed optimizer (losses within rel 1e-5,
+final parameters gathered to global tensors). Also the host-side cut of a micro-batch, and the
+refusals before launch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mega.core.config.resolve import resolve_config
+from mega.core.errors import MegaUsageError
+from mega.core.plugins.manager import make_plugins
+from mega.parallel.context.layout import global_order, rank_positions, split_microbatch
+from mega.testing import run_mega
+
+from conftest import TINY
+from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
+
+# RoPE and GQA (8 heads in 4 groups, so a2a splits them over 4 ranks too)
+MODEL = [
+    *EQUIVALENCE, "--position-embedding-type", "rope", "--num-attention-heads", "8",
+    "--group-query-attention", "--num-query-groups", "4",
+]  # fmt: skip
+
+
+def cp(size: int, comm: str) -> list[str]:
+    return ["--context-parallel-size", str(size), "--cp-comm-type", comm]
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict:
+    return layout_run(MODEL, 1, str(tmp_path_factory.mktemp("single")))[0]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "flags"),
+    [
+        (2, cp(2, "p2p")),
+        (2, cp(2, "all_gather")),
+        (2, cp(2, "a2a")),
+        (4, cp(4, "p2p")),
+        (4, cp(4, "all_gather")),
+        (4, cp(4, "a2a")),
+        (4, [*cp(2, "p2p"), "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, [*cp(2, "a2a"), "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+        (4, [*cp(2, "p2p"), "--pipeline-model-parallel-size", "2"]),
+        (4, [*cp(2, "all_gather"), "--use-distributed-optimizer"]),
+        (2, [*cp(2, "p2p"), "--recompute-granularity", "selective"]),
+    ],
+    ids=[
+        "cp2-p2p", "cp2-all_gather", "cp2-a2a", "cp4-p2p", "cp4-all_gather", "cp4-a2a",
+        "cp2-p2p-tp2-sp", "cp2-a2a-tp2-sp", "cp2-p2p-pp2", "cp2-all_gather-dp2-distopt",
+        "cp2-p2p-selective-recompute",
+    ],
+)  # fmt: skip
+def test_context_parallel_matches_one_process(single, tmp_path: Path, world_size, flags):
+    results = layout_run([*MODEL, *flags], world_size, str(tmp_path))
+    assert_same_training(single, results[0])
+
+
+def test_learned_positions_see_their_true_positions(tmp_path: Path):
+    """Without RoPE the position table is indexed by the rank's positions (``position_ids``)."""
+    one = layout_run(EQUIVALENCE, 1, str(tmp_path / "one"))[0]
+    two = layout_run([*EQUIVALENCE, *cp(2, "p2p")], 2, str(tmp_path / "two"))[0]
+    assert_same_training(one, two)
+
+
+def test_a_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    assert rank_positions(16, 0, 2).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert rank_positions(16, 1, 2).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    # ranks' chunks laid side by side ([0, 3, 1, 2]), put back in sequence order
+    layout = np.array([0, 3, 1, 2])
+    assert layout[global_order(2)].tolist() == [0, 1, 2, 3]
+
+
+def test_the_loss_weights_of_the_ranks_sum_to_one():
+    rng = np.random.default_rng(0)
+    batch = {
+        "tokens": rng.integers(0, 50, (2, 16)),
+        "labels": rng.integers(0, 50, (2, 16)),
+        "loss_mask": (rng.random((2, 16)) < 0.3).astype(np.float32),
+    }
+    parts = [split_microbatch(batch, rank, 4) for rank in range(4)]
+    assert sum(float(p["cp_loss_weight"]) for p in parts) == pytest.approx(1.0)
+    for rank, part in enumerate(parts):
+        positions = rank_positions(16, rank, 4)
+        assert part["tokens"].shape == (2, 4)
+        assert (part["position_ids"] == positions).all()
+        assert (part["loss_mask"] == batch["loss_mask"][:, positions]).all()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "bert"], "model 'bert' does not support context parallelism"),
+        (["--seq-length", "36"], "--seq-length 36 must be divisible by 2 x"),
+        (["--attention-dropout", "0.1"], "give --attention-dropout 0"),
+        (["--cp-comm-type", "ring"], "--cp-comm-type 'ring': no such type"),
+        (["--cp-comm-type", "a2a", "--num-attention-heads", "6"], "must both be divisible"),
+        (["--compile"], "--compile with --context-parallel-size 4"),
+    ],
+    ids=["bert", "seq", "dropout", "type", "a2a-heads", "compile"],
+)
+def test_what_context_parallelism_cannot_run_is_refused_before_launch(flags, message):
+    args = [
+        *TINY, "--attention-dropout", "0", "--nproc-per-node", "4",
+        "--context-parallel-size", "4", *flags,
+    ]  # fmt: skip
+    with pytest.raises(MegaUsageError, match=message):
+        resolve_config(args, make_plugins())
+
+
+def test_the_command_line_prints_the_one_process_losses(tmp_path: Path):
+    run = [
+        "train", *TINY, "--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout",
+        "0", "--mock-data",
+    ]  # fmt: skip
+
+    def losses(extra: list[str], name: str) -> list[float]:
+        result = run_mega([*run, *extra, "--run-dir", str(tmp_path / name)], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = [line for line in result.stdout.splitlines() if "lm loss:" in line]
+        return [float(line.split("lm loss:")[1].split("|")[0]) for line in lines]
+
+    one = losses([], "one")
+    assert len(one) == 3
+    two = losses(["--nproc-per-node", "2", "--context-parallel-size", "2"], "two")
+    assert two == pytest.approx(one, rel=1e-5)  # the lines print 7 digits
