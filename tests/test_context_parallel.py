@@ -7,9 +7,11 @@ refusals before launch."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from mega.core.config.resolve import resolve_config
 from mega.core.errors import MegaUsageError
@@ -130,3 +132,73 @@ def test_the_command_line_prints_the_one_process_losses(tmp_path: Path):
     assert len(one) == 3
     two = losses(["--nproc-per-node", "2", "--context-parallel-size", "2"], "two")
     assert two == pytest.approx(one, rel=1e-5)  # the lines print 7 digits
+
+
+def _blockwise_attention(forward: Any, backward: Any, q, k, v, dout) -> tuple:  # noqa: ANN001
+    """Causal GQA attention of an 8-position sequence as the ring computes it: the second half's
+    queries over the first half (full) and over their own (causal), merged; then backward."""
+    from mega.parallel.context.blocks import CAUSAL, FULL, merge
+
+    scale = q.shape[-1] ** -0.5
+    first, second = slice(0, 4), slice(4, 8)
+    late = q[:, :, second]
+    merged = merge(None, forward(late, k[:, :, first], v[:, :, first], FULL, scale))
+    out, lse = merge(merged, forward(late, k[:, :, second], v[:, :, second], CAUSAL, scale))
+    out0, lse0 = forward(q[:, :, first], k[:, :, first], v[:, :, first], CAUSAL, scale)
+    grads_a = backward(dout[:, :, first], q[:, :, first], k[:, :, first], v[:, :, first], out0,
+                       lse0, CAUSAL, scale)  # fmt: skip
+    saved = (out, lse)
+    grads_b = backward(dout[:, :, second], late, k[:, :, first], v[:, :, first], *saved, FULL,
+                       scale)  # fmt: skip
+    grads_c = backward(dout[:, :, second], late, k[:, :, second], v[:, :, second], *saved,
+                       CAUSAL, scale)  # fmt: skip
+    dq = torch.cat([grads_a[0], grads_b[0] + grads_c[0]], dim=2)
+    dk = torch.cat([grads_a[1] + grads_b[1], grads_c[1]], dim=2)
+    dv = torch.cat([grads_a[2] + grads_b[2], grads_c[2]], dim=2)
+    return torch.cat([out0, out], dim=2), dq, dk, dv
+
+
+def _reference(q, k, v, dout) -> tuple:  # noqa: ANN001
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _inputs(device: str, dtype: torch.dtype) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 4, 8, 16), (2, 2, 8, 16), (2, 2, 8, 16), (2, 4, 8, 16)]  # q, k, v (GQA), dout
+    return tuple(torch.randn(s, generator=g).to(device, dtype) for s in shapes)
+
+
+@pytest.mark.parametrize("path", ["kernel", "math"])
+def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
+    from mega.parallel.context import blocks
+
+    forward, backward = (
+        (blocks.block_forward, blocks.block_backward)
+        if path == "kernel"
+        else (blocks.math_block_forward, blocks.math_block_backward)
+    )
+    q, k, v, dout = _inputs("cpu", torch.float32)
+    got = _blockwise_attention(forward, backward, q, k, v, dout)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, dout), strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-6, msg=name)
+
+
+@pytest.mark.gpu
+def test_flash_blocks_on_the_gpu_are_whole_attention():
+    """The GPU kernel path (bf16 flash attention with the log-sum-exp): within bf16 rounding of
+    float64 attention, and as close as the float32 math path is after bf16 inputs."""
+    from mega.parallel.context import blocks
+
+    q, k, v, dout = _inputs("cuda", torch.bfloat16)
+    assert blocks.kernel_for(q) == "flash"
+    got = _blockwise_attention(blocks.block_forward, blocks.block_backward, q, k, v, dout)
+    math = _blockwise_attention(
+        blocks.math_block_forward, blocks.math_block_backward, q, k, v, dout
+    )
+    reference = _reference(q, k, v, dout)
+    for name, a, m, b in zip(("out", "dq", "dk", "dv"), got, math, reference, strict=True):
+        error, math_error = (a.double() - b).abs().max(), (m.double() - b).abs().max()
+        assert error <= 4 * math_error + 2e-2, (name, float(error), float(math_error))

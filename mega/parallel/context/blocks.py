@@ -4,14 +4,20 @@ Ring and all-gather attention compute a query chunk's attention piecewise, one b
 a time, and merge the pieces by their log-sum-exp (the online softmax). Backward recomputes each
 block's probabilities from the merged log-sum-exp, so every block's gradients are those of the
 whole softmax. Tensors are ``[b, heads, s, d]``; keys and values may have fewer heads (GQA
-groups), expanded here and their gradients summed back. The arithmetic is float32 (plain
-matrix products: the math path, on any device).
+groups), expanded here and their gradients summed back.
+
+Two implementations of a block: PyTorch's flash-attention kernels, which return the log-sum-exp
+and take the merged one in backward (``aten._scaled_dot_product_flash_attention`` on a GPU in
+bf16/fp16, its ``_for_cpu`` variant on the CPU: the ops torch's own context parallelism uses),
+and a float32 math path (scores materialised) for what they do not take. Merged outputs are
+float32 either way.
 """
 
 from __future__ import annotations
 
 import torch
 
+aten = torch.ops.aten
 FULL, CAUSAL = "full", "causal"
 
 
@@ -42,10 +48,45 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mode: str, scale: float) -> torch.
     return scores
 
 
+def kernel_for(q: torch.Tensor) -> str:
+    """The block implementation for ``q``: ``flash`` (a GPU, bf16/fp16, head size a multiple of
+    8 up to 256), ``cpu`` (the CPU's flash kernel) or ``math``."""
+    if q.is_cuda:
+        half = q.dtype in (torch.bfloat16, torch.float16)
+        return "flash" if half and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256 else "math"
+    return "cpu" if q.device.type == "cpu" else "math"
+
+
+# the flash kernel's outputs a backward call takes back (nested-tensor offsets, RNG state): for
+# dense inputs without dropout the same for every call, kept from the latest forward
+_FLASH_EXTRAS: dict[torch.device, tuple] = {}
+
+
 def block_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, h, sq, d]``, lse ``[b, h, sq]``), both float32, of ``q`` over this block."""
+    kernel = kernel_for(q)
+    if kernel != "math":
+        heads, causal = q.shape[1], mode == CAUSAL
+        k, v = _expand(k, heads), _expand(v, heads)
+        if kernel == "flash":
+            out, lse, cq, ck, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                q, k, v, 0.0, causal, False, scale=scale
+            )
+            _FLASH_EXTRAS[q.device] = (cq, ck, seed, offset)
+        else:
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, causal, scale=scale
+            )
+        return out.float(), lse.float()
+    return math_block_forward(q, k, v, mode, scale)
+
+
+def math_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`block_forward` in float32 matrix products, on any device."""
     scores = _scores(q, k, mode, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
@@ -78,6 +119,36 @@ def block_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) float32 of this block, given the *merged* ``out`` and ``lse`` of ``q``'s
     whole attention and its gradient ``dout``; dk and dv have ``k``'s heads."""
+    kernel = kernel_for(q)
+    if kernel != "math":
+        heads, groups, causal = q.shape[1], k.shape[1], mode == CAUSAL
+        k, v = _expand(k, heads), _expand(v, heads)
+        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        if kernel == "flash":
+            cq, ck, seed, offset = _FLASH_EXTRAS[q.device]
+            sq, sk = q.shape[2], k.shape[2]
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                dout, q, k, v, out, lse, cq, ck, sq, sk, 0.0, causal, seed, offset, scale=scale
+            )
+        else:
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout, q, k, v, out, lse, 0.0, causal, scale=scale
+            )
+        return dq.float(), _fold(dk.float(), groups), _fold(dv.float(), groups)
+    return math_block_backward(dout, q, k, v, out, lse, mode, scale)
+
+
+def math_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mode: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`block_backward` in float32 matrix products, on any device."""
     probs = torch.exp(_scores(q, k, mode, scale) - lse[..., None])  # this block's share
     dout = dout.float()
     dv = torch.matmul(probs.transpose(-1, -2), dout)
