@@ -52,11 +52,13 @@ def single(tmp_path_factory) -> dict:
         (4, [*cp(2, "p2p"), "--pipeline-model-parallel-size", "2"]),
         (4, [*cp(2, "all_gather"), "--use-distributed-optimizer"]),
         (2, [*cp(2, "p2p"), "--recompute-granularity", "selective"]),
+        (2, [*cp(2, "p2p"), "--compile"]),
+        (2, [*cp(2, "a2a"), "--compile"]),
     ],
     ids=[
         "cp2-p2p", "cp2-all_gather", "cp2-a2a", "cp4-p2p", "cp4-all_gather", "cp4-a2a",
         "cp2-p2p-tp2-sp", "cp2-a2a-tp2-sp", "cp2-p2p-pp2", "cp2-all_gather-dp2-distopt",
-        "cp2-p2p-selective-recompute",
+        "cp2-p2p-selective-recompute", "cp2-p2p-compile", "cp2-a2a-compile",
     ],
 )  # fmt: skip
 def test_context_parallel_matches_one_process(single, tmp_path: Path, world_size, flags):
@@ -103,9 +105,8 @@ def test_the_loss_weights_of_the_ranks_sum_to_one():
         (["--attention-dropout", "0.1"], "give --attention-dropout 0"),
         (["--cp-comm-type", "ring"], "--cp-comm-type 'ring': no such type"),
         (["--cp-comm-type", "a2a", "--num-attention-heads", "6"], "must both be divisible"),
-        (["--compile"], "--compile with --context-parallel-size 4"),
     ],
-    ids=["bert", "seq", "dropout", "type", "a2a-heads", "compile"],
+    ids=["bert", "seq", "dropout", "type", "a2a-heads"],
 )
 def test_what_context_parallelism_cannot_run_is_refused_before_launch(flags, message):
     args = [

@@ -34,11 +34,6 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
             f" --tensor-model-parallel-size {tp} under --sequence-parallel"
         )
     model = config.model
-    if config.training.compile:
-        errors.append(
-            f"--compile with {flag}: not supported yet (context-parallel attention runs its"
-            " collectives inside the layer); leave --compile off"
-        )
     if getattr(model, "attention_dropout", 0.0):
         errors.append(
             f"{flag}: attention is computed without dropout under context parallelism;"
