@@ -4,6 +4,9 @@ against the one-GPU run (the layout-invariance check in bf16).
     python benchmarks/parallel_layouts.py --layouts tp1dp1,tp2dp1,tp1dp2 --iters 20
     python benchmarks/parallel_layouts.py --layouts tp1dp1,pp2-1f1b,pp2v2-interleaved --gbs 32 \
         --name pipeline_schedules
+    python benchmarks/parallel_layouts.py --base tp1dp2 --mbs 1 --gbs 8 --name long_context \
+        --layouts tp1dp2,cp2:--cp-comm-type=p2p,cp2:--cp-comm-type=all_gather,cp2:--cp-comm-type=a2a \
+        --model-flags "--seq-length 32768 --max-position-embeddings 32768"
 
 Each layout is one real ``mega train --nproc-per-node N`` (NCCL), run in turn on this machine. The
 model is Megatron's 1.3B shape (24 layers, hidden 2048, 16 heads, seq 2048) in bf16 with fp32
@@ -41,11 +44,12 @@ MODEL = [
 
 
 TOKEN = re.compile(
-    r"-?(?:(tp|dp|pp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b-zb|1f1b|interleaved-zb|interleaved))"
+    r"-?(?:(tp|dp|pp|cp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b-zb|1f1b|interleaved-zb|interleaved))"
 )
 FLAGS = {
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
+    "cp": "--context-parallel-size",
     "v": "--virtual-pipeline-model-parallel-size",
     "mb": "--micro-batch-size",
     "first": "--decoder-first-pipeline-num-layers",
@@ -54,17 +58,18 @@ FLAGS = {
 
 
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
-    """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``v<N>``
+    """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``cp<N>``
+    (context parallel), ``v<N>``
     (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
     (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
     same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
     ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
     ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``."""
     name, _, extra = name.partition(":")
-    parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1}, []
+    parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1, "cp": 1}, []
     if not parts or "".join(TOKEN.sub("", name)):
         raise SystemExit(
-            f"layout '{name}' is not made of tp/dp/pp/v/mb/first/last<N>, sp, a schedule"
+            f"layout '{name}' is not made of tp/dp/pp/cp/v/mb/first/last<N>, sp, a schedule"
         )
     values = {key: value for key, value, _, _ in parts if key}
     sizes.update({k: int(v) for k, v in values.items() if k in sizes})
@@ -72,7 +77,7 @@ def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     flags = [arg for key, value in values.items() if key in FLAGS for arg in (FLAGS[key], value)]
     flags += ["--sequence-parallel"] * any(sp for _, _, sp, _ in parts)
     flags += [arg for *_, schedule in parts if schedule for arg in ("--parallel", schedule)]
-    return sizes["tp"] * sizes["dp"] * sizes["pp"], flags + extra.split()
+    return sizes["tp"] * sizes["dp"] * sizes["pp"] * sizes["cp"], flags + extra.split()
 
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
