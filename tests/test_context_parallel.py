@@ -66,6 +66,18 @@ def test_context_parallel_matches_one_process(single, tmp_path: Path, world_size
     assert_same_training(single, results[0])
 
 
+def test_context_parallel_in_an_interleaved_pipeline(tmp_path: Path):
+    """CP=2 (a2a) x PP=2 with two virtual stages per rank: 4 layers, one per virtual stage."""
+    model = [*MODEL, "--num-layers", "4"]
+    interleaved = [
+        *cp(2, "a2a"), "--pipeline-model-parallel-size", "2", "--parallel", "interleaved",
+        "--num-layers-per-virtual-pipeline-stage", "1",
+    ]  # fmt: skip
+    one = layout_run(model, 1, str(tmp_path / "one"))[0]
+    four = layout_run([*model, *interleaved], 4, str(tmp_path / "four"))[0]
+    assert_same_training(one, four)
+
+
 def test_learned_positions_see_their_true_positions(tmp_path: Path):
     """Without RoPE the position table is indexed by the rank's positions (``position_ids``)."""
     one = layout_run(EQUIVALENCE, 1, str(tmp_path / "one"))[0]
