@@ -32,6 +32,15 @@ LAYOUTS = {
         4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"],
     ),
+    "cp2": (2, ["--context-parallel-size", "2"]),
+    "cp2-ep2-alltoall": (
+        4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "alltoall"],
+    ),
+    "cp2-tp2-sp": (
+        4, ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"],
+    ),
     "ep2-pp2-interleaved": (
         4, ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
             "--parallel", "interleaved", "--num-layers-per-virtual-pipeline-stage", "1"],

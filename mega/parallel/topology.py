@@ -20,6 +20,8 @@ from typing import Any
 
 # Innermost first: rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp))).
 ORDER = ("tp", "cp", "ep", "dp", "pp")
+# the groups spanning the cp coordinate too, and the group they equal without context parallelism
+CP_ALIASES = {"dpcp": "dp", "edpcp": "edp", "tpcp": "tp"}
 
 
 def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
@@ -54,9 +56,11 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
 
     "mp" (model parallel) is tp x pp: the ranks that hold one copy of the dense model between
     them, over which a gradient norm is summed. "dp" varies the ep and dp coordinates (dense data
-    parallelism), "edp" the dp coordinate alone (see the module docstring), "dpcp" the cp, ep
-    and dp coordinates: the ranks with the same dense weights, over which their gradients are
-    reduced (context-parallel ranks hold the same weights and parts of the same sequences).
+    parallelism), "edp" the dp coordinate alone (see the module docstring). With context
+    parallelism (cp ranks hold the same weights and parts of the same sequences): "dpcp" varies
+    cp, ep and dp (the ranks with the same dense weights, over which their gradients are
+    reduced), "edpcp" cp and dp (the same experts), "tpcp" tp and cp (the ranks holding the
+    other tokens of a micro-batch under sequence parallelism).
     """
     problems = layout_problems(world_size, sizes)
     if problems:
@@ -72,8 +76,11 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
         return out
 
     groups: dict[str, list[list[int]]] = {}
-    combined = {"mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"}, "dpcp": {"cp", "ep", "dp"}}
-    for varying in [*ORDER, "mp", "edp", "dpcp"]:
+    combined = {
+        "mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"},
+        "dpcp": {"cp", "ep", "dp"}, "edpcp": {"cp", "dp"}, "tpcp": {"tp", "cp"},
+    }  # fmt: skip
+    for varying in [*ORDER, *combined]:
         axes = combined.get(varying, {varying})
         by_key: dict[tuple, list[int]] = {}
         for rank in range(world_size):
@@ -124,8 +131,8 @@ class Topology:
         return members.index(self.rank) if members else 0
 
     def group(self, dim: str) -> Any:
-        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "edp", "dpcp", "pp", "mp"), None if
-        size 1;
+        """The ProcessGroup of ``dim`` ("tp", "cp", "ep", "dp", "edp", "pp", "mp", and with context
+        parallelism "dpcp", "edpcp", "tpcp"), None if size 1;
         "embd" is the first and last pipeline stage, on those ranks only."""
         return self.groups.get(dim)
 
@@ -175,7 +182,7 @@ def build_topology(
         import torch.distributed as dist
 
         for dim, ranks_lists in all_groups.items():
-            if dim == "dpcp" and cp == 1:  # the dp group itself: no second communicator
+            if dim in CP_ALIASES and cp == 1:  # the same ranks as another: no new communicator
                 continue
             for ranks in ranks_lists:
                 # every rank creates every group, in the same order (new_group is collective)
@@ -185,9 +192,10 @@ def build_topology(
                     if group is not None:
                         groups[dim] = group
         if cp == 1:
-            members["dpcp"] = members["dp"]
-            if "dp" in groups:
-                groups["dpcp"] = groups["dp"]
+            for dim, same in CP_ALIASES.items():
+                members[dim] = members[same]
+                if same in groups:
+                    groups[dim] = groups[same]
         # the first and last stage of each pipeline: they sum the tied embeddings' gradients
         for ranks in all_groups["pp"] if pp > 1 else []:
             pair = [ranks[0], ranks[-1]]

@@ -39,8 +39,6 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
             f"{flag}: attention is computed without dropout under context parallelism;"
             " give --attention-dropout 0"
         )
-    if getattr(model, "num_experts", None):
-        errors.append(f"{flag} with --num-experts: not supported yet")
     if getattr(config.dataset, "reset_attention_mask", False):
         errors.append(
             f"{flag} with --reset-attention-mask: context parallelism computes causal attention"

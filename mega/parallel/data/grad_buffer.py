@@ -21,8 +21,8 @@ soon as backward has produced all its gradients for the last micro-batch; bucket
 index order, so every rank issues the same collectives in the same order.
 
 Expert weights (``param.expert_parallel``: each expert-parallel rank holds other experts) sit in
-buckets of their own, after the dense ones, reduced over the expert-data-parallel group ``edp``
-(the ranks holding the same experts) instead of ``dp``. Both kinds are pre-scaled by 1/DP, the
+buckets of their own, after the dense ones, reduced over the expert-data-parallel group (``edpcp``:
+the ranks holding the same experts, with their context-parallel ones) instead of ``dpcp``. Both kinds are pre-scaled by 1/DP, the
 dense data-parallel size: an expert's gradient already holds the contributions of the tokens of
 every expert-parallel rank, whose losses are averaged over all DP ranks (as Megatron scales).
 
@@ -76,7 +76,7 @@ class Bucket:
     waiting: int = 0  # gradients of this step's last micro-batch still to arrive
     tied: bool = False  # holds tied weights: reduced only after their cross-stage sum
     # the topology group it is reduced over: "dpcp" (data x context parallel) for dense weights,
-    # "edp" for expert weights
+    # "edpcp" (expert data x context parallel) for expert weights
     group: str = "dpcp"
     handle: Any = None  # the async collective in flight
     started: bool = False
@@ -150,7 +150,7 @@ class ParamAndGradBuffer:
             # Inside a bucket the order is free (it is ready when all of it is): matrices first,
             # then vectors, so that the optimizer sees one weight-decay run and one without.
             members = sorted(members, key=lambda p: p.ndim < 2)
-            group = "edp" if kind(members[0]) == 1 else "dpcp"
+            group = "edpcp" if kind(members[0]) == 1 else "dpcp"
             pad = _ALIGN * _group_size(topology, group)
             start = offset
             for param in members:
@@ -325,7 +325,7 @@ class ParamAndGradBuffer:
 
 
 def _group_size(topology: Topology, group: str) -> int:
-    """Ranks in ``group`` ("dpcp" or "edp")."""
-    if group == "edp":
-        return topology.expert_data_parallel_size
+    """Ranks in ``group`` ("dpcp" or "edpcp")."""
+    if group == "edpcp":
+        return topology.expert_data_parallel_size * topology.context_parallel_size
     return topology.data_context_parallel_size

@@ -49,8 +49,10 @@ def apply_expert_parallel(
     ep = topology.expert_model_parallel_size
     rank = topology.group_rank("ep")
     for layer in moe_layers(model, plan):
-        if sequence_parallel and topology.tensor_model_parallel_size > 1:
-            layer.router.token_group = topology.group("tp")
+        # the ranks holding the micro-batch's other tokens: its sequence's other positions
+        # (context parallel), or its tokens' other slices (sequence parallel), or both
+        split_tp = sequence_parallel and topology.tensor_model_parallel_size > 1
+        layer.router.token_group = topology.group("tpcp" if split_tp else "cp")
         if ep == 1:
             continue
         experts = layer.experts

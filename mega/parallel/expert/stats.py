@@ -4,7 +4,7 @@ Each MoE layer's router sums, on the device, what it saw in training forwards si
 line (``router.stats``: the load-balancing and z losses without their coefficients, tokens per
 expert, dropped and routed slots, the forwards). Here they become the line's numbers, as
 Megatron prints them: each loss averaged over the MoE layers (of every pipeline stage), the
-forwards and the data-parallel ranks. Under sequence parallelism a tensor-parallel rank's
+forwards and the data-parallel ranks. Under sequence or context parallelism a rank's
 load-balancing loss is its share of the micro-batch's (the shares add up), its z-loss a mean
 over its tokens (the means are averaged).
 """
@@ -52,11 +52,13 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
 
         dist.all_reduce(totals)  # every rank: the layers of every stage, every replica
     totals = totals.cpu()
-    tp = topology.tensor_model_parallel_size
+    # the ranks whose load-balancing losses are shares of one micro-batch's (experts need SP
+    # under TP, so the TP ranks' are; the CP ranks' always are)
+    shares = topology.tensor_model_parallel_size * topology.context_parallel_size
     calls_per_layer = float(totals[1] / totals[0]) if totals[0] else 0.0
     out: dict[str, Any] = {}
     if totals[4] and calls_per_layer:  # summed over TP shares, averaged over the rest
-        out["load_balancing_loss"] = float(totals[2] * tp / (totals[4] * calls_per_layer))
+        out["load_balancing_loss"] = float(totals[2] * shares / (totals[4] * calls_per_layer))
     if totals[5] and calls_per_layer:
         out["z_loss"] = float(totals[3] / (totals[5] * calls_per_layer))
     if totals[7]:
