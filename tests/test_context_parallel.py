@@ -149,26 +149,28 @@ def test_the_command_line_prints_the_one_process_losses(tmp_path: Path):
 
 def _blockwise_attention(forward: Any, backward: Any, q, k, v, dout) -> tuple:  # noqa: ANN001
     """Causal GQA attention of an 8-position sequence as the ring computes it: the second half's
-    queries over the first half (full) and over their own (causal), merged; then backward."""
+    queries over the first half (full) and over their own (causal), merged; then backward with
+    each half's slice of the saved whole out and lse (not contiguous, as in the ring)."""
     from mega.parallel.context.blocks import CAUSAL, FULL, merge
 
     scale = q.shape[-1] ** -0.5
     first, second = slice(0, 4), slice(4, 8)
     late = q[:, :, second]
     merged = merge(None, forward(late, k[:, :, first], v[:, :, first], FULL, scale))
-    out, lse = merge(merged, forward(late, k[:, :, second], v[:, :, second], CAUSAL, scale))
+    out1, lse1 = merge(merged, forward(late, k[:, :, second], v[:, :, second], CAUSAL, scale))
     out0, lse0 = forward(q[:, :, first], k[:, :, first], v[:, :, first], CAUSAL, scale)
-    grads_a = backward(dout[:, :, first], q[:, :, first], k[:, :, first], v[:, :, first], out0,
-                       lse0, CAUSAL, scale)  # fmt: skip
-    saved = (out, lse)
-    grads_b = backward(dout[:, :, second], late, k[:, :, first], v[:, :, first], *saved, FULL,
+    out, lse = torch.cat([out0, out1], dim=2).to(q.dtype), torch.cat([lse0, lse1], dim=2)
+    saved_a, saved_b = (out[:, :, first], lse[:, :, first]), (out[:, :, second], lse[:, :, second])
+    grads_a = backward(dout[:, :, first], q[:, :, first], k[:, :, first], v[:, :, first],
+                       *saved_a, CAUSAL, scale)  # fmt: skip
+    grads_b = backward(dout[:, :, second], late, k[:, :, first], v[:, :, first], *saved_b, FULL,
                        scale)  # fmt: skip
-    grads_c = backward(dout[:, :, second], late, k[:, :, second], v[:, :, second], *saved,
+    grads_c = backward(dout[:, :, second], late, k[:, :, second], v[:, :, second], *saved_b,
                        CAUSAL, scale)  # fmt: skip
     dq = torch.cat([grads_a[0], grads_b[0] + grads_c[0]], dim=2)
     dk = torch.cat([grads_a[1] + grads_b[1], grads_c[1]], dim=2)
     dv = torch.cat([grads_a[2] + grads_b[2], grads_c[2]], dim=2)
-    return torch.cat([out0, out], dim=2), dq, dk, dv
+    return out, dq, dk, dv
 
 
 def _reference(q, k, v, dout) -> tuple:  # noqa: ANN001
@@ -202,7 +204,8 @@ def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
 @pytest.mark.gpu
 def test_flash_blocks_on_the_gpu_are_whole_attention():
     """The GPU kernel path (bf16 flash attention with the log-sum-exp): within bf16 rounding of
-    float64 attention, and as close as the float32 math path is after bf16 inputs."""
+    float64 attention, as close as the float32 math path is after bf16 inputs. The backward gets
+    slices of the saved lse, as in the ring: the CUDA kernel once read them as contiguous."""
     from mega.parallel.context import blocks
 
     q, k, v, dout = _inputs("cuda", torch.bfloat16)

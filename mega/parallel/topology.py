@@ -20,8 +20,9 @@ from typing import Any
 
 # Innermost first: rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp))).
 ORDER = ("tp", "cp", "ep", "dp", "pp")
-# the groups spanning the cp coordinate too, and the group they equal without context parallelism
-CP_ALIASES = {"dpcp": "dp", "edpcp": "edp", "tpcp": "tp"}
+# the groups spanning the cp coordinate too; each reuses a group of the same ranks made before
+# it (build_topology): without context parallelism dpcp is dp, edpcp edp and tpcp tp
+CP_GROUPS = ("dpcp", "edpcp", "tpcp")
 
 
 def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
@@ -181,21 +182,22 @@ def build_topology(
     if world_size > 1:
         import torch.distributed as dist
 
+        created: dict[tuple[int, ...], Any] = {}
         for dim, ranks_lists in all_groups.items():
-            if dim in CP_ALIASES and cp == 1:  # the same ranks as another: no new communicator
-                continue
             for ranks in ranks_lists:
-                # every rank creates every group, in the same order (new_group is collective)
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                key = tuple(ranks)
+                if dim in CP_GROUPS and key in created:
+                    # the same ranks as a group made already (every rank decides alike): no
+                    # second communicator, e.g. dpcp is dp without context parallelism
+                    group = created[key]
+                else:
+                    # every rank creates every group, in the same order (new_group is collective)
+                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    created.setdefault(key, group)
                 if rank in ranks:
-                    members[dim] = tuple(ranks)
+                    members[dim] = key
                     if group is not None:
                         groups[dim] = group
-        if cp == 1:
-            for dim, same in CP_ALIASES.items():
-                members[dim] = members[same]
-                if same in groups:
-                    groups[dim] = groups[same]
         # the first and last stage of each pipeline: they sum the tied embeddings' gradients
         for ranks in all_groups["pp"] if pp > 1 else []:
             pair = [ranks[0], ranks[-1]]

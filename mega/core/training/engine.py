@@ -81,8 +81,10 @@ class Engine:
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
             self.display = Display(enabled=False, rank=self.topology.rank)
         # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
-        # per parameter name), dropout and other runtime randomness do.
-        seed_everything(t.seed + 100 * self.topology.pp_rank)
+        # per parameter name), dropout and other runtime randomness do. Context-parallel ranks
+        # hold other positions of the same sequences: their dropout masks must differ too.
+        topo = self.topology
+        seed_everything(t.seed + 100 * topo.pp_rank + 7919 * topo.group_rank("cp"))
         self.plugins.pm.hook.topology_ready(topology=self.topology)
         parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
         self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model

@@ -123,7 +123,10 @@ def block_backward(
     if kernel != "math":
         heads, groups, causal = q.shape[1], k.shape[1], mode == CAUSAL
         k, v = _expand(k, heads), _expand(v, heads)
-        dout, out = dout.to(q.dtype), out.to(q.dtype)
+        # the CUDA kernel reads lse as contiguous whatever its strides (a half-sequence slice of
+        # a saved lse is not): contiguous copies, or every row but the first gets another's lse
+        dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+        lse = lse.contiguous()
         if kernel == "flash":
             cq, ck, seed, offset = _FLASH_EXTRAS[q.device]
             sq, sk = q.shape[2], k.shape[2]

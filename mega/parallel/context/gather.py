@@ -47,10 +47,10 @@ class _GatheredAttention(torch.autograd.Function):
             out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale))
             outs.append(out)
             lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
         ctx.save_for_backward(q, gathered, out, lse)
         ctx.group, ctx.rank, ctx.cp, ctx.scale = group, rank, cp, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001

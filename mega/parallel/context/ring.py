@@ -52,11 +52,11 @@ class _RingAttention(torch.autograd.Function):
             if posted is not None:
                 posted.wait()
                 kv = incoming
-        out = torch.cat([a[0] for a in acc], dim=-2)
+        out = torch.cat([a[0] for a in acc], dim=-2).to(q.dtype)  # kept in the model's dtype
         lse = torch.cat([a[1] for a in acc], dim=-1)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.peers, ctx.rank, ctx.cp, ctx.scale = group, peers, rank, cp, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001
@@ -67,6 +67,10 @@ class _RingAttention(torch.autograd.Function):
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # the gradient of the block in hand
         dq = torch.zeros_like(q, dtype=torch.float32)
         for step in range(cp):
+            posted, incoming = None, None
+            if step < cp - 1:  # the next block travels while this one is computed
+                incoming = torch.empty_like(kv)
+                posted = comm.exchange([(kv, following)], [(incoming, previous)], ctx.group, False)
             source = (rank - step) % cp
             for qi, ki, mode in _pairs(rank, source, cp):
                 saved = (_half(out, qi), _half(lse[..., None], qi)[..., 0])
@@ -76,15 +80,14 @@ class _RingAttention(torch.autograd.Function):
                 )  # fmt: skip
                 _half(dq, qi).add_(dq_part)
                 _half(dkv, ki).add_(torch.stack((dk, dv)))
-            # the accumulator moves on with its block; after the last step it reaches its owner
-            sends, recvs = [(dkv, following)], [(torch.empty_like(dkv), previous)]
-            if step < cp - 1:
-                sends.append((kv, following))
-                recvs.append((torch.empty_like(kv), previous))
-            comm.exchange(sends, recvs, ctx.group)
-            dkv = recvs[0][0]
-            if step < cp - 1:
-                kv = recvs[1][0]
+            # the accumulator moves on with its block (float32, so that the sum over the ring
+            # is not rounded at every step); after the last step it reaches its owner
+            arriving = torch.empty_like(dkv)
+            comm.exchange([(dkv, following)], [(arriving, previous)], ctx.group)
+            dkv = arriving
+            if posted is not None:
+                posted.wait()
+                kv = incoming
         dtype = q.dtype
         return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), *[None] * 5
 
