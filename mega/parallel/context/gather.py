@@ -2,9 +2,10 @@
 
 Forward all-gathers the keys and values (one collective), then computes each local query
 chunk's attention as two blocks, the earlier chunks in full and its own chunk causally, merged by
-their log-sum-exp. Backward computes the gradient of every gathered key and value and
-reduce-scatters them to their owners. Simple, and the keys and values of the whole sequence are
-held at once: at long sequences, the ring (``p2p``) holds two blocks.
+their log-sum-exp. Backward gathers them again, computes the gradient of every gathered key and
+value and reduce-scatters them to their owners. Simple, and the keys and values of the whole
+sequence are held at once while a layer runs: at long sequences, the ring (``p2p``) holds two
+blocks.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ def _chunk(kv: torch.Tensor, chunk: int, cp: int) -> torch.Tensor:
     raise IndexError(chunk)
 
 
+def _gather(kv: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
+    """Every rank's ``kv [2, b, g, s_local, d]``: ``[cp, 2, b, g, s_local, d]``."""
+    gathered = kv.new_empty((cp, *kv.shape))
+    comm.all_gather_into(gathered.view(cp * 2, *kv.shape[1:]), kv, group)
+    return gathered
+
+
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group: Any, rank: int, cp: int, scale: float):  # noqa: ANN001
         kv = torch.stack((k, v)).contiguous()  # [2, b, g, s_local, d]
-        gathered = kv.new_empty((cp, *kv.shape))
-        comm.all_gather_into(gathered.view(cp * 2, *kv.shape[1:]), kv, group)
+        gathered = _gather(kv, group, cp)
         half = q.shape[2] // 2
         outs, lses = [], []
         for index, chunk in enumerate(rank_chunks(rank, cp)):
@@ -48,14 +55,17 @@ class _GatheredAttention(torch.autograd.Function):
             outs.append(out)
             lses.append(lse)
         out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, gathered, out, lse)
+        # the local keys and values, gathered again in backward (as Transformer Engine does):
+        # keeping every layer's whole-sequence copy until its backward would cost cp times more
+        ctx.save_for_backward(q, kv, out, lse)
         ctx.group, ctx.rank, ctx.cp, ctx.scale = group, rank, cp, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001
-        q, gathered, out, lse = ctx.saved_tensors
+        q, kv, out, lse = ctx.saved_tensors
         rank, cp, scale = ctx.rank, ctx.cp, ctx.scale
+        gathered = _gather(kv, ctx.group, cp)
         half = q.shape[2] // 2
         dgathered = torch.zeros_like(gathered, dtype=torch.float32)
         dqs = []
