@@ -165,7 +165,9 @@ def preprocess(
                 builders = _open_builders(config.output_prefix, outputs, dtype)
                 for names in parts:
                     for builder, name in zip(builders, names, strict=True):
+                        stopping.check()
                         _write(config.output_prefix, builder.add_index, name)
+        stopping.check()  # the last point where a stop leaves no output
         _finalize(config.output_prefix, builders)  # the outputs appear only now
         builders = []
         ok = True
@@ -204,6 +206,7 @@ class _Run:
         first, files = group
         inflight: deque[tuple[Chunk, Future | None]] = deque()
         for chunk in read_chunks(files, self.chunk_bytes, first_index=first):
+            stopping.check()
             future = executor.submit(encode_chunk, chunk) if chunk.data else None
             inflight.append((chunk, future))
             if len(inflight) >= self.max_inflight:
@@ -212,13 +215,13 @@ class _Run:
             self._consume(*inflight.popleft(), builders)
 
     def _consume(self, chunk: Chunk, future: Future | None, builders) -> None:
-        stopping.check()  # a Ctrl-C or SIGTERM whose first raise was swallowed
+        stopping.check()  # a Ctrl-C or SIGTERM (recorded by its handler)
         totals = self.totals
         totals.disk_bytes += chunk.disk_bytes
         if future is None:
             self.progress.update()
             return
-        result = future.result()
+        result = stopping.result(future)
         name = self.files[result.file_index]
         if result.bad and not self.options.skip_bad_lines:
             line, reason = result.bad[0]
@@ -294,7 +297,7 @@ def _start_pool(tokenizer: Any, options: EncodeOptions, workers: int) -> Process
     )
     try:
         for future in [executor.submit(worker_ready) for _ in range(workers)]:
-            future.result()
+            stopping.result(future)
     except BaseException:
         _stop_pool(executor, graceful=False)
         raise
