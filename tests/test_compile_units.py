@@ -87,8 +87,10 @@ def test_recompute_under_compile_trains_like_compile_alone(model: str, tmp_path:
         *run, "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
     ]  # fmt: skip
-    assert selective == base
-    assert _losses(full, tmp_path / "full") == base
+    # within rounding: the recomputing graphs may fuse differently; a recompute that drew other
+    # dropout masks moves the loss by about 1e-3
+    assert selective == pytest.approx(base, rel=1e-5)
+    assert _losses(full, tmp_path / "full") == pytest.approx(base, rel=1e-5)
 
 
 def _cli_losses(args: list[str], run_dir: Path) -> list[float]:

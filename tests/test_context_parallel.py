@@ -198,7 +198,9 @@ def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
     q, k, v, dout = _inputs("cpu", torch.float32)
     got = _blockwise_attention(forward, backward, q, k, v, dout)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, _reference(q, k, v, dout), strict=True):
-        torch.testing.assert_close(a.double(), b, rtol=0, atol=2e-6, msg=name)
+        # float32 against float64: rounding of about 1e-7 at these sizes (measured 6e-7 at
+        # most); a block with a wrong mask, lse or merge is off by O(1)
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.gpu

@@ -76,8 +76,7 @@ def training_tensors(
     # the ranks holding the same dense weights take turns writing them
     dp, dp_rank = topology.data_context_parallel_size, topology.group_rank("dpcp")
     tp_rank = topology.tp_rank
-    edp = topology.expert_data_parallel_size * topology.context_parallel_size
-    edp_rank = topology.group_rank("edpcp")
+    edp, edp_rank = topology.expert_data_context_parallel_size, topology.group_rank("edpcp")
     distributed = optimizer is not None and optimizer.buffer.distributed
     states = optimizer.flat_states() if with_optimizer and optimizer is not None else {}
     mixed = "master" in states

@@ -126,6 +126,11 @@ class Topology:
         """Ranks with the same experts and different data."""
         return self.data_parallel_size // self.expert_model_parallel_size
 
+    @property
+    def expert_data_context_parallel_size(self) -> int:
+        """Ranks with the same experts (the ``edpcp`` group): expert data x context parallel."""
+        return self.expert_data_parallel_size * self.context_parallel_size
+
     def group_rank(self, dim: str) -> int:
         """This rank's index inside its ``dim`` group (0 in a one-process run)."""
         members = self.members.get(dim)

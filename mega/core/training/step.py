@@ -77,6 +77,8 @@ def loss_parts(
     context parallelism (``cp_group``) each rank's parts are its share of the micro-batch's
     (``mega.parallel.context.apply.context_parallel_loss``)."""
     names, loss = spec.losses_of(config), spec.loss or lm_loss
+    if cp_group is not None:
+        from mega.parallel.context.apply import context_parallel_loss
 
     def parts(output: Any, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
         named = loss(output, microbatch)
@@ -88,8 +90,6 @@ def loss_parts(
         stacked = torch.stack([value.float().reshape(()) for value in named.values()])
         if cp_group is None:
             return stacked
-        from mega.parallel.context.apply import context_parallel_loss
-
         return context_parallel_loss(stacked, microbatch["cp_loss_weight"], cp_group)
 
     return parts

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mega.parallel import comm
 from mega.parallel.plan import ParallelPlan
 from mega.parallel.tensor.apply import matching_paths
 from mega.parallel.topology import Topology
@@ -81,8 +82,6 @@ def context_parallel_loss(parts: torch.Tensor, weight: torch.Tensor, group: Any)
     micro-batch's: the value is the micro-batch's (summed over ``group``, for the iteration
     line), the gradient that of this rank's share ``weight * parts`` (summed over ``cp`` with the
     gradients: ``dpcp``)."""
-    from mega.parallel import comm
-
     share = parts * weight
     total = share.detach().clone()
     comm.all_reduce(total, group)

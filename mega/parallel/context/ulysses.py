@@ -9,6 +9,7 @@ collectives of activations per layer, independent of the sequence length's squar
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +40,14 @@ def _to_positions(x: torch.Tensor, group: Any, cp: int, layout: torch.Tensor) ->
     return parts.reshape(b, s_local, cp * n_local, d)
 
 
+@functools.cache
+def _orders(cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(global order, its inverse) of the chunks as index tensors on ``device``, made once rather
+    than copied to the device at every layer."""
+    order = torch.tensor(global_order(cp), device=device)
+    return order, torch.argsort(order)
+
+
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -50,8 +59,7 @@ def ulysses_attention(
     """``q [b, s_local, h, d]``, ``k``/``v [b, s_local, g, d]`` (this rank's positions) ->
     ``attend``'s context ``[b, s_local, h*d]``. ``attend(q, k, v)`` is causal attention over
     a whole sequence in the same layout (the model's core attention)."""
-    order = torch.tensor(global_order(cp), device=q.device)
-    layout = torch.argsort(order)
+    order, layout = _orders(cp, q.device)
     heads = [_to_heads(x, group, cp, order) for x in (q, k, v)]
     context = attend(*heads)  # [b, s, h/cp * d]
     b, s, _ = context.shape

@@ -327,5 +327,5 @@ class ParamAndGradBuffer:
 def _group_size(topology: Topology, group: str) -> int:
     """Ranks in ``group`` ("dpcp" or "edpcp")."""
     if group == "edpcp":
-        return topology.expert_data_parallel_size * topology.context_parallel_size
+        return topology.expert_data_context_parallel_size
     return topology.data_context_parallel_size

@@ -74,8 +74,11 @@ def with_lm_positions(arrays: dict[str, Any]) -> dict[str, Any]:
     return arrays
 
 
+_without_full_padding = without_full_mask("padding_mask")
+
+
 def bert_prepare_microbatch(arrays: dict[str, Any]) -> dict[str, Any]:
-    return with_lm_positions(without_full_mask("padding_mask")(arrays))
+    return with_lm_positions(_without_full_padding(arrays))
 
 
 def bert_loss_names(cfg: BertConfig) -> tuple[str, ...]:

@@ -132,11 +132,10 @@ def with_relative_bias(
     if bias is None:
         return mask
     scores = bias(length, length)
-    hidden = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-    if not causal:
-        hidden = mask
-    elif mask is not None:
-        hidden = hidden | mask
+    hidden = mask
+    if causal:
+        above = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
+        hidden = above if mask is None else above | mask
     if hidden is None:
         return scores
     return torch.where(hidden, float("-inf"), scores)  # [b or 1, np, s, s]
