@@ -12,7 +12,11 @@ weights on the same mock batches, one after the other, in this one process on on
 * ``reference-bf16``: a plain PyTorch GPT written below (SDPA attention), bf16 parameters,
   ``torch.optim.AdamW(fused=True)``, ``torch.compile`` on the whole model;
 * ``reference-fp32-master``: the same GPT with fp32 parameters under ``torch.autocast(bf16)``: fp32
-  master weights and gradients, the fair comparison.
+  master weights and gradients, the fair comparison;
+* ``reference-fp8`` (asked for by ``--systems``; needs torchao): ``reference-fp32-master`` with the
+  transformer layers' linears converted by torchao's ``convert_to_float8_training`` (the
+  ``tensorwise`` recipe: e4m3 activations and weights, e5m2 gradients, what torchtitan trains
+  with), the reference for ``--mega-flags "--fp8-format hybrid"``.
 
 All use AdamW (lr 2e-4 after a 5-step linear warm-up from 0, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on 2-D weights) and
 gradient clipping at 1.0. Per system: the median step time over ``--iters`` steps after
@@ -52,7 +56,9 @@ from torch import nn
 PEAK_TFLOPS = 989.0  # H100 SXM dense bf16, the issue's MFU denominator
 # the references run first, so that nothing mega sets (SDPA backend choices, compiled-code caches)
 # can touch them
-SYSTEMS = ("reference-bf16", "reference-fp32-master", "mega")
+SYSTEMS = ("reference-bf16", "reference-fp32-master", "reference-fp8", "mega")
+DEFAULT_SYSTEMS = ("reference-bf16", "reference-fp32-master", "mega")
+REFERENCES = SYSTEMS[:3]
 LR, WARMUP, BETAS, EPS, WEIGHT_DECAY, CLIP = 2e-4, 5, (0.9, 0.999), 1e-8, 0.01, 1.0
 
 
@@ -326,12 +332,20 @@ def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 
 def run_reference(
-    args: argparse.Namespace, clock: StepClock, total_iters: int, fp32_master: bool
+    args: argparse.Namespace, clock: StepClock, total_iters: int, fp32_master: bool, fp8: bool
 ) -> dict:
     from mega.core.training.lr_schedule import LRSchedule
 
     model = ReferenceGPT(args.layers, args.hidden, args.heads, args.vocab, args.seq)
     model.load_state_dict(initial_weights(args))
+    if fp8:  # torchtitan's float8 path: the layers' nn.Linear become torchao Float8Linear
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model,
+            config=Float8LinearConfig.from_recipe_name("tensorwise"),
+            module_filter_fn=lambda _module, name: name.startswith("decoder.layers."),
+        )
     model = model.to(args.device, torch.float32 if fp32_master else torch.bfloat16)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(
@@ -378,7 +392,8 @@ def run_system(name: str, args: argparse.Namespace, flags: str = "") -> dict:
     if name == "mega":
         row = run_mega(args, clock, total_iters, flags)
     else:
-        row = run_reference(args, clock, total_iters, fp32_master=name.endswith("fp32-master"))
+        fp32_master = name in ("reference-fp32-master", "reference-fp8")
+        row = run_reference(args, clock, total_iters, fp32_master, fp8=name == "reference-fp8")
     label = f"{name} {flags}".strip()
     row = {"system": label, **row, "wall_s": round(time.perf_counter() - started, 1)}
     flops = row.pop("flops_per_token", None) or megatron_flops_per_token(args)
@@ -415,9 +430,15 @@ def megatron_flops_per_token(args: argparse.Namespace) -> float:
     return flops_per_token(cfg, args.seq, args.vocab)
 
 
+def optional_versions() -> dict[str, str]:
+    """Versions of the optional libraries a reference used (torchao for reference-fp8)."""
+    module = sys.modules.get("torchao")
+    return {"torchao": module.__version__} if module is not None else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--heads", type=int, default=16)
@@ -462,8 +483,10 @@ def main() -> None:
         mega["iteration_line_tflops_vs_benchmark"] = round(
             mega["iteration_line_tokens_per_s"] / mega["tokens_per_s"], 4
         )
-        for ref in ("reference-bf16", "reference-fp32-master"):
-            if ref in by_name:
+        # against each reference, and each mega row against the first (FP8 against bf16)
+        first_mega = next(r["system"] for r in rows if r["system"].startswith("mega"))
+        for ref in (*REFERENCES, first_mega):
+            if ref in by_name and ref != mega["system"]:
                 other = by_name[ref]
                 summary[f"{mega['system']} vs {ref}"] = {
                     "tokens_per_s": round(mega["tokens_per_s"] / other["tokens_per_s"], 4),
@@ -478,7 +501,7 @@ def main() -> None:
         "date": datetime.date.today().isoformat(),
         "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "versions": {"mega": __version__, "torch": torch.__version__},
+        "versions": {"mega": __version__, "torch": torch.__version__, **optional_versions()},
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),

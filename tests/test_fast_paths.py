@@ -18,8 +18,9 @@ from mega.core.console.display import Display
 from mega.core.plugins.manager import make_plugins
 from mega.core.training.engine import Engine
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
-from mega.parallel.linear import Linear, deferring_weight_grads
+from mega.parallel.linear import Linear
 from mega.parallel.topology import Topology
+from mega.parallel.weight_grad import deferring_weight_grads
 
 from conftest import TINY
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega.parallel.context.validate import context_parallel_problems
+from mega.parallel.fp8.checks import fp8_run_problems
 from mega.parallel.pipeline.setup import pipeline_setup
 from mega.parallel.plan import no_plan_message, plan_features
 from mega.parallel.tensor.validate import sequence_parallel_problems
@@ -41,6 +42,7 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             errors += plan.problems(tp)
     errors += expert_problems(config, plan, plugins)
     errors += context_parallel_problems(config, plan, plugins)
+    errors += fp8_run_problems(config, plan)
     errors += pipeline_setup(config, plugins)[1]
     if p.sequence_parallel:
         errors += sequence_parallel_problems(config.training.seq_length, tp)

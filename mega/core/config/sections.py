@@ -14,6 +14,10 @@ from typing import Any
 
 from mega.core.config.fields import option
 
+# Megatron's --fp8-recipe names and torchao's rowwise; mega builds tensorwise
+# (mega.parallel.fp8.checks refuses the others by name)
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
+
 
 @dataclass(kw_only=True)
 class TrainingConfig:
@@ -169,9 +173,34 @@ class PrecisionConfig:
     min_loss_scale: float = option(1.0, "Smallest dynamic loss scale.")
     loss_scale_window: int = option(1000, "Clean steps before the loss scale doubles.")
     hysteresis: int = option(2, "Overflowing steps tolerated before the loss scale halves.")
+    fp8_format: str | None = option(
+        None,
+        "Run the transformer layers' linears in FP8 (Hopper GPUs): e4m3 everywhere, or hybrid"
+        " (e4m3 activations and weights, e5m2 gradients). Needs --bf16.",
+        choices=("e4m3", "hybrid"),
+    )
+    fp8_recipe: str = option(
+        "tensorwise",
+        "FP8 scaling recipe: tensorwise (one scale per tensor from its current amax). Megatron's"
+        " delayed, mxfp8 and blockwise, and rowwise, are not built in mega.",
+        choices=FP8_RECIPES,
+    )
+    first_last_layers_bf16: bool = option(
+        False,
+        "Under --fp8-format, keep the first --num-layers-at-start-in-bf16 and the last"
+        " --num-layers-at-end-in-bf16 transformer layers in bf16 (the output layer always is).",
+    )
+    num_layers_at_start_in_bf16: int = option(
+        1, "Layers kept in bf16 at the start with --first-last-layers-bf16."
+    )
+    num_layers_at_end_in_bf16: int = option(
+        1, "Layers kept in bf16 at the end with --first-last-layers-bf16."
+    )
 
     def validate(self) -> list[str]:
-        errors = []
+        from mega.parallel.fp8.checks import fp8_flag_problems
+
+        errors = fp8_flag_problems(self)
         if self.fp16 and self.bf16:
             errors.append("--fp16 and --bf16 cannot both be set")
         if self.loss_scale is not None and self.loss_scale <= 0:

@@ -102,6 +102,8 @@ def build_run(
     model, chunks = parallelize(
         model, plan, config.parallel, topology, layout, dispatcher, cp_comm_type
     )
+    if config.precision.fp8_format:
+        mark_fp8_weights(model, plan, config.precision, device, display)
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     compile_layers = _compile_by_default(device, topology) if t.compile is None else t.compile
@@ -203,6 +205,32 @@ def lr_schedule(config: RunConfig) -> LRSchedule:
         wsd_decay_style=s.lr_wsd_decay_style,
         wsd_decay_iters=lengths["wsd_decay_iters"],
     )
+
+
+def mark_fp8_weights(
+    model: torch.nn.Module, plan: Any, precision: Any, device: torch.device, display: Display
+) -> None:
+    """--fp8-format: mark the transformer layers' linears (``mega.parallel.fp8.apply``), once
+    this rank's GPU is known to have FP8 tensor cores (the launcher checked through NVML, where
+    it could)."""
+    from mega.parallel.fp8.apply import apply_fp8
+    from mega.parallel.fp8.checks import capability_problems
+
+    flag = f"--fp8-format {precision.fp8_format}"
+    if device.type != "cuda":
+        raise MegaUsageError(f"{flag} needs an NVIDIA GPU with FP8 tensor cores (Hopper)")
+    problems = capability_problems(flag, torch.cuda.get_device_capability(device))
+    if problems:
+        raise MegaUsageError(problems)
+    keep = precision.first_last_layers_bf16
+    marked = apply_fp8(
+        model,
+        plan,
+        precision.fp8_format,
+        bf16_at_start=precision.num_layers_at_start_in_bf16 if keep else 0,
+        bf16_at_end=precision.num_layers_at_end_in_bf16 if keep else 0,
+    )
+    display.print(f" > FP8 ({precision.fp8_format}, {precision.fp8_recipe}): {len(marked)} linears")
 
 
 def _compile_by_default(device: torch.device, topology: Topology) -> bool:

@@ -42,8 +42,8 @@ from typing import Any
 import torch
 
 from mega.parallel import comm
-from mega.parallel.linear import register_fused_weight
 from mega.parallel.topology import Topology
+from mega.parallel.weight_grad import register_fused_weight
 
 # Megatron's default: max(40M, 1M x DP) elements per bucket.
 DEFAULT_BUCKET_ELEMENTS = 40_000_000

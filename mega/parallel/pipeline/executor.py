@@ -42,7 +42,6 @@ from torch.autograd.variable import Variable
 from mega.core.errors import MegaRunError
 from mega.parallel import comm
 from mega.parallel.expert.aux_loss import set_backward_scale
-from mega.parallel.linear import WeightGradQueue, deferring_weight_grads
 from mega.parallel.pipeline import (
     Action,
     Backward,
@@ -60,6 +59,7 @@ from mega.parallel.pipeline import (
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.tables import interleaved_order
 from mega.parallel.topology import Topology
+from mega.parallel.weight_grad import WeightGradQueue, deferring_weight_grads
 
 Microbatch = dict[str, torch.Tensor]
 # (chunk, micro-batch, hidden states from the previous stage or None) -> the chunk's output

@@ -1,0 +1,31 @@
+"""Current ("tensorwise") scaling: each tensor is cast to FP8 with one scale computed from its own
+absolute maximum, every time it is cast (Transformer Engine's Float8CurrentScaling, torchao's
+``tensorwise`` recipe). No amax history, so nothing to carry from step to step or to checkpoint.
+
+``_scaled_mm`` takes the inverse scales (what multiplies the FP8 values back), so that is what
+:func:`to_fp8` returns next to the data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+E4M3 = torch.float8_e4m3fn  # 3 mantissa bits, max 448: activations and weights
+E5M2 = torch.float8_e5m2  # 2 mantissa bits, max 57344: gradients under --fp8-format hybrid
+
+# Megatron's --fp8-format -> the dtype of the gradients (activations and weights are always E4M3)
+GRAD_DTYPES = {"e4m3": E4M3, "hybrid": E5M2}
+
+# an all-zero tensor gets a finite scale (torchao's floor for amax)
+AMAX_FLOOR = 1e-12
+
+
+def to_fp8(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` cast to ``dtype`` with the scale that maps its amax to the format's largest
+    value, and the inverse scale (float32 scalar): ``tensor ~ data.float() * inverse``. Under
+    torch.compile the amax, the scale and the cast fuse into the kernels around them."""
+    fmax = torch.finfo(dtype).max
+    amax = tensor.detach().abs().amax().float().clamp(min=AMAX_FLOOR)
+    scale = fmax / amax
+    data = (tensor.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return data, scale.reciprocal()

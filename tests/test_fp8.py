@@ -1,0 +1,189 @@
+"""FP8 linears (``mega.parallel.fp8``) on the CPU, where torch runs ``_scaled_mm`` too: the casts,
+the three GEMMs against float64 within the formats' rounding, the fused and deferred weight
+gradient, which weights the plan marks, and the flags refused before launch. Training in FP8
+needs a Hopper GPU: tests/test_gpu_fp8.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mega import BuildContext
+from mega.core.config.resolve import resolve_config
+from mega.core.errors import MegaUsageError
+from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+from mega.parallel.fp8.apply import apply_fp8
+from mega.parallel.fp8.linear import fp8_linear
+from mega.parallel.fp8.scaling import E4M3, E5M2, to_fp8
+from mega.parallel.linear import Linear
+from mega.parallel.topology import Topology
+from mega.parallel.weight_grad import deferring_weight_grads
+
+from conftest import TINY
+
+# unit roundoff (half the spacing relative to a value) of each format's normal numbers
+ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
+# spacing of the subnormals, in the scaled domain (absolute)
+SUBNORMAL_STEP = {E4M3: 2.0**-9, E5M2: 2.0**-16}
+
+
+def cast_error_bound(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Largest |t - dequantised(t)| per element: a relative roundoff for normal numbers, half a
+    subnormal step (in t's units: divided by the scale) for the smallest ones."""
+    scale = torch.finfo(dtype).max / t.abs().amax().double()
+    return t.abs().double() * ROUNDOFF[dtype] + SUBNORMAL_STEP[dtype] / 2 / scale
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_a_cast_maps_the_amax_to_the_largest_value_and_rounds_within_the_format(dtype):
+    torch.manual_seed(0)
+    t = torch.randn(64, 96) * 3
+    data, inverse = to_fp8(t, dtype)
+    assert data.dtype == dtype
+    assert data.float().abs().max() == torch.finfo(dtype).max  # the amax element, exactly
+    error = (data.double() * inverse.double() - t.double()).abs()
+    assert (error <= cast_error_bound(t, dtype) * (1 + 1e-6)).all()
+    zero, inverse = to_fp8(torch.zeros(4, 16), dtype)  # an all-zero tensor stays finite
+    assert zero.float().abs().sum() == 0 and torch.isfinite(inverse)
+
+
+def product_error_bound(a: torch.Tensor, b: torch.Tensor, ua: float, ub: float) -> torch.Tensor:
+    """Bound on ``|a_q @ b_q - a @ b|`` when each entry of a and b carries a relative error of at
+    most ua and ub (subnormals aside: the operands below are far from them): per term
+    ``|a||b| (ua + ub + ua ub)``, plus float32 accumulation (negligible) and the bf16 rounding of
+    the output (2^-8 of |result|, added by the caller)."""
+    return (a.abs().double() @ b.abs().double()) * (ua + ub + ua * ub)
+
+
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_the_three_gemms_match_float64_within_the_formats_rounding(fp8_format):
+    torch.manual_seed(0)
+    # values spread over a few binades, away from the subnormals (the bound above ignores them)
+    x = (torch.rand(2, 32, 64) + 0.5) * torch.randn(2, 32, 64).sign()
+    w = torch.nn.Parameter(((torch.rand(48, 64) + 0.5) * torch.randn(48, 64).sign()) / 8)
+    b = torch.nn.Parameter(torch.randn(48))
+    g = (torch.rand(2, 32, 48) + 0.5) * torch.randn(2, 32, 48).sign()
+    x.requires_grad_()
+    y = fp8_linear(x, w, b, fp8_format, fuse_wgrad=False)
+    y.backward(g)
+
+    u4, ug = ROUNDOFF[E4M3], ROUNDOFF[E4M3 if fp8_format == "e4m3" else E5M2]
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    x2, g2 = x64.reshape(-1, 64), g64.reshape(-1, 48)
+    expected = {
+        "output": (x2 @ w64.t() + b.double(), product_error_bound(x2, w64.t(), u4, u4)),
+        "input grad": (g2 @ w64, product_error_bound(g2, w64, ug, u4)),
+        "weight grad": (g2.t() @ x2, product_error_bound(g2.t(), x2, ug, u4)),
+    }
+    got = {
+        "output": y.detach().reshape(-1, 48),
+        "input grad": x.grad.reshape(-1, 64),
+        "weight grad": w.grad,
+    }
+    for name, (exact, bound) in expected.items():
+        error = (got[name].double() - exact).abs()
+        assert (error <= bound * 1.001 + 1e-6).all(), name
+        # and FP8 really is in use: float32 GEMMs would be ~1e-6 off, FP8 ones much more
+        assert error.max() > 1e-3, name
+    torch.testing.assert_close(b.grad.double(), g2.sum(0), rtol=1e-6, atol=1e-5)
+
+
+def fused_layer() -> tuple[Linear, ParamAndGradBuffer]:
+    torch.manual_seed(0)
+    layer = Linear(64, 32)
+    layer.weight.fp8_format = "hybrid"
+    buffer = ParamAndGradBuffer.build(layer, Topology())
+    layer.weight.fuse_wgrad = True
+    return layer, buffer
+
+
+def test_the_fused_fp8_weight_gradient_overwrites_then_accumulates_into_main_grad():
+    layer, buffer = fused_layer()
+    xs = [torch.randn(16, 64) for _ in range(3)]
+    for _ in range(2):  # the second step must start from its own first micro-batch
+        buffer.start_step(len(xs))
+        for x in xs:
+            layer(x).sum().backward()
+        buffer.finish_grad_sync()
+    w = layer.weight.detach().clone().requires_grad_()  # the same GEMMs, unfused
+    for x in xs:
+        fp8_linear(x, w, None, "hybrid", fuse_wgrad=False).sum().backward()
+    torch.testing.assert_close(layer.weight.main_grad, w.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_deferred_fp8_weight_gradients_wait_for_the_queue():
+    layer, buffer = fused_layer()
+    x = torch.randn(16, 64)
+    buffer.start_step(1)
+    layer.weight.main_grad.fill_(7.0)  # what a missing write would leave
+    with deferring_weight_grads() as queue:
+        layer(x).sum().backward()
+    assert len(queue) == 1 and (layer.weight.main_grad == 7.0).all()
+    queue.run()
+    buffer.finish_grad_sync()
+    w = layer.weight.detach().clone().requires_grad_()
+    fp8_linear(x, w, None, "hybrid", fuse_wgrad=False).sum().backward()
+    torch.testing.assert_close(layer.weight.main_grad, w.grad, rtol=1e-6, atol=1e-6)
+
+
+def tiny_gpt(plugins, layers: int = 4):
+    from mega.plugins.models.gpt.plan import gpt_parallel_plan
+
+    args = [*TINY, "--num-layers", str(layers), "--untie-embeddings-and-output-weights"]
+    config = resolve_config(args, plugins)
+    ctx = BuildContext(
+        seed=1, device="cpu", params_dtype="float32", seq_length=32, padded_vocab_size=128,
+        tokenizer=None, topology=None,
+    )  # fmt: skip
+    model = plugins.models.get("gpt").build(config.model, ctx)
+    return model, gpt_parallel_plan(config.model)
+
+
+def test_the_plan_marks_the_layers_linears_and_keeps_first_and_last_in_bf16(plugins):
+    model, plan = tiny_gpt(plugins)
+    linears = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+               "mlp.linear_fc2")  # fmt: skip
+    marked = apply_fp8(model, plan, "hybrid", bf16_at_start=1, bf16_at_end=1)
+    assert sorted(marked) == sorted(f"decoder.layers.{i}.{n}" for i in (1, 2) for n in linears)
+    fp8 = {name for name, p in model.named_parameters() if getattr(p, "fp8_format", None)}
+    assert fp8 == {f"{path}.weight" for path in marked}  # biases, norms, output layer: bf16
+
+    model, plan = tiny_gpt(plugins)
+    assert len(apply_fp8(model, plan, "e4m3")) == 16  # all four layers without the flag
+
+
+def test_a_pipeline_stage_counts_layers_globally(plugins):
+    """The last stage holding layers 2 and 3 of 4 keeps layer 3 (the model's last) in bf16."""
+    from mega.parallel.pipeline.layout import PipelineLayout
+    from mega.parallel.pipeline.split import split_for_pipeline
+
+    model, plan = tiny_gpt(plugins)
+    rank_model, _ = split_for_pipeline(
+        model, plan, PipelineLayout(pp=2, vpp=1, stages=(range(0, 2), range(2, 4))), 1
+    )
+    marked = apply_fp8(rank_model, plan, "hybrid", bf16_at_start=1, bf16_at_end=1)
+    assert {path.split(".")[2] for path in marked} == {"2"}
+
+
+def test_a_linear_that_would_silently_stay_bf16_is_refused(plugins):
+    model, plan = tiny_gpt(plugins, layers=2)
+    model.decoder.layers[0].mlp.linear_fc2 = torch.nn.Linear(128, 32)  # not mega's Linear
+    with pytest.raises(MegaUsageError, match="decoder.layers.0.mlp.linear_fc2"):
+        apply_fp8(model, plan, "hybrid")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fp8-format", "hybrid", "--bf16", "--device", "cpu"], "needs an NVIDIA GPU"),
+        (["--fp8-format", "hybrid", "--device", "cpu"], "needs --bf16"),
+        (["--fp8-format", "e4m3", "--bf16", "--fp8-recipe", "delayed"], "--fp8-recipe delayed"),
+        (["--fp8-format", "fp4"], "fp4"),
+        (["--num-layers-at-start-in-bf16", "-1"], "must not be negative"),
+        (["--fp8-format", "hybrid", "--bf16", "--seq-length", "30"], "multiple of 16"),
+    ],
+)
+def test_what_cannot_run_fp8_is_refused_before_launch(mega_cli, flags, message):
+    result = mega_cli(["train", *TINY, "--train-iters", "1", *flags])
+    assert result.exit_code == 2
+    assert message in result.stderr
