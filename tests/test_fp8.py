@@ -187,3 +187,134 @@ def test_what_cannot_run_fp8_is_refused_before_launch(mega_cli, flags, message):
     result = mega_cli(["train", *TINY, "--train-iters", "1", *flags])
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+# ---------------------------------------------------------------- FP8 with data/tensor parallelism
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """Let these tests train in FP8 on the CPU, which runs ``_scaled_mm`` too. Users are refused
+    there (no FP8 tensor cores, no speed to gain); the forked ranks inherit the patch."""
+    from mega.parallel.fp8 import checks
+
+    monkeypatch.setattr(checks, "fp8_device_problems", lambda flag, device: [])
+    monkeypatch.setattr(checks, "rank_device_problems", lambda flag, device: [])
+
+
+UNTIED = "--untie-embeddings-and-output-weights"
+FP8_RUN = ["--bf16", "--fp8-format", "hybrid", "--device", "cpu", "--train-iters", "4"]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "layout"),
+    [
+        (2, ["--use-distributed-optimizer"]),
+        # untied: tied embeddings sum their two stages' gradients in another order (bf16 too)
+        (2, ["--pipeline-model-parallel-size", "2", "--parallel", "1f1b-zb", UNTIED]),
+        (
+            1,
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+            ],
+        ),
+    ],
+    ids=["dp2-distopt", "pp2-zero-bubble", "recompute"],
+)
+def test_fp8_layouts_train_like_one_process(fp8_on_cpu, tmp_path, ranks, layout):
+    """Against one process, both FP8, bit for bit. Each micro-batch is cast with its own scales
+    wherever it runs (a DP rank, a pipeline stage, a recomputed forward), so the FP8 GEMMs are the
+    same; the zero-bubble schedule runs the weight-gradient op from its queue. With two
+    micro-batches per step their gradients meet in one fp32 addition either way (the second
+    micro-batch's accumulate, or DP's reduce-scatter), so nothing may differ. (With more
+    micro-batches DP orders the sums differently: FP8 results carry arbitrary fp32 scales, so the
+    order shows, and a bf16 weight one ulp apart recasts differently.)"""
+    from parallel_runs import EQUIVALENCE, layout_run
+
+    args = [*EQUIVALENCE, *FP8_RUN, "--global-batch-size", "4"]
+    (one,) = layout_run([*args, *(f for f in layout if f == UNTIED)], 1, str(tmp_path / "one"))
+    other = layout_run([*args, *layout], ranks, str(tmp_path / "other"))[0]
+    assert other["losses"] == one["losses"] and other["grad_norms"] == one["grad_norms"]
+    for name, value in one["params"].items():
+        assert torch.equal(other["params"][name], value), name
+
+
+def _tp_linear_rank(rank, world_size, style, sequence_parallel):
+    import torch.distributed as dist
+
+    from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+    from mega.parallel.topology import build_topology
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    group = build_topology(world_size, rank, tp=world_size).group("tp")
+    torch.manual_seed(0)  # the same full tensors on every rank
+    full = torch.nn.Linear(64, 96, bias=False)
+    with torch.no_grad():  # magnitudes in [0.5, 1.5): no FP8 subnormals (see the bound)
+        full.weight.copy_((torch.rand(96, 64) + 0.5) * torch.randn(96, 64).sign() / 8)
+    x = (torch.rand(2, 32, 64) + 0.5) * torch.randn(2, 32, 64).sign()
+    g = (torch.rand(2, 32, 96) + 0.5) * torch.randn(2, 32, 96).sign()
+    if style == "row":
+        full = torch.nn.Linear(96, 64, bias=False)
+        with torch.no_grad():
+            full.weight.copy_((torch.rand(64, 96) + 0.5) * torch.randn(64, 96).sign() / 8)
+        x, g = g, x
+    cls = ColumnParallelLinear if style == "column" else RowParallelLinear
+    layer = cls.from_linear(full, group, rank, world_size, sequence_parallel=sequence_parallel)
+    layer.weight.fp8_format = "hybrid"
+    seq = slice(rank * 16, (rank + 1) * 16)
+    local_x = x.clone()
+    if style == "row":  # the input's columns of this rank; with SP the output's positions
+        local_x = x[..., rank * 48 : (rank + 1) * 48].clone()
+    elif sequence_parallel:
+        local_x = x[:, seq].clone()
+    local_x.requires_grad_()
+    out = layer(local_x)
+    local_g = g[:, seq] if sequence_parallel and style == "row" else g
+    if style == "column":
+        local_g = g[..., rank * 48 : (rank + 1) * 48]
+    out.backward(local_g.contiguous())
+    return {"x": x, "g": g, "w": full.weight.detach(), "out": out.detach(),
+            "x_grad": local_x.grad, "w_grad": layer.weight.grad}  # fmt: skip
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_tensor_parallel_fp8_linears_are_within_the_fp8_bound(style, sequence_parallel):
+    """Each TP rank casts its own shard with its own scale, so TP=2 is not bitwise one process;
+    every rank's output and gradients must still be the exact (float64) product of the full
+    tensors' pieces within the FP8 rounding bound, sums over ranks adding their bounds."""
+    from mega.testing.ranks import run_ranks
+
+    ranks = run_ranks(_tp_linear_rank, 2, style, sequence_parallel)
+    u4, u5 = ROUNDOFF[E4M3], ROUNDOFF[E5M2]
+    for rank, r in enumerate(ranks):
+        x, g, w = (r[k].double().reshape(-1, r[k].shape[-1]) if r[k].ndim == 3 else r[k].double()
+                   for k in ("x", "g", "w"))  # fmt: skip
+        cols, seq = slice(rank * 48, (rank + 1) * 48), slice(rank * 16, (rank + 1) * 16)
+        if style == "column":
+            w_local, g_local = w[cols], g[:, cols]
+            out = (x @ w_local.t(), product_error_bound(x, w_local.t(), u4, u4))
+            w_grad = (g_local.t() @ x, product_error_bound(g_local.t(), x, u5, u4))
+            # the input gradient is summed over the ranks (this rank's positions of it with SP)
+            x_grad = (g @ w, product_error_bound(g, w, u5, u4))
+            if sequence_parallel:
+                rows = torch.arange(64).reshape(2, 32)[:, seq].reshape(-1)
+                x_grad = (x_grad[0][rows], x_grad[1][rows])
+        else:
+            x_local, w_local = x[:, cols], w[:, cols]
+            out = (x @ w.t(), product_error_bound(x, w.t(), u4, u4))  # summed over the ranks
+            if sequence_parallel:
+                rows = torch.arange(64).reshape(2, 32)[:, seq].reshape(-1)
+                out = (out[0][rows], out[1][rows])
+            # (with SP, backward gathers the output gradient's positions back: all of g)
+            x_grad = (g @ w_local, product_error_bound(g, w_local, u5, u4))
+            w_grad = (g.t() @ x_local, product_error_bound(g.t(), x_local, u5, u4))
+        got = {"out": r["out"], "x_grad": r["x_grad"], "w_grad": r["w_grad"]}
+        for name, (exact, bound) in {"out": out, "x_grad": x_grad, "w_grad": w_grad}.items():
+            value = got[name].double().reshape(exact.shape)
+            assert ((value - exact).abs() <= bound * 1.001 + 1e-5).all(), (rank, name)

@@ -213,13 +213,10 @@ def mark_fp8_weights(
     """--fp8-format: mark the transformer layers' linears (``mega.parallel.fp8.apply``), once
     this rank's GPU is known to have FP8 tensor cores (the launcher checked through NVML, where
     it could)."""
+    from mega.parallel.fp8 import checks
     from mega.parallel.fp8.apply import apply_fp8
-    from mega.parallel.fp8.checks import capability_problems
 
-    flag = f"--fp8-format {precision.fp8_format}"
-    if device.type != "cuda":
-        raise MegaUsageError(f"{flag} needs an NVIDIA GPU with FP8 tensor cores (Hopper)")
-    problems = capability_problems(flag, torch.cuda.get_device_capability(device))
+    problems = checks.rank_device_problems(f"--fp8-format {precision.fp8_format}", device)
     if problems:
         raise MegaUsageError(problems)
     keep = precision.first_last_layers_bf16

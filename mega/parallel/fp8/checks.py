@@ -80,6 +80,16 @@ def fp8_device_problems(flag: str, device: str) -> list[str]:
     return []
 
 
+def rank_device_problems(flag: str, device: Any) -> list[str]:
+    """The check again in a rank, on the ``torch.device`` it trains on (authoritative: the
+    launcher's NVML view may be missing or list other GPUs)."""
+    if device.type != "cuda":
+        return [f"{flag} needs an NVIDIA GPU with FP8 tensor cores (Hopper); this rank has none"]
+    import torch
+
+    return capability_problems(flag, torch.cuda.get_device_capability(device))
+
+
 def capability_problems(flag: str, capability: tuple[int, int]) -> list[str]:
     if capability >= MIN_CAPABILITY:
         return []
