@@ -47,6 +47,15 @@ def test_a_cast_maps_the_amax_to_the_largest_value_and_rounds_within_the_format(
     assert zero.float().abs().sum() == 0 and torch.isfinite(inverse)
 
 
+def test_the_column_first_amax_is_the_same_scale():
+    torch.manual_seed(0)
+    t = torch.randn(64, 48) * torch.rand(64, 48) ** 4  # a long tail: the amax is one element
+    for dtype in (E4M3, E5M2):
+        data, inverse = to_fp8(t, dtype)
+        data_c, inverse_c = to_fp8(t, dtype, columns_first=True)
+        assert torch.equal(inverse, inverse_c) and torch.equal(data.float(), data_c.float())
+
+
 def product_error_bound(a: torch.Tensor, b: torch.Tensor, ua: float, ub: float) -> torch.Tensor:
     """Bound on ``|a_q @ b_q - a @ b|`` when each entry of a and b carries a relative error of at
     most ua and ub (subnormals aside: the operands below are far from them): per term

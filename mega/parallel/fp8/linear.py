@@ -96,7 +96,8 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8, x_inverse, w_fp8, w_inverse, weight = ctx.saved_tensors
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
-        g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype)
+        # with a bias, its gradient and the amax are one pass over the output gradient
+        g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype, columns_first=ctx.has_bias)
         grad_input = torch._scaled_mm(
             g_fp8, _column_major(w_fp8), g_inverse, w_inverse, out_dtype=grad_output.dtype
         )

@@ -20,12 +20,21 @@ GRAD_DTYPES = {"e4m3": E4M3, "hybrid": E5M2}
 AMAX_FLOOR = 1e-12
 
 
-def to_fp8(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def to_fp8(
+    tensor: torch.Tensor, dtype: torch.dtype, columns_first: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` cast to ``dtype`` with the scale that maps its amax to the format's largest
     value, and the inverse scale (float32 scalar): ``tensor ~ data.float() * inverse``. Under
-    torch.compile the amax, the scale and the cast fuse into the kernels around them."""
+    torch.compile the amax, the scale and the cast fuse into the kernels around them.
+
+    ``columns_first`` (a 2-D ``tensor``): take the amax of each column, then of those. The same
+    value; but then the compiler fuses it with a bias gradient (a sum over the same rows) into one
+    pass: FC1's output gradient of the 1.3B GPT on an H100, 0.485 -> 0.346 ms."""
     fmax = torch.finfo(dtype).max
-    amax = tensor.detach().abs().amax().float().clamp(min=AMAX_FLOOR)
+    magnitude = tensor.detach().abs()
+    if columns_first:
+        magnitude = magnitude.amax(dim=0)
+    amax = magnitude.amax().float().clamp(min=AMAX_FLOOR)
     scale = fmax / amax
     data = (tensor.float() * scale).clamp(-fmax, fmax).to(dtype)
     return data, scale.reciprocal()
