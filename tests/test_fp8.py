@@ -21,6 +21,25 @@ from mega.parallel.weight_grad import deferring_weight_grads
 
 from conftest import TINY
 
+
+@pytest.fixture(autouse=True)
+def scaled_mm_with_cuda_rules(monkeypatch):
+    """The CPU's ``_scaled_mm`` accepts what CUDA's refuses: every test here runs it with CUDA's
+    rules checked first (first operand row-major, second column-major, every dimension a
+    multiple of 16), so a layout or size that would fail on a GPU fails here. Forked ranks
+    inherit the patch."""
+    real = torch._scaled_mm
+
+    def checked(a, b, *args, **kwargs):
+        assert a.is_contiguous(), f"first operand not row-major: {tuple(a.stride())}"
+        assert b.t().is_contiguous(), f"second operand not column-major: {tuple(b.stride())}"
+        sizes = (*a.shape, b.shape[1])
+        assert all(n % 16 == 0 for n in sizes), f"GEMM sizes {sizes} not multiples of 16"
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+
+
 # unit roundoff (half the spacing relative to a value) of each format's normal numbers
 ROUNDOFF = {E4M3: 2.0**-4, E5M2: 2.0**-3}
 # spacing of the subnormals, in the scaled domain (absolute)
@@ -190,6 +209,11 @@ def test_a_linear_that_would_silently_stay_bf16_is_refused(plugins):
         (["--fp8-format", "fp4"], "fp4"),
         (["--num-layers-at-start-in-bf16", "-1"], "must not be negative"),
         (["--fp8-format", "hybrid", "--bf16", "--seq-length", "30"], "multiple of 16"),
+        (
+            ["--model", "t5", "--fp8-format", "hybrid", "--bf16", "--decoder-seq-length", "10"],
+            "--decoder-seq-length",
+        ),
+        (["--fp8-format", "hybrid", "--bf16", "--first-last-layers-bf16"], "no linear would run"),
     ],
 )
 def test_what_cannot_run_fp8_is_refused_before_launch(mega_cli, flags, message):
@@ -329,7 +353,7 @@ def test_tensor_parallel_fp8_linears_are_within_the_fp8_bound(style, sequence_pa
             assert ((value - exact).abs() <= bound * 1.001 + 1e-5).all(), (rank, name)
 
 
-def _first_losses(args: list[str], tmp_path) -> tuple[list[float], list[str]]:
+def _first_steps(args: list[str], tmp_path) -> tuple[list[dict], list[str]]:
     from mega.core.console.display import Display
     from mega.core.plugins.manager import make_plugins
     from mega.core.training.engine import Engine
@@ -341,9 +365,9 @@ def _first_losses(args: list[str], tmp_path) -> tuple[list[float], list[str]]:
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     import json
 
-    losses = [json.loads(line)["lm_loss"] for line in lines if "lm_loss" in line]
+    rows = [json.loads(line) for line in lines if "lm_loss" in line]
     fp8 = [n for n, p in engine.model.named_parameters() if getattr(p, "fp8_format", None)]
-    return losses, fp8
+    return rows, fp8
 
 
 @pytest.mark.parametrize("model", ["bert", "t5", "t5-relative", "moe"])
@@ -351,14 +375,20 @@ def test_fp8_reaches_every_builtin_models_layers(fp8_on_cpu, tmp_path, model):
     """The plan-driven marking on BERT (one layer list), T5 (encoder and decoder lists, cross
     attention; learned or relative positions) and a MoE GPT (attention only: the experts stay
     bf16): the layers' linears run FP8 and the first step's loss is the bf16 one's within the
-    GPU test's 2% (the same weights and batch; FP8 only rounds the GEMM operands)."""
+    GPU test's 2% (the same weights and batch; FP8 only rounds the GEMM operands). The first
+    backward's gradient norm too, within one FP8 GEMM's worst case relative to its operands'
+    magnitudes (u_e4m3 + u_e5m2 + their product, 0.195): a wrong or unscaled backward is off by
+    far more."""
     from test_bert_t5_parallel import BERT, T5, T5_HF
     from test_moe_parallel import MOE
 
     args = {"bert": BERT, "t5": T5, "t5-relative": T5_HF, "moe": MOE}[model]
     args = [*args, "--bf16", "--device", "cpu", "--train-iters", "1"]
-    bf16, _ = _first_losses(args, tmp_path / "bf16")
-    fp8, marked = _first_losses([*args, "--fp8-format", "hybrid"], tmp_path / "fp8")
+    (bf16,), _ = _first_steps(args, tmp_path / "bf16")
+    (fp8,), marked = _first_steps([*args, "--fp8-format", "hybrid"], tmp_path / "fp8")
     assert marked and all(".layers." in name and name.endswith("weight") for name in marked)
     assert not any("experts" in name or "router" in name for name in marked)
-    assert fp8[0] == pytest.approx(bf16[0], rel=0.02) and fp8 != bf16
+    assert fp8["lm_loss"] == pytest.approx(bf16["lm_loss"], rel=0.02)
+    assert fp8["lm_loss"] != bf16["lm_loss"]
+    worst = ROUNDOFF[E4M3] + ROUNDOFF[E5M2] + ROUNDOFF[E4M3] * ROUNDOFF[E5M2]
+    assert fp8["grad_norm"] == pytest.approx(bf16["grad_norm"], rel=worst)

@@ -20,7 +20,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.parallel.fp8.linear import fp8_linear
-from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad
+from mega.parallel.weight_grad import (
+    WeightGradQueue,
+    accumulate_wgrad,
+    deferring_weight_grads,
+    fused_weight_grad,
+    register_fused_weight,
+)
+
+# still importable from here, where they lived before mega.parallel.weight_grad (plugins use them)
+__all__ = [
+    "Linear",
+    "WeightGradQueue",
+    "accumulate_wgrad",
+    "deferring_weight_grads",
+    "linear",
+    "register_fused_weight",
+]
 
 
 @torch.library.custom_op("mega::weight_grad", mutates_args=())

@@ -8,7 +8,7 @@ vectors, so that the optimizer updates each bucket in two runs, one with weight 
 without (:mod:`mega.parallel.data.optimizer`). A post-accumulate hook adds each micro-batch's
 low-precision ``.grad`` into ``main_grad`` (fp32 accumulation) and frees it; the first gradient of
 a step is copied rather than added, so the buffer is never zeroed between steps. Linear weights
-under gradient accumulation fusion (:mod:`mega.parallel.linear`) write ``main_grad`` themselves, inside
+under gradient accumulation fusion (:mod:`mega.parallel.weight_grad`) write ``main_grad`` themselves, inside
 their weight-gradient GEMM, and the hook only counts them.
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
@@ -182,7 +182,7 @@ class ParamAndGradBuffer:
                 register_fused_weight(param)  # found by the fused linear's weight-gradient op
                 hook = _weak_hook(buffer)
                 param.register_post_accumulate_grad_hook(hook)
-                # for gradients written outside autograd (deferred weight gradients, linear.py)
+                # for gradients written outside autograd (deferred weight gradients, weight_grad.py)
                 param.notify_main_grad = hook
         for bucket in buckets:
             for param in bucket.params:
@@ -203,7 +203,7 @@ class ParamAndGradBuffer:
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if getattr(param, "wgrad_deferred", False):
-            # a deferred weight gradient (mega.parallel.linear): backward gave a placeholder, and
+            # a deferred weight gradient (mega.parallel.weight_grad): backward gave a placeholder, and
             # the queue that computes the gradient reports it later
             param.wgrad_deferred = False
             param.grad = None

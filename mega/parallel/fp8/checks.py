@@ -49,14 +49,28 @@ def fp8_run_problems(config: Any, plan: Any) -> list[str]:
             f"{flag}: model '{config.model_name}' provides no parallel plan, so mega cannot find"
             " its transformer layers' linears"
         )
-    t = config.training
-    tokens = t.micro_batch_size * t.seq_length // config.parallel.context_parallel_size
-    if tokens % ALIGNMENT:
+    layers = getattr(config.model, "num_layers", None)
+    kept = precision.num_layers_at_start_in_bf16 + precision.num_layers_at_end_in_bf16
+    if precision.first_last_layers_bf16 and layers and kept >= layers:
         errors.append(
-            f"{flag}: the tokens of a micro-batch on one rank ({tokens} = --micro-batch-size x"
-            f" --seq-length / context-parallel size) must be a multiple of {ALIGNMENT}"
-            " (FP8 GEMMs need it)"
+            f"{flag}: --first-last-layers-bf16 keeps {kept} of the {layers} layers in bf16, so"
+            " no linear would run in FP8"
         )
+    t = config.training
+    cp = config.parallel.context_parallel_size
+    # the sequences the layers see: --seq-length, and a decoder's own (T5's --decoder-seq-length)
+    lengths = {"--seq-length": t.seq_length}
+    decoder = getattr(config.model, "decoder_seq_length", None)
+    if decoder:
+        lengths["--decoder-seq-length"] = decoder
+    for name, length in lengths.items():
+        tokens = t.micro_batch_size * length // cp
+        if tokens % ALIGNMENT:
+            errors.append(
+                f"{flag}: the tokens of a micro-batch on one rank ({tokens} = --micro-batch-size"
+                f" x {name} / context-parallel size) must be a multiple of {ALIGNMENT}"
+                " (FP8 GEMMs need it)"
+            )
     errors += fp8_device_problems(flag, t.device)
     return errors
 
@@ -74,9 +88,11 @@ def fp8_device_problems(flag: str, device: str) -> list[str]:
         ]
     if torch.cuda.device_count() == 0:  # NVML where available: no CUDA context
         return [f"{flag} needs an NVIDIA GPU with FP8 tensor cores (Hopper); none is visible"]
+    # Refused here only when no GPU of the machine could do it: NVML lists them all, in its own
+    # order, whatever CUDA_VISIBLE_DEVICES selects; the ranks check the GPU they get.
     capabilities = nvml_capabilities()
     if capabilities:
-        return capability_problems(flag, min(capabilities))
+        return capability_problems(flag, max(capabilities))
     return []
 
 

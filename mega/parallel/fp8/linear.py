@@ -95,21 +95,26 @@ class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x_fp8, x_inverse, w_fp8, w_inverse, weight = ctx.saved_tensors
+        needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         # with a bias, its gradient and the amax are one pass over the output gradient
         g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype, columns_first=ctx.has_bias)
-        grad_input = torch._scaled_mm(
-            g_fp8, _column_major(w_fp8), g_inverse, w_inverse, out_dtype=grad_output.dtype
-        )
-        g_t, x_cols = g_fp8.t().contiguous(), _column_major(x_fp8)
-        if ctx.fuse_wgrad:
-            grad_weight = _weight_grad_fp8(g_t, x_cols, g_inverse, x_inverse, weight)
-        else:
-            grad_weight = torch._scaled_mm(
-                g_t, x_cols, g_inverse, x_inverse, out_dtype=weight.dtype
+        grad_input = grad_weight = grad_bias = None
+        if needs_input:
+            grad_input = torch._scaled_mm(
+                g_fp8, _column_major(w_fp8), g_inverse, w_inverse, out_dtype=grad_output.dtype
             )
-        grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
+            grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
+        if needs_weight:
+            g_t, x_cols = g_fp8.t().contiguous(), _column_major(x_fp8)
+            if ctx.fuse_wgrad:
+                grad_weight = _weight_grad_fp8(g_t, x_cols, g_inverse, x_inverse, weight)
+            else:
+                grad_weight = torch._scaled_mm(
+                    g_t, x_cols, g_inverse, x_inverse, out_dtype=weight.dtype
+                )
+        if ctx.has_bias and needs_bias:
+            grad_bias = grad_2d.sum(0)
         return grad_input, grad_weight, grad_bias, None, None
 
 

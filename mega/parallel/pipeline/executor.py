@@ -10,7 +10,7 @@ batches in the same order, only earlier, and waits for nothing the eager order d
 already, so a table the simulator passes cannot hang this way either. ``WeightGrad`` actions
 (the ``-zb`` schedules) need nothing from any transfer: the ones right after a batch run before
 it is waited for, while it is in flight, and the ``Backward`` they belong to queues its weight
-gradients (``mega.parallel.linear.deferring_weight_grads``) for them. Tensors between stages
+gradients (``mega.parallel.weight_grad.deferring_weight_grads``) for them. Tensors between stages
 have one static shape (``activation_shape``), as in Megatron, so nothing but the payload crosses
 the wire.
 
