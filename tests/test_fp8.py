@@ -22,14 +22,7 @@ from mega.parallel.weight_grad import deferring_weight_grads
 from conftest import TINY
 
 
-@pytest.fixture(autouse=True)
-def scaled_mm_with_cuda_rules(monkeypatch):
-    """The CPU's ``_scaled_mm`` accepts what CUDA's refuses: every test here runs it with CUDA's
-    rules checked first (first operand row-major, second column-major, every dimension a
-    multiple of 16), so a layout or size that would fail on a GPU fails here. Forked ranks
-    inherit the patch."""
-    real = torch._scaled_mm
-
+def _with_cuda_rules(real):  # noqa: ANN001, ANN202
     def checked(a, b, *args, **kwargs):
         assert a.is_contiguous(), f"first operand not row-major: {tuple(a.stride())}"
         assert b.t().is_contiguous(), f"second operand not column-major: {tuple(b.stride())}"
@@ -37,7 +30,24 @@ def scaled_mm_with_cuda_rules(monkeypatch):
         assert all(n % 16 == 0 for n in sizes), f"GEMM sizes {sizes} not multiples of 16"
         return real(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    checked.cuda_rules = True
+    return checked
+
+
+def enforce_cuda_rules() -> None:
+    """Make this process's ``torch._scaled_mm`` check CUDA's rules first. Called in each rank
+    too: ranks started from a forkserver (once the test process used tensorstore) do not
+    inherit a patch made in the test process."""
+    if not getattr(torch._scaled_mm, "cuda_rules", False):
+        torch._scaled_mm = _with_cuda_rules(torch._scaled_mm)
+
+
+@pytest.fixture(autouse=True)
+def scaled_mm_with_cuda_rules(monkeypatch):
+    """The CPU's ``_scaled_mm`` accepts what CUDA's refuses: every test here runs it with CUDA's
+    rules checked first (first operand row-major, second column-major, every dimension a
+    multiple of 16), so a layout or size that would fail on a GPU fails here."""
+    monkeypatch.setattr(torch, "_scaled_mm", _with_cuda_rules(torch._scaled_mm))
 
 
 # unit roundoff (half the spacing relative to a value) of each format's normal numbers
@@ -225,14 +235,37 @@ def test_what_cannot_run_fp8_is_refused_before_launch(mega_cli, flags, message):
 # ---------------------------------------------------------------- FP8 with data/tensor parallelism
 
 
+def allow_fp8_on_cpu() -> None:
+    """Let this process train in FP8 on the CPU, which runs ``_scaled_mm`` too (users are refused
+    there: no FP8 tensor cores, no speed to gain), with CUDA's GEMM rules enforced. Each rank
+    calls it itself (see ``enforce_cuda_rules``)."""
+    from mega.parallel.fp8 import checks
+
+    checks.fp8_device_problems = lambda flag, device: []
+    checks.rank_device_problems = lambda flag, device: []
+    enforce_cuda_rules()
+
+
 @pytest.fixture
 def fp8_on_cpu(monkeypatch):
-    """Let these tests train in FP8 on the CPU, which runs ``_scaled_mm`` too. Users are refused
-    there (no FP8 tensor cores, no speed to gain); the forked ranks inherit the patch."""
+    """``allow_fp8_on_cpu`` in the test process, undone afterwards."""
     from mega.parallel.fp8 import checks
 
     monkeypatch.setattr(checks, "fp8_device_problems", lambda flag, device: [])
     monkeypatch.setattr(checks, "rank_device_problems", lambda flag, device: [])
+
+
+def _fp8_rank(rank: int, world_size: int, args: list[str], run_dir: str) -> dict:
+    from parallel_runs import _train
+
+    allow_fp8_on_cpu()
+    return _train(rank, world_size, args, run_dir)
+
+
+def fp8_layout_run(args: list[str], world_size: int, run_dir: str) -> list[dict]:
+    from mega.testing.ranks import run_ranks
+
+    return run_ranks(_fp8_rank, world_size, args, run_dir, timeout=240)
 
 
 UNTIED = "--untie-embeddings-and-output-weights"
@@ -259,7 +292,7 @@ FP8_RUN = ["--bf16", "--fp8-format", "hybrid", "--device", "cpu", "--train-iters
     ],
     ids=["dp2-distopt", "pp2-zero-bubble", "recompute"],
 )
-def test_fp8_layouts_train_like_one_process(fp8_on_cpu, tmp_path, ranks, layout):
+def test_fp8_layouts_train_like_one_process(tmp_path, ranks, layout):
     """Against one process, both FP8, bit for bit. Each micro-batch is cast with its own scales
     wherever it runs (a DP rank, a pipeline stage, a recomputed forward), so the FP8 GEMMs are the
     same; the zero-bubble schedule runs the weight-gradient op from its queue. With two
@@ -267,11 +300,12 @@ def test_fp8_layouts_train_like_one_process(fp8_on_cpu, tmp_path, ranks, layout)
     micro-batch's accumulate, or DP's reduce-scatter), so nothing may differ. (With more
     micro-batches DP orders the sums differently: FP8 results carry arbitrary fp32 scales, so the
     order shows, and a bf16 weight one ulp apart recasts differently.)"""
-    from parallel_runs import EQUIVALENCE, layout_run
+    from parallel_runs import EQUIVALENCE
 
     args = [*EQUIVALENCE, *FP8_RUN, "--global-batch-size", "4"]
-    (one,) = layout_run([*args, *(f for f in layout if f == UNTIED)], 1, str(tmp_path / "one"))
-    other = layout_run([*args, *layout], ranks, str(tmp_path / "other"))[0]
+    one_args = [*args, *(f for f in layout if f == UNTIED)]
+    (one,) = fp8_layout_run(one_args, 1, str(tmp_path / "one"))
+    other = fp8_layout_run([*args, *layout], ranks, str(tmp_path / "other"))[0]
     assert other["losses"] == one["losses"] and other["grad_norms"] == one["grad_norms"]
     for name, value in one["params"].items():
         assert torch.equal(other["params"][name], value), name
@@ -283,6 +317,7 @@ def _tp_linear_rank(rank, world_size, style, sequence_parallel):
     from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
     from mega.parallel.topology import build_topology
 
+    enforce_cuda_rules()
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     group = build_topology(world_size, rank, tp=world_size).group("tp")
     torch.manual_seed(0)  # the same full tensors on every rank
