@@ -101,3 +101,52 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     rows = json.loads(result.read_text())["results"]
     assert [row.get("error") for row in rows] == [None] * 4
     assert all(row["max_rel_loss_diff_vs_tp1dp2"] < 1e-2 for row in rows[1:])
+
+
+def test_fp8_convergence_prepares_its_corpus_and_reports(tmp_path: Path):
+    """The parts of benchmarks/fp8_convergence.py a CPU can run: ``prepare`` (offline corpus,
+    GPT-2 BPE, ``mega preprocess``), the bf16 run's flags resolving against that corpus, and
+    ``report`` on two made-up curves (the FP8 run itself needs a Hopper GPU)."""
+    script = str(ROOT / "benchmarks" / "fp8_convergence.py")
+    corpus = tmp_path / "corpus"
+    proc = subprocess.run(
+        [sys.executable, script, "prepare", "--out", str(corpus)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (corpus / "stdlib_text_document.bin").stat().st_size > 1_000_000
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fp8_convergence
+    finally:
+        sys.path.pop(0)
+    from mega.core.config.resolve import resolve_config
+    from mega.core.plugins.manager import make_plugins
+
+    argv = fp8_convergence.train_argv(corpus, tmp_path / "run", "")
+    config = resolve_config(argv[2:], make_plugins())  # after "mega train"
+    assert config.data.data_path == [str(corpus / "stdlib_text_document")]
+
+    rows = {
+        name: [{"iteration": i, "lm_loss": 5.0 - i / 100 + shift} for i in range(1, 41)]
+        for name, shift in (("bf16", 0.0), ("fp8", 0.01))
+    }
+    curves = tmp_path / "curves.json"
+    curves.write_text(json.dumps({
+        "corpus": {"files": 1},
+        "runs": {n: {"command": f"mega train {n}", "iterations": r} for n, r in rows.items()},
+    }))  # fmt: skip
+    out = tmp_path / "results"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, script, "report", "--curves", str(curves), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = out.glob("fp8_convergence_*.json")
+    report = json.loads(result.read_text())
+    # the mean of the last 20 iterations (21..40): bf16 5.0 - 30.5/100, fp8 0.01 above it
+    assert report["final_loss"]["bf16"] == round(5.0 - 0.305, 5)
+    assert abs(report["fp8_vs_bf16_final_loss_rel_diff"] - 0.01 / 4.695) < 1e-5
+    assert (out / report["plot"]).stat().st_size > 10_000

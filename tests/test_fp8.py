@@ -427,3 +427,25 @@ def test_fp8_reaches_every_builtin_models_layers(fp8_on_cpu, tmp_path, model):
     assert fp8["lm_loss"] != bf16["lm_loss"]
     worst = ROUNDOFF[E4M3] + ROUNDOFF[E5M2] + ROUNDOFF[E4M3] * ROUNDOFF[E5M2]
     assert fp8["grad_norm"] == pytest.approx(bf16["grad_norm"], rel=worst)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "refused"),
+    [([(8, 0)], True), ([(8, 0), (7, 5)], True), ([(9, 0), (7, 5)], False), ([(8, 9)], False)],
+)
+def test_a_machine_without_fp8_tensor_cores_is_refused_before_launch(monkeypatch, gpus, refused):
+    """Pre-Ada GPUs (an A100 is 8.0) are refused from NVML's list, with no CUDA context; a
+    machine with one capable GPU is left to the ranks, which check the GPU they get."""
+    from mega.parallel.fp8 import checks
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(checks, "nvml_capabilities", lambda: gpus)
+    problems = checks.fp8_device_problems("--fp8-format hybrid", "cuda")
+    assert bool(problems) == refused
+    if refused:
+        newest = ".".join(map(str, max(gpus)))
+        assert problems == [
+            "--fp8-format hybrid needs FP8 tensor cores (compute capability 8.9 or newer: Ada,"
+            f" Hopper); this machine's newest GPU is {newest}"
+        ]

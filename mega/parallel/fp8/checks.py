@@ -92,7 +92,7 @@ def fp8_device_problems(flag: str, device: str) -> list[str]:
     # order, whatever CUDA_VISIBLE_DEVICES selects; the ranks check the GPU they get.
     capabilities = nvml_capabilities()
     if capabilities:
-        return capability_problems(flag, max(capabilities))
+        return capability_problems(flag, max(capabilities), "this machine's newest GPU")
     return []
 
 
@@ -103,16 +103,17 @@ def rank_device_problems(flag: str, device: Any) -> list[str]:
         return [f"{flag} needs an NVIDIA GPU with FP8 tensor cores (Hopper); this rank has none"]
     import torch
 
-    return capability_problems(flag, torch.cuda.get_device_capability(device))
+    return capability_problems(flag, torch.cuda.get_device_capability(device), f"{device}")
 
 
-def capability_problems(flag: str, capability: tuple[int, int]) -> list[str]:
+def capability_problems(flag: str, capability: tuple[int, int], which: str) -> list[str]:
+    """``which`` GPU (words for the message) cannot run FP8 GEMMs at ``capability``."""
     if capability >= MIN_CAPABILITY:
         return []
     major, minor = capability
     return [
-        f"{flag} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper); this GPU"
-        f" is {major}.{minor}"
+        f"{flag} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper);"
+        f" {which} is {major}.{minor}"
     ]
 
 
