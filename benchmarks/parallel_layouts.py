@@ -44,12 +44,13 @@ MODEL = [
 
 
 TOKEN = re.compile(
-    r"-?(?:(tp|dp|pp|cp|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b-zb|1f1b|interleaved-zb|interleaved))"
+    r"-?(?:(tp|dp|pp|cp|ep|v|mb|first|last)(\d+)|(sp)|(gpipe|1f1b-zb|1f1b|interleaved-zb|interleaved))"
 )
 FLAGS = {
     "tp": "--tensor-model-parallel-size",
     "pp": "--pipeline-model-parallel-size",
     "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
     "v": "--virtual-pipeline-model-parallel-size",
     "mb": "--micro-batch-size",
     "first": "--decoder-first-pipeline-num-layers",
@@ -59,7 +60,8 @@ FLAGS = {
 
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``cp<N>``
-    (context parallel), ``v<N>``
+    (context parallel), ``ep<N>`` (expert parallel: within the data-parallel ranks, so ``ep2dp2``
+    is 2 ranks), ``v<N>``
     (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
     (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
     same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
@@ -69,7 +71,7 @@ def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1, "cp": 1}, []
     if not parts or "".join(TOKEN.sub("", name)):
         raise SystemExit(
-            f"layout '{name}' is not made of tp/dp/pp/cp/v/mb/first/last<N>, sp, a schedule"
+            f"layout '{name}' is not made of tp/dp/pp/cp/ep/v/mb/first/last<N>, sp, a schedule"
         )
     values = {key: value for key, value, _, _ in parts if key}
     sizes.update({k: int(v) for k, v in values.items() if k in sizes})
@@ -114,6 +116,8 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 1)
     row["step_ms"] = round(statistics.median(r["elapsed_ms"] for r in timed), 1)
     row["max_memory_gb_per_gpu"] = round(max(r.get("max_memory_gb", 0.0) for r in records), 2)
+    if "max_memory_gb_by_rank" in records[-1]:  # pipeline stages differ
+        row["peak_memory_gib_by_rank"] = records[-1]["max_memory_gb_by_rank"]
     if timing.is_dir():
         row["pipeline"] = pipeline_bubbles(timing, flags, args)
     return row
@@ -169,26 +173,8 @@ def pipeline_bubbles(timing: Path, flags: list[str], args: argparse.Namespace) -
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
-    parser.add_argument("--name", default="parallel_layouts", help="result file name prefix")
-    parser.add_argument("--base", default="tp1dp1", help="the layout the others are compared to")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--mbs", type=int, default=4)
-    parser.add_argument("--gbs", type=int, default=16)
-    parser.add_argument(
-        "--model-flags",
-        default="",
-        help="mega train flags appended to every layout's command (they override the 1.3B "
-        "model's, e.g. a small model with --device cpu for a gloo run)",
-    )
-    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
-    args = parser.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = [run_layout(name, args, out) for name in args.layouts.split(",")]
+def write_result(rows: list[dict], args: argparse.Namespace, out: Path) -> Path:
+    """The result file of the layouts run so far, each compared with ``--base``."""
     base = next((r for r in rows if r["layout"] == args.base and "lm_loss" in r), None)
     for row in rows:
         if base is not None and "lm_loss" in row and row is not base:
@@ -213,6 +199,32 @@ def main() -> None:
     }
     path = out / f"{args.name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
+    parser.add_argument("--name", default="parallel_layouts", help="result file name prefix")
+    parser.add_argument("--base", default="tp1dp1", help="the layout the others are compared to")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--mbs", type=int, default=4)
+    parser.add_argument("--gbs", type=int, default=16)
+    parser.add_argument(
+        "--model-flags",
+        default="",
+        help="mega train flags appended to every layout's command (they override the 1.3B "
+        "model's, e.g. a small model with --device cpu for a gloo run)",
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for name in args.layouts.split(","):
+        rows.append(run_layout(name, args, out))
+        path = write_result(rows, args, out)  # after each layout: a cut-off run keeps the rest
     for row in rows:
         print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "command")}))
     print(f"wrote {path}")

@@ -231,9 +231,12 @@ def save_run(engine: Any) -> Path:
         path = pending.finish()
     else:
         path = save_checkpoint(cfg.save, engine.iteration, training_state(engine), backend)
-    engine.interval.excluded += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    engine.interval.excluded += seconds
     engine.last_saved = engine.iteration
-    engine.display.print(f" saved checkpoint at iteration {engine.iteration:8d} to {path}")
+    engine.display.print(
+        f" saved checkpoint at iteration {engine.iteration:8d} to {path} in {seconds:.1f} s"
+    )
     engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=engine.iteration)
     return path
 
@@ -277,6 +280,7 @@ def _weights_only(directory: Path) -> MegaUsageError:
 def load_run(engine: Any, path: str) -> None:
     """``--load``: the newest complete checkpoint under ``path`` into the engine, or a fresh
     start when there is none yet (``--save D --load D`` on a first run)."""
+    started = time.perf_counter()
     partials = sorted(Path(path).glob(".iter_*.tmp")) if engine.topology.is_rank0 else []
     for partial in partials:  # a save that never finished: said once, by rank 0
         engine.display.warn(
@@ -314,7 +318,10 @@ def load_run(engine: Any, path: str) -> None:
             raise _weights_only(directory)
         restore_training_state(engine, directory, state)
     engine.last_saved = engine.iteration
-    engine.display.print(f" loaded checkpoint {directory} at iteration {engine.iteration}")
+    seconds = time.perf_counter() - started
+    engine.display.print(
+        f" loaded checkpoint {directory} at iteration {engine.iteration} in {seconds:.1f} s"
+    )
     late = nothing_to_train(engine.iteration, engine.config.train_iters)
     if late:
         engine.display.warn(late)

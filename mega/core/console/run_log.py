@@ -98,14 +98,17 @@ class RunLog:
             stacked /= self.topology.data_parallel_size
         return stacked.tolist()
 
-    def _peak_memory_gb(self) -> float:
-        """The largest peak of allocated GPU memory over all ranks so far, in GiB."""
+    def _peak_memory_gb_by_rank(self) -> list[float]:
+        """Each rank's peak of allocated GPU memory so far, in GiB, by global rank (pipeline
+        stages and the rank holding the output layer differ)."""
         peak = torch.tensor([torch.cuda.max_memory_allocated(self.device)], device=self.device)
         if self.topology.world_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        return float(peak) / 2**30
+            peaks = peak.new_empty(self.topology.world_size)
+            dist.all_gather_into_tensor(peaks, peak)
+            peak = peaks
+        return [round(float(x) / 2**30, 3) for x in peak.tolist()]
 
     def iteration_line(
         self,
@@ -147,7 +150,9 @@ class RunLog:
             metrics["grad_norm"] = float(interval.grad_norm)
         metrics.update(extra or {})
         if self.device.type == "cuda":
-            metrics["max_memory_gb"] = self._peak_memory_gb()
+            by_rank = self._peak_memory_gb_by_rank()
+            metrics["max_memory_gb"] = max(by_rank)
+            metrics["max_memory_gb_by_rank"] = by_rank
         self.display.print(format_iteration_line(metrics, cfg.train_iters, self.loss_names))
         nan_total = progress["nan_total"] + nan_count
         self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
