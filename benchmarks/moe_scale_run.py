@@ -96,6 +96,7 @@ def run(name: str, layout: str, flags: list[str], args: argparse.Namespace, out:
     first = records[0]["iteration"]
     timed = [r for r in records if r["iteration"] >= first + args.warmup]
     row["lm_loss"] = {r["iteration"]: r["lm_loss"] for r in records}
+    row["grad_norm"] = {r["iteration"]: r["grad_norm"] for r in records if "grad_norm" in r}
     row["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
     row["tokens_per_s_per_gpu"] = round(row["tokens_per_s"] / world)
     row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 3)
@@ -111,16 +112,21 @@ def run(name: str, layout: str, flags: list[str], args: argparse.Namespace, out:
     return row
 
 
-def compare(
-    losses: dict[int, float], against: dict[int, float], iterations: list[int], bound: float
-) -> dict:
-    """The largest relative difference of ``losses`` from ``against`` over ``iterations``."""
-    diffs = [abs(losses[i] - against[i]) / abs(against[i]) for i in iterations]
+def max_rel(values: dict[int, float], against: dict[int, float], iterations: list[int]) -> float:
+    return max(abs(values[i] - against[i]) / abs(against[i]) for i in iterations)
+
+
+def compare(row: dict, against: dict, iterations: list[int], bound: float) -> dict:
+    """The largest relative differences of ``row``'s losses (checked against ``bound``) and
+    gradient norms (reported: a gradient shows a difference a step before the loss does) from
+    ``against``'s over ``iterations``."""
+    loss = max_rel(row["lm_loss"], against["lm_loss"], iterations)
     return {
         "iterations": [min(iterations), max(iterations)],
-        "max_rel_loss_diff": max(diffs),
+        "max_rel_loss_diff": loss,
+        "max_rel_grad_norm_diff": max_rel(row["grad_norm"], against["grad_norm"], iterations),
         "bound": bound,
-        "within_bound": max(diffs) <= bound,
+        "within_bound": loss <= bound,
     }
 
 
@@ -166,15 +172,13 @@ def main() -> None:
         rows.append(then)
         if "error" not in then:
             after = [i for i in then["lm_loss"] if i > args.save_at]
-            check["then_vs_first"] = compare(then["lm_loss"], first["lm_loss"], after, args.bound)
+            check["then_vs_first"] = compare(then, first, after, args.bound)
     if args.reference and "error" not in first:
         reference = run("reference", args.reference, [], args, out)
         rows.append(reference)
         if "error" not in reference:
             every = sorted(first["lm_loss"])
-            check["first_vs_reference"] = compare(
-                first["lm_loss"], reference["lm_loss"], every, args.bound
-            )
+            check["first_vs_reference"] = compare(first, reference, every, args.bound)
     import torch
 
     from mega import __version__
@@ -193,7 +197,11 @@ def main() -> None:
     path = out / f"{args.name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "command")}))
+        print(
+            json.dumps(
+                {k: v for k, v in row.items() if k not in ("lm_loss", "grad_norm", "command")}
+            )
+        )
     print(json.dumps(check))
     print(f"wrote {path}")
     expected = 1 + bool(args.reference)
