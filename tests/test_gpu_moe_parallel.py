@@ -6,7 +6,7 @@ load (3.5e-5 apart) but a gradient norm 1.40x the EP run's at the same weights a
 dense layouts agree to 1e-3 there, every one-GPU MoE path (loop or grouped GEMM, eager or
 compiled) agrees to 3e-4 and the same sequences on CPU ranks (gloo) agree to 1e-7. A loss alone
 hides this for a few steps (the first step's loss does not see the gradient), so each layout's
-gradient norms are compared too, with the clip in play at every step.
+first gradient norm is compared too, and the clip is in play at every step.
 Skipped without 2 CUDA GPUs.
 """
 
@@ -34,10 +34,12 @@ MODEL = [
     "--global-batch-size", "8", "--micro-batch-size", "2", "--use-distributed-optimizer",
     "--clip-grad", "0.1",  # clipping acts at every step: a wrong norm changes the updates
 ]  # fmt: skip
-# The loss bound is tests/test_gpu_parallel.py's (bf16 rounding of other layouts' sums). Gradient
-# norms of a layout agreed with one GPU to 3e-4 at the first step on an H100 for every one-GPU
-# path; 5e-2 leaves room for bf16 drift over 10 steps and is far below the 40% seen.
-LOSS_BOUND, GRAD_NORM_BOUND = 1e-2, 5e-2
+# The loss bound is tests/test_gpu_parallel.py's (bf16 rounding of other layouts' sums). The
+# gradient norm is compared at the first step only (the same weights and batch): there dense
+# layouts agreed with one GPU to 5e-4 on 2 H200 and every one-GPU MoE path to 3e-4 on an H100; later
+# steps drift apart in bf16 (up to 7% at a spiky step of the dense 1.3B GPT), the loss bound covers
+# those. 1e-2 is 20x the agreement seen and far below the 40% seen after the MoE reshard.
+LOSS_BOUND, FIRST_GRAD_NORM_BOUND = 1e-2, 1e-2
 
 
 def curves(tmp_path: Path, name: str, flags: list[str]) -> tuple[list[float], list[float]]:
@@ -74,7 +76,8 @@ def test_moe_layouts_match_one_gpu(
 ):
     losses, norms = one_gpu
     got_losses, got_norms = curves(tmp_path, name, [*flags, "--nproc-per-node", "2"])
-    report = {"loss": max_rel(got_losses, losses), "grad_norm": max_rel(got_norms, norms)}
-    print(name, json.dumps(report))
+    first_norm = abs(got_norms[0] - norms[0]) / norms[0]
+    report = {"loss": max_rel(got_losses, losses), "first_grad_norm": first_norm}
+    print(name, json.dumps(report), got_norms, norms)
     assert report["loss"] <= LOSS_BOUND, (name, report)
-    assert report["grad_norm"] <= GRAD_NORM_BOUND, (name, report, got_norms, norms)
+    assert first_norm <= FIRST_GRAD_NORM_BOUND, (name, report, got_norms, norms)
