@@ -46,13 +46,15 @@ import platform
 import re
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_layouts import layout_flags  # noqa: E402  the same layout names
+from parallel_layouts import (  # noqa: E402  the same layout names and measurements
+    layout_flags,
+    speed_and_memory,
+    train,
+)
 
 MODEL = [
     "--model", "moe", "--num-layers", "12", "--hidden-size", "2048",
@@ -72,43 +74,25 @@ def run(name: str, layout: str, flags: list[str], args: argparse.Namespace, out:
     """One ``mega train`` of ``layout`` with ``flags`` (save or load) added: its row."""
     world, layout_args = layout_flags(layout, args.mbs)
     run_dir = out / name
-    shutil.rmtree(run_dir, ignore_errors=True)
     command = [
         sys.executable, "-m", "mega", "train", *MODEL, *layout_args, *flags,
         *(["--bf16"] if args.dtype == "bf16" else []),
         "--nproc-per-node", str(world), "--global-batch-size", str(args.gbs),
         "--train-iters", str(args.iters), "--run-dir", str(run_dir), *args.model_flags.split(),
     ]  # fmt: skip
-    started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
-    row: dict = {"run": name, "layout": layout, "world_size": world}
-    row["command"] = " ".join(command[1:])
-    row["wall_s"] = round(time.perf_counter() - started, 1)
-    (out / f"{name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode:
-        row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    ran, records, stdout = train(command, run_dir, out / f"{name}.log")
+    row: dict = {"run": name, "layout": layout, "world_size": world, **ran}
+    if not records:
         return row
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if '"lm_loss"' in line
-    ]
-    first = records[0]["iteration"]
-    timed = [r for r in records if r["iteration"] >= first + args.warmup]
     row["lm_loss"] = {r["iteration"]: r["lm_loss"] for r in records}
     row["grad_norm"] = {r["iteration"]: r["grad_norm"] for r in records if "grad_norm" in r}
-    row["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
-    row["tokens_per_s_per_gpu"] = round(row["tokens_per_s"] / world)
-    row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 3)
-    row["step_ms"] = round(statistics.median(r["elapsed_ms"] for r in timed), 1)
-    if "max_memory_gb_by_rank" in records[-1]:
-        row["peak_memory_gib_by_rank"] = records[-1]["max_memory_gb_by_rank"]
+    row.update(speed_and_memory(records, args.warmup, world))
     for key in ("load_balancing_loss", "dropped_token_fraction"):
         values = [r[key] for r in records if key in r]
         if values:
             row[key] = {"first": values[0], "last": values[-1], "mean": statistics.mean(values)}
-    row["saves"] = [{"iteration": int(i), "s": float(s)} for i, s in SAVED.findall(proc.stdout)]
-    row["loads"] = [{"iteration": int(i), "s": float(s)} for i, s in LOADED.findall(proc.stdout)]
+    row["saves"] = [{"iteration": int(i), "s": float(s)} for i, s in SAVED.findall(stdout)]
+    row["loads"] = [{"iteration": int(i), "s": float(s)} for i, s in LOADED.findall(stdout)]
     return row
 
 

@@ -82,6 +82,47 @@ def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     return sizes["tp"] * sizes["dp"] * sizes["pp"] * sizes["cp"], flags + extra.split()
 
 
+def train(
+    command: list[str], run_dir: Path, log: Path, env: dict | None = None
+) -> tuple[dict, list[dict], str]:
+    """One ``mega train`` command (its output kept in ``log``): its row so far (the command, the
+    wall time, the error line if it failed), its iteration records (none when it failed) and its
+    stdout."""
+    shutil.rmtree(run_dir, ignore_errors=True)  # mega appends to an existing metrics.jsonl
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    row: dict = {"command": " ".join(command[1:])}
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode:
+        row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return row, [], proc.stdout
+    records = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        if '"lm_loss"' in line
+    ]
+    return row, records, proc.stdout
+
+
+def speed_and_memory(records: list[dict], warmup: int, world: int) -> dict:
+    """Medians over the records after the run's first ``warmup`` iterations, and peak memory
+    (the largest over all ranks, and each rank's at the end)."""
+    first = records[0]["iteration"]
+    timed = [r for r in records if r["iteration"] >= first + warmup]
+    tokens = round(statistics.median(r["tokens_per_s"] for r in timed))
+    out = {
+        "tokens_per_s": tokens,
+        "tokens_per_s_per_gpu": round(tokens / world),
+        "tflops_per_gpu": round(statistics.median(r["tflops_per_gpu"] for r in timed), 3),
+        "step_ms": round(statistics.median(r["elapsed_ms"] for r in timed), 1),
+        "max_memory_gb_per_gpu": round(max(r.get("max_memory_gb", 0.0) for r in records), 2),
+    }
+    if "max_memory_gb_by_rank" in records[-1]:  # pipeline stages differ
+        out["peak_memory_gib_by_rank"] = records[-1]["max_memory_gb_by_rank"]
+    return out
+
+
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     world, flags = layout_flags(name, args.mbs)
     run_dir = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
@@ -92,32 +133,14 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
         "--train-iters", str(args.iters), "--run-dir", str(run_dir),
         *args.model_flags.split(),
     ]  # fmt: skip
-    shutil.rmtree(run_dir, ignore_errors=True)  # mega appends to an existing metrics.jsonl
     timing = run_dir / "pipeline_timing"
     env = {**os.environ, "MEGA_PIPELINE_TIMING": str(timing)} if "--parallel" in flags else None
-    started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - started
-    (out / f"{run_dir.name}.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    row: dict = {"layout": name, "world_size": world, "command": " ".join(command[1:])}
-    row["wall_s"] = round(wall, 1)
-    if proc.returncode:
-        row["error"] = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    ran, records, _ = train(command, run_dir, out / f"{run_dir.name}.log", env)
+    row: dict = {"layout": name, "world_size": world, **ran}
+    if not records:
         return row
-    records = [
-        json.loads(line)
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-        if '"lm_loss"' in line
-    ]
-    timed = [r for r in records if r["iteration"] > args.warmup]
     row["lm_loss"] = [r["lm_loss"] for r in records]
-    row["tokens_per_s"] = round(statistics.median(r["tokens_per_s"] for r in timed))
-    row["tokens_per_s_per_gpu"] = round(row["tokens_per_s"] / world)
-    row["tflops_per_gpu"] = round(statistics.median(r["tflops_per_gpu"] for r in timed), 1)
-    row["step_ms"] = round(statistics.median(r["elapsed_ms"] for r in timed), 1)
-    row["max_memory_gb_per_gpu"] = round(max(r.get("max_memory_gb", 0.0) for r in records), 2)
-    if "max_memory_gb_by_rank" in records[-1]:  # pipeline stages differ
-        row["peak_memory_gib_by_rank"] = records[-1]["max_memory_gb_by_rank"]
+    row.update(speed_and_memory(records, args.warmup, world))
     if timing.is_dir():
         row["pipeline"] = pipeline_bubbles(timing, flags, args)
     return row

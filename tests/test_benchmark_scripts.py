@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from mega.testing.ranks import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -93,7 +95,8 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
         "--base", "tp1dp2", "--iters", "6", "--warmup", "1", "--mbs", "1", "--gbs", "2",
         "--name", "long_context", "--out", str(tmp_path), "--model-flags",
         "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 64"
-        " --max-position-embeddings 64 --device cpu --distributed-backend gloo",
+        " --max-position-embeddings 64 --device cpu --distributed-backend gloo"
+        f" --master-port {free_port()}",  # tests side by side: not everyone on 29500
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -164,7 +167,7 @@ def test_moe_scale_run_reshards_and_checks_on_the_cpu(tmp_path: Path):
         "--out", str(tmp_path), "--model-flags",
         "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2"
         " --num-experts 4 --moe-ffn-hidden-size 48 --seq-length 32 --max-position-embeddings 32"
-        " --vocab-size 255 --device cpu",
+        f" --vocab-size 255 --device cpu --master-port {free_port()}",
     ]  # fmt: skip
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
