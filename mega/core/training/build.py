@@ -61,16 +61,30 @@ def build_run(
     config: RunConfig, plugins: Plugins, topology: Topology, device: torch.device, display: Display
 ) -> RunParts:
     """The run's parts on this rank. Bad input a plugin finds is a ``MegaUsageError``."""
+    ctx = build_context(config, plugins, topology, device, display)
+    splits = _build_data(config, plugins, ctx)
+    return build_parts(config, plugins, topology, device, ctx, splits, display)
+
+
+def build_context(
+    config: RunConfig,
+    plugins: Plugins,
+    topology: Topology,
+    device: torch.device,
+    display: Display | None = None,
+) -> BuildContext:
+    """The tokenizer and what the factories are told about the run (a padded vocabulary)."""
     t = config.training
     tokenizer = plugins.tokenizers.get(config.tokenizer_name).build(config.tokenizer)
     vocab = tokenizer.vocab_size
     divisor = config.data.make_vocab_size_divisible_by * topology.tensor_model_parallel_size
     padded_vocab = padded_vocab_size(vocab, divisor)
-    display.print(
-        f" > padded vocab (size: {vocab}) with {padded_vocab - vocab} dummy tokens"
-        f" (new size: {padded_vocab})"
-    )
-    ctx = BuildContext(
+    if display is not None:
+        display.print(
+            f" > padded vocab (size: {vocab}) with {padded_vocab - vocab} dummy tokens"
+            f" (new size: {padded_vocab})"
+        )
+    return BuildContext(
         seed=t.seed,
         device=device.type,
         params_dtype=config.precision.params_dtype,
@@ -80,8 +94,22 @@ def build_run(
         topology=topology,
         model_config=config.model,
     )
-    splits = _build_data(config, plugins, ctx)
 
+
+def build_parts(
+    config: RunConfig,
+    plugins: Plugins,
+    topology: Topology,
+    device: torch.device,
+    ctx: BuildContext,
+    splits: Any,
+    display: Display | None = None,
+) -> RunParts:
+    """Everything but the data: model, parallelism, buffer, optimizer, executor. On the meta
+    device (``mega plan``) it builds shapes only, and the run never compiles."""
+    t = config.training
+    tokenizer, padded_vocab = ctx.tokenizer, ctx.padded_vocab_size
+    vocab = tokenizer.vocab_size
     model_spec = plugins.models.get(config.model_name)
     try:
         model = model_spec.build(config.model, ctx)  # fp32 on the CPU: the exact seeded init
@@ -107,7 +135,7 @@ def build_run(
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     compile_layers = _compile_by_default(device, topology) if t.compile is None else t.compile
-    if compile_layers:
+    if compile_layers and device.type != "meta":
         compile_model(model, plan, chunks)
     p = config.parallel
     pipelined = layout.pp > 1
@@ -140,7 +168,7 @@ def build_run(
         loss_fn=loss_parts(model_spec, config.model, topology.group("cp")),
         overlap_p2p=p.overlap_p2p_communication,
     )
-    if layout.pp * layout.vpp > 1:
+    if layout.pp * layout.vpp > 1 and display is not None:
         display.print(f" > pipeline layers by rank and chunk: {layout.describe()}")
     return RunParts(
         tokenizer=tokenizer,

@@ -159,8 +159,9 @@ class BertModel(nn.Module):
                 self.first_token = FirstToken()
                 self.pooler = Pooler(h)
                 self.binary_head = Linear(h, 2)
-        self.to_empty(device="cpu")
-        self.reset_parameters()
+        if ctx.device != "meta":  # a planning build (mega plan) keeps shapes only, no init
+            self.to_empty(device="cpu")
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Megatron's init (the GPT's, ``megatron_init_``)."""

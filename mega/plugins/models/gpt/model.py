@@ -444,8 +444,9 @@ class GPTModel(nn.Module):
                 self.output_layer = nn.Linear(cfg.hidden_size, ctx.padded_vocab_size, bias=False)
             vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
             self.output_head = OutputHead(vocab_size)
-        self.to_empty(device="cpu")
-        self.reset_parameters()
+        if ctx.device != "meta":  # a planning build (mega plan) keeps shapes only, no init
+            self.to_empty(device="cpu")
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """Megatron's init, drawn per parameter from (seed, name): layout-invariant."""
