@@ -1,0 +1,246 @@
+"""Count what a step on meta tensors would allocate and compute, op by op.
+
+``StepTracker`` is a dispatch mode: every op's output storages are added to the live bytes when
+they first appear and subtracted when Python frees them (a weak reference per storage), so
+``peak`` is the largest live total, as the CUDA caching allocator's ``max_memory_allocated`` would
+count it (sizes rounded up to its 512-byte blocks). On the way it adds up the work: matmul FLOPs,
+attention FLOPs (``flash_attention``, the stand-in for SDPA while planning), bytes
+moved by the other ops, and bytes each collective sends, by process group.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+BLOCK = 512  # the caching allocator's rounding of every block
+
+aten = torch.ops.aten
+_MATMULS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
+}  # fmt: skip
+_ACCUMULATING = {aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out}
+_ACCUMULATING |= {aten.baddbmm_.default}
+# ops that only re-describe memory: no bytes move
+_VIEWS = {
+    aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
+    aten.permute.default, aten.expand.default, aten.as_strided.default, aten.slice.Tensor,
+    aten.select.int, aten.alias.default, aten.detach.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.reshape.default, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.unbind.int, aten.movedim.int, aten.narrow.default, aten.empty.memory_format,
+    aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.lift_fresh.default, aten.chunk.default,
+}  # fmt: skip
+
+
+@dataclass
+class Work:
+    """What one stretch of a step computes and moves (one rank)."""
+
+    matmul_flops: float = 0.0
+    attention_flops: float = 0.0
+    memory_bytes: float = 0.0  # bytes read and written by the ops that are not matmuls
+    ops: float = 0  # kernels launched, roughly: every op that is not a view
+    # (topology dimension, kind ("allreduce", "allgather", ...), group size) -> bytes of the
+    # full-size tensors
+    collectives: dict[tuple[str, str, int], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
+
+    def add(self, other: Work, factor: float = 1.0) -> None:
+        """Add ``factor`` times ``other``."""
+        self.matmul_flops += factor * other.matmul_flops
+        self.attention_flops += factor * other.attention_flops
+        self.memory_bytes += factor * other.memory_bytes
+        self.ops += factor * other.ops
+        for key, value in other.collectives.items():
+            self.collectives[key] += factor * value
+
+    def scaled(self, factor: float) -> Work:
+        out = Work()
+        out.add(self, factor)
+        return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _group(arg: Any) -> Any:
+    """The ProcessGroup a c10d op was given (as a ScriptObject), or None."""
+    if isinstance(arg, torch.ScriptObject):
+        from torch.distributed import ProcessGroup
+
+        try:
+            return ProcessGroup.unbox(arg)
+        except RuntimeError:
+            return None
+    return None
+
+
+def _collective_kind(name: str) -> str | None:
+    for kind in ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast"):
+        if kind in name:
+            return kind
+    return None
+
+
+class StepTracker(TorchDispatchMode):
+    """Live and peak bytes of meta tensors, and the work of the ops seen (into ``work``).
+    ``group_names`` maps a process group's ``group_name`` to its topology dimension ("tp"...)."""
+
+    def __init__(self, group_names: dict[Any, str] | None = None) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.work = Work()
+        self.group_names = group_names or {}
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _track(self, t: torch.Tensor) -> None:
+        if t.device.type != "meta":
+            return
+        storage = t.untyped_storage()
+        if storage in self._seen:
+            return
+        size = math.ceil(storage.nbytes() / BLOCK) * BLOCK
+        self._seen[storage] = size
+        self.live += size
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._free, size)
+
+    def _free(self, size: int) -> None:
+        self.live -= size
+
+    def track(self, tree: Any) -> None:
+        """Count tensors made outside the mode (parameters built before it was entered)."""
+        for t in _tensors(tree):
+            self._track(t)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self._account(func, args, kwargs, out)
+        for t in _tensors(out):
+            self._track(t)
+        return out
+
+    def _account(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        work = self.work
+        if func in _MATMULS:
+            a, b = (args[1], args[2]) if func in _ACCUMULATING else args[:2]
+            batch = a.shape[0] if a.dim() == 3 else 1
+            work.matmul_flops += 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
+            work.ops += 1
+            return
+        if func in _VIEWS:
+            return
+        if func is torch.ops.mega_plan.flash_attention.default:
+            work.attention_flops += _attention_flops(args[0], args[1], args[3])
+            work.ops += 1
+            return
+        if func is torch.ops.mega_plan.flash_attention_backward.default:
+            work.attention_flops += 2.5 * _attention_flops(args[1], args[2], args[6])
+            work.ops += 1
+            return
+        name = func.name()
+        if name.startswith("c10d::"):
+            kind = _collective_kind(name)
+            group = next((g for g in map(_group, args) if g is not None), None)
+            dim = self.group_names.get(group.group_name) if group is not None else None
+            if kind is not None and dim is not None:
+                # the full-size side: all-reduce's tensor, all-gather's output, the input of
+                # a reduce-scatter or all-to-all (the time model applies the algorithm's factor)
+                payload = max(sum(map(_nbytes, _tensors(a))) for a in args[:2])
+                work.collectives[dim, kind, group.size()] += payload
+            return
+        work.ops += 1
+        work.memory_bytes += sum(_nbytes(t) for t in _tensors((args, kwargs)))
+        work.memory_bytes += sum(_nbytes(t) for t in _tensors(out))
+
+
+def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> float:
+    b, heads, sq, d = query.shape
+    return 4.0 * b * heads * sq * key.shape[-2] * d * (0.5 if causal else 1.0)
+
+
+# Fused attention as an op that allocates what the GPU kernel keeps (output and the float32
+# log-sum-exp per row) and computes nothing: SDPA's meta path is the unfused math one, which would
+# keep the [b, heads, s, s] probabilities no GPU kernel stores. An op, not an autograd.Function,
+# so it stays one call inside a compiled graph, where the tracker still sees (and counts) it.
+@torch.library.custom_op("mega_plan::flash_attention", mutates_args=())
+def flash_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, heads, sq, _ = query.shape
+    out = query.new_empty(b, heads, sq, value.shape[-1])
+    return out, query.new_empty(b, heads, sq, dtype=torch.float32)
+
+
+@flash_attention.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> Any:
+    b, heads, sq, _ = query.shape
+    out = query.new_empty(b, heads, sq, value.shape[-1])
+    return out, query.new_empty(b, heads, sq, dtype=torch.float32)
+
+
+@torch.library.custom_op("mega_plan::flash_attention_backward", mutates_args=())
+def flash_attention_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+@flash_attention_backward.register_fake
+def _(grad, query, key, value, out, lse, causal):  # noqa: ANN001, ANN202
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+def _setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+    query, key, value, causal = inputs
+    ctx.save_for_backward(query, key, value, *output)
+    ctx.causal = causal
+
+
+def _backward(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor) -> Any:
+    grads = flash_attention_backward(grad, *ctx.saved_tensors, ctx.causal)
+    return (*grads, None)
+
+
+flash_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def planning_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """What replaces ``F.scaled_dot_product_attention`` while planning."""
+    return flash_attention(query, key, value, is_causal)[0]

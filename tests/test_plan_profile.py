@@ -1,0 +1,93 @@
+"""mega.core.plan.shadow: a rank position built on the meta device and stepped under the tracker.
+
+The recorded check compares the count with peaks measured on GPUs (benchmarks/results) for the
+layouts mega runs eager (tensor parallelism), so the count cannot drift from the measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.shadow import profile_rank
+from mega.core.plugins.manager import make_plugins
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+GIB = 2**30
+SMALL = (
+    "--model gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
+    " --max-position-embeddings 32 --mock-data --tokenizer-type NullTokenizer --vocab-size 250"
+    " --bf16 --use-distributed-optimizer --micro-batch-size 2 --global-batch-size 4"
+)
+
+
+def _config(args: str, world_size: int):
+    plugins = make_plugins()
+    argv = [*shlex.split(args), "--nproc-per-node", str(world_size)]
+    return resolve_config(argv, plugins), plugins
+
+
+def _gpt_parameters(h: int, layers: int, vocab: int, positions: int) -> int:
+    # embeddings (tied output), per layer: qkv + proj + fc1 + fc2 weights and biases, 2 norms
+    per_layer = 12 * h * h + 13 * h
+    return vocab * h + positions * h + layers * per_layer + 2 * h
+
+
+def test_static_bytes_are_the_state_of_every_parameter():
+    # bf16 parameters (2 B), fp32 gradient buffer (4 B), fp32 master + Adam moments (12 B)
+    config, plugins = _config(SMALL, 1)
+    profile = profile_rank(config, plugins, 0)
+    padded_vocab = 256  # 250 padded to a multiple of 128
+    n = _gpt_parameters(64, 2, padded_vocab, 32)
+    assert profile.static_bytes == pytest.approx(18 * n, rel=0.02)
+
+
+def test_tensor_parallel_rank_holds_half_the_layers_and_splits_the_collectives():
+    one, plugins = _config(SMALL, 1)
+    two, _ = _config(SMALL + " --tensor-model-parallel-size 2", 2)
+    p1, p2 = profile_rank(one, plugins, 0), profile_rank(two, plugins, 1)
+    # every matmul but none of the norms is split: forward FLOPs halve exactly
+    assert p2.forward.matmul_flops == pytest.approx(p1.forward.matmul_flops / 2)
+    assert not p1.forward.collectives
+    # two all-reduces per layer in forward (after attention and after the MLP) of [b, s, h] bf16,
+    # plus the embedding's: b * s * h * 2 bytes each; the vocab-parallel cross-entropy's three
+    # of [b, s] fp32 (the logits' max, the sum of exponentials, the target's logit)
+    activation, per_token = 2 * 32 * 64 * 2, 2 * 32 * 4
+    expected = 5 * activation + 3 * per_token
+    assert p2.forward.collectives["tp", "allreduce", 2] == pytest.approx(expected)
+
+
+def _recorded_eager_layouts():
+    pairs = []
+    for name in ("layouts_1p3b_2gpu_2026-11-24.json", "layouts_6p7b_2gpu_2026-11-24.json"):
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            if "--tensor-model-parallel-size 2" in run["command"]:
+                pairs.append(pytest.param(run, id=f"{name.split('_')[1]}-{run['layout']}"))
+    return pairs
+
+
+def _train_flags(command: str) -> str:
+    """The model and layout flags of a recorded ``mega train`` command."""
+    words = shlex.split(command)[3:]  # after "-m mega train"
+    dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval"}
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in dropped:
+            skip = True
+        else:
+            kept.append(word)
+    return shlex.join(kept)
+
+
+@pytest.mark.parametrize("run", _recorded_eager_layouts())
+def test_peak_memory_of_recorded_eager_runs_within_10_percent(run):
+    config, plugins = _config(_train_flags(run["command"]), run["world_size"])
+    profile = profile_rank(config, plugins, 0)
+    measured = run["peak_memory_gib_by_rank"][0]
+    assert profile.peak_bytes / GIB == pytest.approx(measured, rel=0.10)
