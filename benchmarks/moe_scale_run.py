@@ -39,10 +39,8 @@ bound of ``tests/test_gpu_parallel.py``; fp32 on CPUs holds 1e-5). Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -54,6 +52,7 @@ from parallel_layouts import (  # noqa: E402  the same layout names and measurem
     layout_flags,
     speed_and_memory,
     train,
+    write_json,
 )
 
 MODEL = [
@@ -163,23 +162,8 @@ def main() -> None:
         if "error" not in reference:
             every = sorted(first["lm_loss"])
             check["first_vs_reference"] = compare(first, reference, every, args.bound)
-    import torch
-
-    from mega import __version__
-
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "gpus": torch.cuda.device_count(),
-        "versions": {"mega": __version__, "torch": torch.__version__},
-        "python": platform.python_version(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "ckpt_dir")},
-        "check": check,
-        "results": rows,
-    }
-    path = out / f"{args.name}_{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "ckpt_dir")}
+    path = write_json(out, args.name, {"settings": settings, "check": check, "results": rows})
     for row in rows:
         print(
             json.dumps(

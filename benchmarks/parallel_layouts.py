@@ -207,20 +207,26 @@ def write_result(rows: list[dict], args: argparse.Namespace, out: Path) -> Path:
             row[f"per_gpu_vs_{args.base}"] = round(
                 row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 4
             )
+    return write_json(out, args.name, {"results": rows})
+
+
+def write_json(out: Path, name: str, fields: dict) -> Path:
+    """``out/<name>_<date>.json``: the date, command, device, versions, then ``fields``."""
     import torch
 
     from mega import __version__
 
+    date = datetime.date.today().isoformat()
     result = {
-        "date": datetime.date.today().isoformat(),
+        "date": date,
         "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "gpus": torch.cuda.device_count(),
         "versions": {"mega": __version__, "torch": torch.__version__},
         "python": platform.python_version(),
-        "results": rows,
+        **fields,
     }
-    path = out / f"{args.name}_{result['date']}.json"
+    path = out / f"{name}_{date}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path
 
