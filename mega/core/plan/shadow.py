@@ -29,13 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mega import BuildContext
 from mega.core.config.sections import RunConfig
 from mega.core.plan.tracking import StepTracker, Work, planning_sdpa
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import global_batch
 from mega.core.training.build import (
-    _build_data,
     build_context,
+    build_data,
     build_parts,
     microbatch_preparation,
 )
@@ -92,7 +93,9 @@ def planning_patches() -> Iterator[None]:
         F.scaled_dot_product_attention, comm.exchange = sdpa, exchange
 
 
-def planning_microbatch(config: RunConfig, plugins: Plugins, ctx: Any, topology: Topology) -> dict:
+def planning_microbatch(
+    config: RunConfig, plugins: Plugins, ctx: BuildContext, topology: Topology
+) -> dict:
     """One micro-batch of the run's shapes, on the meta device. A dataset that gives language-
     model samples (the mock one's keys) is replaced by the mock one: the plan needs no data files."""
     mock = plugins.datasets.get("mock") if "mock" in plugins.datasets else None
@@ -101,7 +104,7 @@ def planning_microbatch(config: RunConfig, plugins: Plugins, ctx: Any, topology:
     # one global batch of samples is all the step reads
     training = dataclasses.replace(config.training, train_iters=1, train_samples=None, eval_iters=0)
     config = dataclasses.replace(config, training=training)
-    splits = _build_data(config, plugins, ctx)
+    splits = build_data(config, plugins, ctx)
     mbs = config.training.micro_batch_size
     model = plugins.models.get(config.model_name)
     prepare = microbatch_preparation(model.prepare_microbatch, topology)
@@ -127,14 +130,13 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         executor = parts.executor
 
         def counted_forward(model: Any, mb: dict, hidden: Any = None) -> Any:
-            before = tracker.work
-            tracker.work = Work()
+            # a forward's ops go to ``forward``; everything else of the passes is backward
+            # (recompute's forwards included)
+            outer, tracker.work = tracker.work, forward
             try:
                 return model_forward(model, mb, hidden)
             finally:
-                forward.add(tracker.work)
-                before.add(tracker.work)
-                tracker.work = before
+                tracker.work = outer
 
         executor.forward_fn = counted_forward
         with tracker:
@@ -143,13 +145,11 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
             tracker.reset_peak()
             parts.buffer.start_step(m)
             executor.forward_backward([dict(microbatch) for _ in range(m)])
-            passes = tracker.work
+            backward = tracker.work
             tracker.work = Work()
             parts.buffer.finish_grad_sync()
             parts.optimizer.step(config.optimizer.lr, 1)
             step = tracker.work
-        backward = passes.scaled(1.0)
-        backward.add(forward, -1.0)
         return RankProfile(
             rank=rank,
             static_bytes=static,

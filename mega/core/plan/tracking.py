@@ -28,9 +28,12 @@ _MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
 }  # fmt: skip
-_ACCUMULATING = {aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out}
-_ACCUMULATING |= {aten.baddbmm_.default}
-# ops that only re-describe memory: no bytes move
+# the matmuls whose first argument is the tensor added to the product
+_ACCUMULATING = {
+    aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out,
+    aten.baddbmm_.default,
+}  # fmt: skip
+# ops that move no bytes: views, and allocations left uninitialised
 _VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
     aten.permute.default, aten.expand.default, aten.as_strided.default, aten.slice.Tensor,
@@ -128,11 +131,6 @@ class StepTracker(TorchDispatchMode):
     def _free(self, size: int) -> None:
         self.live -= size
 
-    def track(self, tree: Any) -> None:
-        """Count tensors made outside the mode (parameters built before it was entered)."""
-        for t in _tensors(tree):
-            self._track(t)
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -150,6 +148,13 @@ class StepTracker(TorchDispatchMode):
             work.ops += 1
             return
         if func in _VIEWS:
+            return
+        if func is torch.ops.mega.weight_grad.default:
+            # the fused weight gradient (mega.parallel.linear): its GEMM runs inside the op,
+            # where this mode does not see it. grad [tokens, out], inputs [tokens, in]
+            grad_2d, inputs_2d = args[0], args[1]
+            work.matmul_flops += 2.0 * grad_2d.shape[0] * grad_2d.shape[1] * inputs_2d.shape[1]
+            work.ops += 1
             return
         if func is torch.ops.mega_plan.flash_attention.default:
             work.attention_flops += _attention_flops(args[0], args[1], args[3])
@@ -182,10 +187,10 @@ def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> fl
 
 # Fused attention as an op that allocates what the GPU kernel keeps (output and the float32
 # log-sum-exp per row) and computes nothing: SDPA's meta path is the unfused math one, which would
-# keep the [b, heads, s, s] probabilities no GPU kernel stores. An op, not an autograd.Function,
-# so it stays one call inside a compiled graph, where the tracker still sees (and counts) it.
-@torch.library.custom_op("mega_plan::flash_attention", mutates_args=())
-def flash_attention(
+# keep the [b, heads, s, s] probabilities no GPU kernel stores. Ops (forward and backward), so
+# the tracker sees each call by name and counts its FLOPs from the shapes. They only allocate,
+# so the same function serves as their fake (shape) implementation.
+def _attention_outputs(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, heads, sq, _ = query.shape
@@ -193,15 +198,7 @@ def flash_attention(
     return out, query.new_empty(b, heads, sq, dtype=torch.float32)
 
 
-@flash_attention.register_fake
-def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool) -> Any:
-    b, heads, sq, _ = query.shape
-    out = query.new_empty(b, heads, sq, value.shape[-1])
-    return out, query.new_empty(b, heads, sq, dtype=torch.float32)
-
-
-@torch.library.custom_op("mega_plan::flash_attention_backward", mutates_args=())
-def flash_attention_backward(
+def _attention_input_grads(
     grad: torch.Tensor,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -213,9 +210,14 @@ def flash_attention_backward(
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
-@flash_attention_backward.register_fake
-def _(grad, query, key, value, out, lse, causal):  # noqa: ANN001, ANN202
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+flash_attention = torch.library.custom_op(
+    "mega_plan::flash_attention", _attention_outputs, mutates_args=()
+)
+flash_attention.register_fake(_attention_outputs)
+flash_attention_backward = torch.library.custom_op(
+    "mega_plan::flash_attention_backward", _attention_input_grads, mutates_args=()
+)
+flash_attention_backward.register_fake(_attention_input_grads)
 
 
 def _setup_context(ctx: Any, inputs: Any, output: Any) -> None:

@@ -25,7 +25,7 @@ class BuildContext:
     """What a model, tokenizer or dataset factory may know about the run besides its own config."""
 
     seed: int
-    # "cpu" or "cuda"; "meta" for a planning build (mega plan): the model keeps its shapes on the
+    # "cpu" or "cuda"; "meta" for a planning build (``mega.core.plan``): the model keeps its shapes on the
     # meta device and skips its init (it is never run on data)
     device: str
     params_dtype: str  # "float32", "bfloat16" or "float16"

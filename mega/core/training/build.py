@@ -62,7 +62,7 @@ def build_run(
 ) -> RunParts:
     """The run's parts on this rank. Bad input a plugin finds is a ``MegaUsageError``."""
     ctx = build_context(config, plugins, topology, device, display)
-    splits = _build_data(config, plugins, ctx)
+    splits = build_data(config, plugins, ctx)
     return build_parts(config, plugins, topology, device, ctx, splits, display)
 
 
@@ -106,7 +106,7 @@ def build_parts(
     display: Display | None = None,
 ) -> RunParts:
     """Everything but the data: model, parallelism, buffer, optimizer, executor. On the meta
-    device (``mega plan``) it builds shapes only, and the run never compiles."""
+    device (the planner, ``mega.core.plan``) it builds shapes only and compiles nothing."""
     t = config.training
     tokenizer, padded_vocab = ctx.tokenizer, ctx.padded_vocab_size
     vocab = tokenizer.vocab_size
@@ -188,7 +188,7 @@ def build_parts(
     )
 
 
-def _build_data(config: RunConfig, plugins: Plugins, ctx: BuildContext) -> Any:
+def build_data(config: RunConfig, plugins: Plugins, ctx: BuildContext) -> Any:
     t = config.training
     request = DataRequest(
         split=config.data.split,

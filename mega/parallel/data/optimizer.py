@@ -94,7 +94,7 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     from a sharded layout's by more than their rounding. GPU reductions are tree-shaped: fp32."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    if grads[0].device.type == "cuda":  # (the meta device of mega plan takes the path below)
+    if grads[0].device.type == "cuda":  # (the planner's meta tensors take the path below)
         return torch.nn.utils.get_total_norm(grads, foreach=True).double()
     norms = [torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]
     return torch.linalg.vector_norm(torch.stack(norms))

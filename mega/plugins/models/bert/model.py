@@ -159,7 +159,7 @@ class BertModel(nn.Module):
                 self.first_token = FirstToken()
                 self.pooler = Pooler(h)
                 self.binary_head = Linear(h, 2)
-        if ctx.device != "meta":  # a planning build (mega plan) keeps shapes only, no init
+        if ctx.device != "meta":  # a planning build (mega.core.plan): shapes, no init
             self.to_empty(device="cpu")
             self.reset_parameters()
 

@@ -444,7 +444,7 @@ class GPTModel(nn.Module):
                 self.output_layer = nn.Linear(cfg.hidden_size, ctx.padded_vocab_size, bias=False)
             vocab_size = getattr(ctx.tokenizer, "vocab_size", None)
             self.output_head = OutputHead(vocab_size)
-        if ctx.device != "meta":  # a planning build (mega plan) keeps shapes only, no init
+        if ctx.device != "meta":  # a planning build (mega.core.plan): shapes, no init
             self.to_empty(device="cpu")
             self.reset_parameters()
 

@@ -179,7 +179,7 @@ class T5Model(nn.Module):
             # --disable-bias-linear drops this bias too, unlike Megatron (module docstring)
             self.lm_head = LMHead(ctx.padded_vocab_size) if cfg.add_bias_linear else None
             self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))
-        if ctx.device != "meta":  # a planning build (mega plan) keeps shapes only, no init
+        if ctx.device != "meta":  # a planning build (mega.core.plan): shapes, no init
             self.to_empty(device="cpu")
             self.reset_parameters()
 
