@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from mega import BuildContext
 from mega.core.config.sections import RunConfig
+from mega.core.plan.compiled import stand_in_compiled
 from mega.core.plan.tracking import StepTracker, Work, planning_sdpa
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import global_batch
@@ -38,13 +39,16 @@ from mega.core.training.build import (
     build_context,
     build_data,
     build_parts,
+    compile_by_default,
     microbatch_preparation,
 )
+from mega.core.training.compile import compiled_units
 from mega.core.training.step import model_forward
 from mega.parallel import comm
 from mega.parallel.topology import ORDER, Topology, build_topology
 
 META = torch.device("meta")
+CUDA = torch.device("cuda")  # what a plan is for: whether the run compiles is decided for a GPU
 
 
 @dataclass
@@ -53,11 +57,14 @@ class RankProfile:
 
     rank: int
     static_bytes: int  # parameters, gradient buffer and optimizer state, before the step
+    state_bytes: dict[str, int]  # of those: "parameters", "gradients", "optimizer"
     peak_bytes: int  # the largest live total during forward, backward and the optimizer step
     forward: Work  # per micro-batch, over this rank's chunks
     backward: Work  # per micro-batch (recompute's forwards included)
     step: Work  # gradient reduction and the optimizer, once per global batch
     chunks: int
+    optimizer_elements: int  # the fp32 elements this rank's optimizer updates (its shard)
+    table: Any  # the schedule's table function (pp, vpp, m) -> actions by pipeline rank
 
 
 @contextlib.contextmanager
@@ -111,6 +118,41 @@ def planning_microbatch(
     return global_batch(splits.train, 0, mbs, mbs, META, prepare=prepare)[0]
 
 
+# what compiled units keep, by kind of unit (code and shapes): measured once per process
+_COMPILED: dict = {}
+
+
+def _compiled_on_gpu(config: RunConfig, topology: Topology) -> bool:
+    compile_flag = config.training.compile
+    return compile_by_default(CUDA, topology) if compile_flag is None else compile_flag
+
+
+def _stand_in_compiled_units(
+    config: RunConfig, plugins: Plugins, chunks: list[torch.nn.Module], tracker: StepTracker
+) -> None:
+    """The units ``--compile`` compiles keep for backward what their compiled selves keep."""
+    spec = plugins.models.get(config.model_name)
+    plan = spec.parallel_plan(config.model) if spec.parallel_plan else None
+    if plan is None or not plan.layers:
+        return  # a model compiled whole: counted eager
+    units = {id(unit): unit for chunk in chunks for unit in compiled_units(chunk, plan)}
+    for unit in units.values():
+        stand_in_compiled(unit, tracker, _COMPILED)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _state_bytes(parts: Any) -> dict[str, int]:
+    optimizer = parts.optimizer
+    return {
+        "parameters": _nbytes(parts.buffer.param_data),
+        "gradients": _nbytes(parts.buffer.main_grad),
+        "optimizer": sum(map(_nbytes, (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq))),
+    }
+
+
 def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
     """Build rank ``rank`` of ``config``'s layout on the meta device and count one eager step."""
     world = config.world_size
@@ -124,6 +166,8 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         with tracker:
             ctx = build_context(config, plugins, topology, META)
             parts = build_parts(config, plugins, topology, META, ctx, None)
+            if _compiled_on_gpu(config, topology):
+                _stand_in_compiled_units(config, plugins, parts.executor.chunks, tracker)
         microbatch = planning_microbatch(config, plugins, ctx, topology)
         m = config.num_microbatches
         forward = Work()
@@ -153,9 +197,12 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         return RankProfile(
             rank=rank,
             static_bytes=static,
+            state_bytes=_state_bytes(parts),
             peak_bytes=tracker.peak,
             forward=forward.scaled(1 / m),
             backward=backward.scaled(1 / m),
             step=step,
             chunks=len(executor.chunks),
+            optimizer_elements=parts.optimizer.exp_avg.numel(),
+            table=executor.table,
         )

@@ -10,9 +10,11 @@ moved by the other ops, and bytes each collective sends, by process group.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,15 +35,19 @@ _ACCUMULATING = {
     aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out,
     aten.baddbmm_.default,
 }  # fmt: skip
-# ops that move no bytes: views, and allocations left uninitialised
-_VIEWS = {
+# ops whose output is a view of their first argument
+VIEWS = {
     aten.view.default, aten._unsafe_view.default, aten.t.default, aten.transpose.int,
     aten.permute.default, aten.expand.default, aten.as_strided.default, aten.slice.Tensor,
     aten.select.int, aten.alias.default, aten.detach.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.reshape.default, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.unbind.int, aten.movedim.int, aten.narrow.default, aten.empty.memory_format,
-    aten.empty_like.default, aten.empty_strided.default, aten.new_empty.default,
-    aten.new_empty_strided.default, aten.lift_fresh.default, aten.chunk.default,
+    aten.unbind.int, aten.movedim.int, aten.narrow.default, aten.lift_fresh.default,
+    aten.chunk.default,
+}  # fmt: skip
+# ops that move no bytes: views, and allocations left uninitialised
+_NO_BYTES = VIEWS | {
+    aten.empty.memory_format, aten.empty_like.default, aten.empty_strided.default,
+    aten.new_empty.default, aten.new_empty_strided.default,
 }  # fmt: skip
 
 
@@ -111,13 +117,29 @@ class StepTracker(TorchDispatchMode):
         self.peak = 0
         self.work = Work()
         self.group_names = group_names or {}
+        self.counting_memory = True  # off while a stand-in runs ops whose memory it states itself
         self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def reset_peak(self) -> None:
         self.peak = self.live
 
+    @contextlib.contextmanager
+    def memory_uncounted(self) -> Iterator[None]:
+        """Ops run without their memory counted (their work still is)."""
+        before, self.counting_memory = self.counting_memory, False
+        try:
+            yield
+        finally:
+            self.counting_memory = before
+
+    def track(self, tree: Any) -> None:
+        """Count the tensors in ``tree`` as live from now (those made while memory was not
+        counted and kept)."""
+        for t in _tensors(tree):
+            self._track(t)
+
     def _track(self, t: torch.Tensor) -> None:
-        if t.device.type != "meta":
+        if t.device.type != "meta" or not self.counting_memory:
             return
         storage = t.untyped_storage()
         if storage in self._seen:
@@ -147,7 +169,7 @@ class StepTracker(TorchDispatchMode):
             work.matmul_flops += 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
             work.ops += 1
             return
-        if func in _VIEWS:
+        if func in _NO_BYTES:
             return
         if func is torch.ops.mega.weight_grad.default:
             # the fused weight gradient (mega.parallel.linear): its GEMM runs inside the op,
