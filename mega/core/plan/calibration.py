@@ -1,0 +1,230 @@
+"""The rates a step-time estimate divides by: measured on a GPU, kept per GPU kind.
+
+``Rates`` holds what one GPU does per second: dense bf16 matmul FLOPs, fused attention FLOPs
+(forward and backward), bytes through memory (read + write, for the ops that are not matmuls),
+the host's cost of launching one eager op, and the bus bandwidth of an NCCL all-reduce between
+GPUs of one host. ``measure_rates()`` measures the first five on this machine's GPU (``mega plan
+--calibrate``); the all-reduce rate needs two GPUs and is measured when the process group has
+them, else kept from the built-in table.
+
+The built-in table holds rates measured with ``measure_rates`` on the machines named, the result
+files under ``benchmarks/results`` (``plan_calibration_*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What one GPU does per second (and the host per op)."""
+
+    gpu: str
+    matmul_flops: float  # bf16 GEMMs of transformer shapes
+    attention_forward_flops: float  # causal fused attention, FLOPs counted as 4 b h s^2 d / 2
+    attention_backward_flops: float  # its backward, counted as 2.5x the forward's FLOPs
+    memory_bytes: float  # bytes read + written per second by a large elementwise op
+    host_op_seconds: float  # launching one small eager op (the host side)
+    allreduce_bus_bytes: float  # NCCL all-reduce bus bandwidth (bytes x 2(n-1)/n per second)
+    source: str = ""  # where the numbers came from
+
+    @property
+    def kind(self) -> str:
+        return gpu_kind(self.gpu)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Rates:
+        return cls(**json.loads(text))
+
+
+# Measured with this module's benchmarks (the sources name the result files). No machine of two
+# GPUs was lent to measure NCCL's all-reduce: its rate is NVLink 4's 450 GB/s per direction at
+# the 80% that NCCL's ring reaches on large messages, an assumption until measured.
+_NVLINK4_ALLREDUCE = 0.8 * 450e9
+BUILT_IN: dict[str, Rates] = {
+    "h100": Rates(
+        gpu="NVIDIA H100 80GB HBM3",
+        matmul_flops=685.3e12,
+        attention_forward_flops=330.0e12,
+        attention_backward_flops=277.1e12,
+        memory_bytes=2.876e12,
+        host_op_seconds=11.1e-6,
+        allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
+        source="benchmarks/results/plan_calibration_h100_2026-11-24.json (torch 2.11); "
+        "all-reduce assumed (NVLink 4)",
+    ),
+    "h200": Rates(
+        gpu="NVIDIA H200",
+        matmul_flops=657.0e12,
+        attention_forward_flops=382.0e12,
+        attention_backward_flops=327.3e12,
+        memory_bytes=4.07e12,
+        host_op_seconds=8.5e-6,
+        allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
+        source="benchmarks/results/plan_calibration_h200_2026-11-24.json (torch 2.11); "
+        "all-reduce assumed (NVLink 4)",
+    ),
+}
+
+
+def _time(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events), after a warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _matmul_rate() -> float:
+    """The rate of a transformer layer's GEMMs (projections 3h and h, MLP 4h both ways) at two
+    hidden sizes, forward (``F.linear``), input gradient and the weight gradient accumulated in
+    fp32 (mega's fused weight gradient): total FLOPs over total time."""
+    import torch.nn.functional as F
+
+    flops = seconds = 0.0
+    for tokens, h in ((8192, 2048), (4096, 4096)):
+        for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+            main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+            flops += 3 * 2.0 * tokens * k * n
+            seconds += _time(lambda x=x, w=w: F.linear(x, w), 20)
+            seconds += _time(lambda dy=dy, w=w: dy @ w, 20)
+            seconds += _time(
+                lambda m=main_grad, dy=dy, x=x: torch.addmm(
+                    m, dy.t(), x, out_dtype=torch.float32, out=m
+                ),
+                20,
+            )
+    return flops / seconds
+
+
+def _attention_rates() -> tuple[float, float]:
+    """Causal fused attention, head size 128, 2048 positions, at 16 and 32 heads: the mean
+    forward and backward rates."""
+    forward = backward = 0.0
+    for b, heads in ((4, 16), (2, 32)):
+        f, bw = _attention_rate(b, heads)
+        forward, backward = forward + f / 2, backward + bw / 2
+    return forward, backward
+
+
+def _attention_rate(b: int, heads: int) -> tuple[float, float]:
+    import torch.nn.functional as F
+
+    s, d = 2048, 128
+    q, k, v = (
+        torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    flops = 4.0 * b * heads * s * s * d / 2
+    forward = _time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 20)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn_like(out)
+
+    def both() -> None:
+        torch.autograd.grad(
+            F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad
+        )
+
+    backward = _time(both, 20) - forward
+    return flops / forward, 2.5 * flops / backward
+
+
+def _memory_rate() -> float:
+    x = torch.randn(256 * 2**20, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    seconds = _time(lambda: x.mul(1.5), 20)
+    return 2 * x.numel() * x.element_size() / seconds
+
+
+def _host_op_seconds() -> float:
+    """Seconds per small eager op when the host, not the GPU, sets the pace."""
+    x = torch.ones(16, device="cuda")
+    ops = 2000
+    for _ in range(100):
+        x.add_(1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(ops):
+        x.add_(1)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / ops
+
+
+def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
+    """This machine's GPU's rates (a few seconds). The all-reduce rate, which one GPU cannot
+    measure, is ``allreduce_bus_bytes`` or the built-in table's for the same GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("calibration measures a GPU, and this machine has none")
+    name = torch.cuda.get_device_name()
+    forward, backward = _attention_rates()
+    if allreduce_bus_bytes is None:
+        known = BUILT_IN.get(gpu_kind(name))
+        allreduce_bus_bytes = known.allreduce_bus_bytes if known else 0.0
+    return Rates(
+        gpu=name,
+        matmul_flops=_matmul_rate(),
+        attention_forward_flops=forward,
+        attention_backward_flops=backward,
+        memory_bytes=_memory_rate(),
+        host_op_seconds=_host_op_seconds(),
+        allreduce_bus_bytes=allreduce_bus_bytes,
+        source=f"measure_rates, torch {torch.__version__}",
+    )
+
+
+# memory per GPU kind (GiB, what torch.cuda reports as total)
+GPU_MEMORY_GIB = {"h100": 79.1, "h200": 139.8, "a100": 79.1, "b200": 178.4}
+
+
+def gpu_kind(name: str) -> str:
+    """``NVIDIA H200`` -> ``h200``: the built-in table's key for a device name."""
+    lowered = name.lower()
+    for kind in ("h200", "h100", "a100", "b200"):
+        if kind in lowered:
+            return kind
+    return lowered.replace("nvidia", "").strip().replace(" ", "-")
+
+
+def calibration_path() -> Path:
+    """Where ``mega plan --calibrate`` saves this machine's rates."""
+    return Path.home() / ".cache" / "mega" / "calibration.json"
+
+
+def rates_for(kind: str | None) -> Rates:
+    """The rates of GPU ``kind``: this machine's calibration if it is of that kind (or if no kind
+    is given), else the built-in table's; h200's when neither names one."""
+    from mega.core.errors import MegaUsageError
+
+    path = calibration_path()
+    if path.exists():
+        saved = Rates.from_json(path.read_text())
+        if kind is None or saved.kind == kind:
+            return dataclasses.replace(saved, source=f"{path} ({saved.source})")
+    kind = kind or "h200"
+    if kind not in BUILT_IN:
+        raise MegaUsageError(
+            f"--gpu {kind}: no rates for it (built in: {', '.join(BUILT_IN)});"
+            " run `mega plan --calibrate` on one"
+        )
+    return BUILT_IN[kind]

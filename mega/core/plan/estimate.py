@@ -1,0 +1,149 @@
+"""A launch's plan: every pipeline stage's memory and the step time, from counted work and rates.
+
+Each pipeline stage is one rank position (``profile_rank``: the ranks of one stage differ only in
+which data and which shard they hold). Its time per micro-batch is the larger of what the GPU
+takes (matmul FLOPs, attention FLOPs, bytes moved by the other ops, each at its calibrated rate,
+plus the tensor/context/expert-parallel collectives, which sit between the ops that need them)
+and what the host takes to launch its ops. Across stages the schedule's table runs in the
+pipeline simulator with the slowest stage's chunk costs, which gives the pipeline's time with
+its bubble. Then, once per global batch: the data-parallel gradient reduction (of which the part
+longer than the last micro-batch's backward is exposed when ``--overlap-grad-reduce`` overlaps
+it), the distributed optimizer's parameter all-gather, and the optimizer's update (read and
+write of its fp32 state: 30 bytes per element of its shard, as one fused kernel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mega.core.config.sections import RunConfig
+from mega.core.plan.calibration import Rates
+from mega.core.plan.shadow import RankProfile, profile_rank
+from mega.core.plan.tracking import Work
+from mega.core.plugins.manager import Plugins
+from mega.parallel.pipeline.simulator import simulate
+
+# fp32 master, first and second moments read and written, the fp32 gradient read, the bf16
+# parameter written (mega.parallel.data.optimizer's fused update)
+OPTIMIZER_BYTES_PER_ELEMENT = 3 * 4 * 2 + 4 + 2
+# bytes each rank sends per byte of the full tensor (ring algorithms, n ranks)
+_BUS_FACTOR = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's rank position."""
+
+    stage: int
+    profile: RankProfile
+    forward_seconds: float  # per micro-batch, all of the rank's chunks
+    backward_seconds: float
+
+
+@dataclass
+class Plan:
+    """Memory of each stage and the step's time, for one layout."""
+
+    stages: list[StagePlan]
+    rates: Rates
+    pipeline_seconds: float  # forward and backward of every micro-batch, with the bubble
+    bubble: float  # idle share of the pipeline's time (0 without pipelining)
+    gradient_sync_seconds: float  # exposed data-parallel reduction and parameter gather
+    optimizer_seconds: float
+    step_seconds: float
+    tokens_per_second: float
+    peak_bytes: int  # the largest of the stages'
+
+    @property
+    def largest(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.profile.peak_bytes)
+
+
+def collective_seconds(work: Work, rates: Rates, dims: set[str]) -> float:
+    """Time of ``work``'s collectives over the topology dimensions ``dims``."""
+    if not rates.allreduce_bus_bytes:
+        return 0.0
+    total = 0.0
+    for (dim, kind, size), payload in work.collectives.items():
+        if dim in dims and size > 1:
+            total += payload * _BUS_FACTOR[kind](size) / rates.allreduce_bus_bytes
+    return total
+
+
+_LAYER_DIMS = {"tp", "cp", "tpcp", "ep"}  # collectives inside the layers
+_STEP_DIMS = {"dp", "edp", "dpcp", "edpcp", "embd"}  # once per global batch
+
+
+def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
+    """A stretch of ops: GPU time (compute, memory, in-layer collectives) or host launch time,
+    whichever is longer."""
+    gpu = (
+        work.matmul_flops / rates.matmul_flops
+        + work.attention_flops / attention_rate
+        + work.memory_bytes / rates.memory_bytes
+        + collective_seconds(work, rates, _LAYER_DIMS)
+    )
+    return max(gpu, work.ops * rates.host_op_seconds)
+
+
+def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
+    """Count every pipeline stage of ``config``'s layout and estimate its step (see above)."""
+    world = config.world_size
+    pp = config.parallel.pipeline_model_parallel_size
+    stages = []
+    for stage in range(pp):
+        profile = profile_rank(config, plugins, stage * (world // pp))
+        stages.append(
+            StagePlan(
+                stage,
+                profile,
+                work_seconds(profile.forward, rates, rates.attention_forward_flops),
+                work_seconds(profile.backward, rates, rates.attention_backward_flops),
+            )
+        )
+    m = config.num_microbatches
+    slowest = max(stages, key=lambda s: s.forward_seconds + s.backward_seconds)
+    bubble = 0.0
+    if pp == 1:
+        pipeline = m * (slowest.forward_seconds + slowest.backward_seconds)
+    else:
+        chunks = slowest.profile.chunks
+        result = simulate(
+            slowest.profile.table(pp, chunks, m),
+            pp,
+            chunks,
+            m,
+            forward_cost=slowest.forward_seconds / chunks,
+            backward_cost=slowest.backward_seconds / chunks,
+            p2p="rendezvous",
+        )
+        pipeline, bubble = result.total_time, result.bubble_fraction
+    # the gradient reduction, launched by backward's hooks (counted per micro-batch) or at the
+    # step; under --overlap-grad-reduce it runs beside the last micro-batch's backward, and
+    # what is longer shows. The distributed optimizer's parameter all-gather follows the update.
+    reduce = m * collective_seconds(slowest.profile.backward, rates, _STEP_DIMS)
+    if config.parallel.overlap_grad_reduce:
+        reduce = max(0.0, reduce - slowest.backward_seconds)
+    reduce += collective_seconds(slowest.profile.step, rates, _STEP_DIMS)
+    optimizer = (
+        slowest.profile.optimizer_elements * OPTIMIZER_BYTES_PER_ELEMENT / rates.memory_bytes
+    )
+    step = pipeline + reduce + optimizer
+    tokens = config.training.global_batch_size * config.training.seq_length
+    return Plan(
+        stages=stages,
+        rates=rates,
+        pipeline_seconds=pipeline,
+        bubble=bubble,
+        gradient_sync_seconds=reduce,
+        optimizer_seconds=optimizer,
+        step_seconds=step,
+        tokens_per_second=tokens / step,
+        peak_bytes=max(s.profile.peak_bytes for s in stages),
+    )
