@@ -1,0 +1,100 @@
+"""The planner against the runs measured on GPUs (benchmarks/results): every recorded layout of
+the 1.3B and 6.7B GPT on 2 H200 (data, tensor, sequence and pipeline parallel, interleaved,
+micro-batch sizes, selective and full recompute), every pipeline stage's peak memory within 10%
+and tokens/s within 20% with the built-in H200 rates. Two pairs are known misses and marked
+strict xfail, so that fixing them (or breaking the rest) shows.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run
+from mega.core.plugins.manager import make_plugins
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+FILES = (
+    "layouts_1p3b_2gpu_2026-11-24.json",
+    "layouts_6p7b_2gpu_2026-11-24.json",
+    "layouts_6p7b_2gpu_more_2026-11-24.json",
+)
+GIB = 2**30
+# Compiled full recompute measured 22.5 GiB against 17.3 counted. On one H200 the same flags
+# measured 29.9 GiB compiled and 27.5 with --no-compile (plan_calibration_h200): compiling adds
+# 2.4 GiB that the count of compiled units (a checkpointed layer saves nothing, as measured on
+# the GPU for one layer) does not find.
+MEMORY_MISSES = {"1p3b-tp1dp2:--recompute-granularity=full"}
+# Sequence parallelism on the 1.3B measured 35% slower than plain TP2 (555.9 against 412.4 ms)
+# with the same bytes communicated; the count sees no reason for it.
+SPEED_MISSES = {"1p3b-tp2-sp"}
+
+
+def train_flags(command: str) -> str:
+    """The model and layout flags of a recorded ``python -m mega train`` command."""
+    words = shlex.split(command)[3:]
+    dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval"}
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in dropped:
+            skip = True
+        else:
+            kept.append(word)
+    return shlex.join(kept)
+
+
+def _runs(misses: set[str]):
+    params = []
+    for name in FILES:
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            key = f"{name.split('_')[1]}-{run['layout'].split(' ')[0]}"
+            mark = pytest.mark.xfail(strict=True, reason="known miss") if key in misses else ()
+            params.append(pytest.param(run, id=key, marks=mark))
+    return params
+
+
+_PLANS: dict[str, object] = {}
+
+
+def _plan(run: dict):
+    if run["command"] not in _PLANS:
+        plugins = make_plugins()
+        argv = [
+            *shlex.split(train_flags(run["command"])),
+            "--nproc-per-node",
+            str(run["world_size"]),
+        ]
+        _PLANS[run["command"]] = plan_run(resolve_config(argv, plugins), plugins, BUILT_IN["h200"])
+    return _PLANS[run["command"]]
+
+
+@pytest.mark.parametrize("run", _runs(MEMORY_MISSES))
+def test_peak_memory_of_every_stage_within_10_percent(run):
+    plan = _plan(run)
+    world, by_rank = run["world_size"], run["peak_memory_gib_by_rank"]
+    for stage in plan.stages:
+        measured = by_rank[stage.stage * (world // len(plan.stages))]
+        assert stage.profile.peak_bytes / GIB == pytest.approx(measured, rel=0.10), stage.stage
+
+
+@pytest.mark.parametrize("run", _runs(SPEED_MISSES))
+def test_tokens_per_second_within_20_percent(run):
+    assert _plan(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
+
+
+def test_measured_fastest_6p7b_layout_is_predicted_fastest():
+    # the acceptance of --search on the recorded layouts: ranked by predicted tokens/s, the
+    # one measured fastest comes first (all fit 2 H200)
+    runs = [
+        run for name in FILES[1:] for run in json.loads((RESULTS / name).read_text())["results"]
+    ]
+    measured = max(runs, key=lambda run: run["tokens_per_s"])
+    predicted = max(runs, key=lambda run: _plan(run).tokens_per_second)
+    assert predicted["layout"] == measured["layout"]
