@@ -26,7 +26,7 @@ def _plan(*args: str):
 
 
 def test_plan_prints_every_pipeline_stage_and_the_step():
-    result = _plan("--gpus", "2", "--pipeline-model-parallel-size", "2", "--gpu", "h100")
+    result = _plan("--gpus=2", "--pipeline-model-parallel-size", "2", "--gpu", "H100")
     assert result.exit_code == 0, result.output
     rows = [line for line in result.output.splitlines() if line.startswith("│")]
     assert [row.split("│")[1].strip() for row in rows] == ["0", "1"]  # one row per stage
@@ -61,6 +61,8 @@ def test_search_prints_runnable_train_commands_fastest_first():
         (["--gpu", "tpu9"], "--gpu tpu9: no rates for it"),
         (["--gpus", "2", "--nproc-per-node", "2"], "--gpus and --nproc-per-node"),
         (["--gpus"], "--gpus needs a value"),
+        (["--gpus=2", "--search", "--top", "0"], "--top must be >= 1"),
+        (["--gpus=two"], "--gpus: not a valid value: 'two'"),
     ],
 )
 def test_bad_plan_flags_are_refused_by_name(args, message):

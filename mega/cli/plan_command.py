@@ -9,7 +9,6 @@ machine's GPU rates and saves them; later plans for that GPU kind use them.
 
 from __future__ import annotations
 
-import shlex
 from typing import Any
 
 import click
@@ -34,24 +33,31 @@ Plan flags:
 
 
 def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]:
+    from mega.cli.train_command import USAGE as TRAIN_USAGE
+
     intro, sections = _train_help_sections(args, plugins)
     usage = "Usage: mega plan [mega train's flags] [--gpus N] [--gpu KIND] [--search]\n\n"
     usage += "Memory per GPU and step time of a launch, counted before it (no GPU needed).\n\n"
-    return usage + PLAN_FLAGS + "\n\n" + intro.split("\n", 4)[-1], sections
+    return usage + PLAN_FLAGS + intro.removeprefix(TRAIN_USAGE), sections
 
 
 def _take(args: list[str], flag: str, convert: Any = str, switch: bool = False) -> Any:
-    """Remove ``flag`` (and its value) from ``args``; its value, True for a switch, or None."""
-    if flag not in args:
+    """Remove ``flag`` (and its value: ``--flag V`` or ``--flag=V``) from ``args``; its value,
+    True for a switch, or None."""
+    joined = next((i for i, a in enumerate(args) if a.startswith(flag + "=")), None)
+    if joined is not None and not switch:
+        value = args.pop(joined).split("=", 1)[1]
+    elif flag not in args:
         return None
-    i = args.index(flag)
-    if switch:
-        del args[i]
-        return True
-    if i + 1 >= len(args):
-        raise MegaUsageError(f"{flag} needs a value")
-    value = args[i + 1]
-    del args[i : i + 2]
+    else:
+        i = args.index(flag)
+        if switch:
+            del args[i]
+            return True
+        if i + 1 >= len(args):
+            raise MegaUsageError(f"{flag} needs a value")
+        value = args[i + 1]
+        del args[i : i + 2]
     try:
         return convert(value)
     except ValueError:
@@ -66,7 +72,9 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
     kind = _take(args, "--gpu")
     memory_gib = _take(args, "--gpu-memory", float)
     search = _take(args, "--search", switch=True)
-    top = _take(args, "--top", int) or 5
+    top = _take(args, "--top", int)
+    if top is not None and top < 1:
+        raise MegaUsageError(f"--top must be >= 1 (got {top})")
     if _take(args, "--calibrate", switch=True):
         _calibrate()
         return
@@ -79,6 +87,7 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
         args += ["--nproc-per-node", str(gpus)]
     from mega.core.plan.calibration import GPU_MEMORY_GIB, rates_for
 
+    kind = kind.lower() if kind else None
     rates = rates_for(kind)
     kind = kind or rates.kind
     if memory_gib is None:
@@ -93,7 +102,7 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
     if search:
         from mega.cli.plan_search import print_search
 
-        print_search(config, args, plugins, rates, memory_gib * GIB * USABLE, top)
+        print_search(config, args, plugins, rates, memory_gib * GIB * USABLE, top or 5)
         return
     from mega.core.plan.estimate import plan_run
 
@@ -109,10 +118,13 @@ def _calibrate() -> None:
     except RuntimeError as exc:
         raise MegaUsageError(str(exc)) from None
     path = calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(rates.to_json())
-    tmp.replace(path)  # never a half-written calibration
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(rates.to_json())
+        tmp.replace(path)  # never a half-written calibration
+    except OSError as exc:
+        raise MegaUsageError(f"cannot save the calibration to {path}: {exc.strerror}") from None
     click.echo(rates.to_json())
     click.echo(f"saved to {path}")
 
@@ -173,10 +185,6 @@ def _print_plan(config: Any, plan: Any, kind: str, memory_gib: float) -> None:
             f"does not fit: the largest stage needs {plan.peak_bytes / GIB:.1f} GiB of"
             f" {usable:.1f} usable ({USABLE:.0%} of {memory_gib:.0f})"
         )
-
-
-def shell_line(args: list[str]) -> str:
-    return "mega train " + shlex.join(args)
 
 
 @hookimpl

@@ -52,30 +52,38 @@ class Rates:
 # GPUs was lent to measure NCCL's all-reduce: its rate is NVLink 4's 450 GB/s per direction at
 # the 80% that NCCL's ring reaches on large messages, an assumption until measured.
 _NVLINK4_ALLREDUCE = 0.8 * 450e9
+
+
+def _measured(
+    gpu: str,
+    results: str,
+    matmul: float,
+    attention: tuple[float, float],
+    memory: float,
+    host: float,
+) -> Rates:
+    return Rates(
+        gpu=gpu,
+        matmul_flops=matmul,
+        attention_forward_flops=attention[0],
+        attention_backward_flops=attention[1],
+        memory_bytes=memory,
+        host_op_seconds=host,
+        allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
+        source=f"benchmarks/results/{results} (torch 2.11); all-reduce assumed (NVLink 4)",
+    )
+
+
 BUILT_IN: dict[str, Rates] = {
-    "h100": Rates(
-        gpu="NVIDIA H100 80GB HBM3",
-        matmul_flops=685.3e12,
-        attention_forward_flops=330.0e12,
-        attention_backward_flops=277.1e12,
-        memory_bytes=2.876e12,
-        host_op_seconds=11.1e-6,
-        allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
-        source="benchmarks/results/plan_calibration_h100_2026-11-24.json (torch 2.11); "
-        "all-reduce assumed (NVLink 4)",
+    "h100": _measured(
+        "NVIDIA H100 80GB HBM3", "plan_calibration_h100_2026-11-24.json",
+        685.3e12, (330.0e12, 277.1e12), 2.876e12, 11.1e-6,
     ),
-    "h200": Rates(
-        gpu="NVIDIA H200",
-        matmul_flops=657.0e12,
-        attention_forward_flops=382.0e12,
-        attention_backward_flops=327.3e12,
-        memory_bytes=4.07e12,
-        host_op_seconds=8.5e-6,
-        allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
-        source="benchmarks/results/plan_calibration_h200_2026-11-24.json (torch 2.11); "
-        "all-reduce assumed (NVLink 4)",
+    "h200": _measured(
+        "NVIDIA H200", "plan_calibration_h200_2026-11-24.json",
+        657.0e12, (382.0e12, 327.3e12), 4.07e12, 8.5e-6,
     ),
-}
+}  # fmt: skip
 
 
 def _time(fn: Callable[[], object], repeat: int) -> float:

@@ -7,11 +7,12 @@ partitioner saves a few tensors and recomputes cheap elementwise results in the 
 fused head never writes the float32 logits out.
 
 The planner cannot run compiled code under its dispatch mode, so each compiled unit is measured
-once per kind (code, parameter and input shapes: a 24-layer model compiles one layer and one
-head) by compiling it on meta with the same partitioner, run eagerly graph by graph (no
-inductor: the partition is what decides the saved tensors), each graph under its own tracker:
-the storages saved for backward, and the forward and backward graphs' peaks. The unit then runs
-in the step as ``CompiledStandIn``:
+once per kind (its structure, code, parameter and input shapes: a 24-layer model compiles one
+layer and one head) by compiling it on meta with inductor's decompositions and partitioner, its
+graphs run eagerly (no code is generated: the partition is what decides the saved tensors). The
+storages it saves for backward are counted as it runs; the forward and backward graphs' peaks,
+bytes moved and kernels are read from the graphs as inductor would fuse them (``fused_graph``).
+The unit then runs in the step as ``CompiledStandIn``:
 
 - forward: the unit's eager forward without autograd, its memory not counted; then the forward
   graph's peak, allocated and freed, and one empty tensor per storage the compiled unit saves;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -212,7 +214,12 @@ def _measure_or_none(
     try:
         module.train(False)
         return measure_compiled(forward, module, args, kwargs)
-    except Exception:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(
+            f"planning: {type(module).__name__} could not be compiled on meta ({exc});"
+            " counted as eager, which keeps more than compiled",
+            stacklevel=2,
+        )
         return None
     finally:
         module.train(training)
@@ -279,7 +286,8 @@ def stand_in_compiled(unit: torch.nn.Module, tracker: StepTracker, cache: dict) 
     """Make ``unit``'s forward count as its compiled self (see above). ``cache`` maps a kind of
     unit to its measured memory; share it among the units of a run."""
     forward = unit.forward
-    kind = _forward_signature(forward), _tensor_signature(list(unit.parameters()))
+    # repr: the submodules and their settings (a dropout's p changes what is saved)
+    kind = repr(unit), _forward_signature(forward), _tensor_signature(list(unit.parameters()))
 
     @functools.wraps(forward)
     def counted(*args: Any, **kwargs: Any) -> Any:

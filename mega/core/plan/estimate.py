@@ -58,11 +58,11 @@ class Plan:
     optimizer_seconds: float
     step_seconds: float
     tokens_per_second: float
-    peak_bytes: int  # the largest of the stages'
 
     @property
-    def largest(self) -> StagePlan:
-        return max(self.stages, key=lambda s: s.profile.peak_bytes)
+    def peak_bytes(self) -> int:
+        """The largest stage's peak."""
+        return max(s.profile.peak_bytes for s in self.stages)
 
 
 def collective_seconds(work: Work, rates: Rates, dims: set[str]) -> float:
@@ -145,5 +145,4 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
         optimizer_seconds=optimizer,
         step_seconds=step,
         tokens_per_second=tokens / step,
-        peak_bytes=max(s.profile.peak_bytes for s in stages),
     )

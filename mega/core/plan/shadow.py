@@ -11,10 +11,9 @@ and the ops seen are its work. Three things differ from a GPU, on purpose:
 - attention is ``flash_attention`` (what a fused kernel keeps), not SDPA's math path on meta;
 - point-to-point transfers between pipeline stages are skipped (the received buffers are
   allocated by the executor as on a GPU);
-- nothing is compiled: the count is eager mode's. On a GPU ``mega train`` compiles the layers
-  of a run without tensor or context parallelism, and a compiled layer keeps less for backward
-  (inductor recomputes cheap elementwise results): the 1.3B GPT on one H200 measured 35.2 GiB
-  where this count gives 39.5. Runs with tensor parallelism run eager, as counted here.
+- nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head,
+  without tensor or context parallelism) run eagerly but are counted as their compiled selves
+  keep memory (``mega.core.plan.compiled``).
 """
 
 from __future__ import annotations
@@ -32,14 +31,14 @@ import torch.nn.functional as F
 from mega import BuildContext
 from mega.core.config.sections import RunConfig
 from mega.core.plan.compiled import stand_in_compiled
-from mega.core.plan.tracking import StepTracker, Work, planning_sdpa
+from mega.core.plan.tracking import StepTracker, Work, nbytes, planning_sdpa
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import global_batch
 from mega.core.training.build import (
     build_context,
     build_data,
     build_parts,
-    compile_by_default,
+    compiles_layers,
     microbatch_preparation,
 )
 from mega.core.training.compile import compiled_units
@@ -122,11 +121,6 @@ def planning_microbatch(
 _COMPILED: dict = {}
 
 
-def _compiled_on_gpu(config: RunConfig, topology: Topology) -> bool:
-    compile_flag = config.training.compile
-    return compile_by_default(CUDA, topology) if compile_flag is None else compile_flag
-
-
 def _stand_in_compiled_units(
     config: RunConfig, plugins: Plugins, chunks: list[torch.nn.Module], tracker: StepTracker
 ) -> None:
@@ -140,16 +134,16 @@ def _stand_in_compiled_units(
         stand_in_compiled(unit, tracker, _COMPILED)
 
 
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
-
-
 def _state_bytes(parts: Any) -> dict[str, int]:
     optimizer = parts.optimizer
     return {
-        "parameters": _nbytes(parts.buffer.param_data),
-        "gradients": _nbytes(parts.buffer.main_grad),
-        "optimizer": sum(map(_nbytes, (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq))),
+        "parameters": nbytes(parts.buffer.param_data),
+        "gradients": nbytes(parts.buffer.main_grad),
+        "optimizer": sum(
+            nbytes(t)
+            for t in (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq)
+            if t is not None  # fp32 runs keep no master copy
+        ),
     }
 
 
@@ -166,7 +160,7 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         with tracker:
             ctx = build_context(config, plugins, topology, META)
             parts = build_parts(config, plugins, topology, META, ctx, None)
-            if _compiled_on_gpu(config, topology):
+            if compiles_layers(config.training.compile, CUDA, topology):
                 _stand_in_compiled_units(config, plugins, parts.executor.chunks, tracker)
         microbatch = planning_microbatch(config, plugins, ctx, topology)
         m = config.num_microbatches

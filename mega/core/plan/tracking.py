@@ -80,7 +80,8 @@ class Work:
         return out
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s elements (not of its storage)."""
     return t.numel() * t.element_size()
 
 
@@ -194,12 +195,12 @@ class StepTracker(TorchDispatchMode):
             if kind is not None and dim is not None:
                 # the full-size side: all-reduce's tensor, all-gather's output, the input of
                 # a reduce-scatter or all-to-all (the time model applies the algorithm's factor)
-                payload = max(sum(map(_nbytes, _tensors(a))) for a in args[:2])
+                payload = max(sum(map(nbytes, _tensors(a))) for a in args[:2])
                 work.collectives[dim, kind, group.size()] += payload
             return
         work.ops += 1
-        work.memory_bytes += sum(_nbytes(t) for t in _tensors((args, kwargs)))
-        work.memory_bytes += sum(_nbytes(t) for t in _tensors(out))
+        work.memory_bytes += sum(nbytes(t) for t in _tensors((args, kwargs)))
+        work.memory_bytes += sum(nbytes(t) for t in _tensors(out))
 
 
 def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> float:
