@@ -1,8 +1,9 @@
 """The planner against the runs measured on GPUs (benchmarks/results): every recorded layout of
-the 1.3B and 6.7B GPT on 2 H200 (data, tensor, sequence and pipeline parallel, interleaved,
-micro-batch sizes, selective and full recompute), every pipeline stage's peak memory within 10%
-and tokens/s within 20% with the built-in H200 rates. Two pairs are known misses and marked
-strict xfail, so that fixing them (or breaking the rest) shows.
+the 1.3B and 6.7B GPT on 1 and 2 H200 (data, tensor, sequence and pipeline parallel, interleaved,
+micro-batch sizes, selective and full recompute, compiled and not), every pipeline stage's peak
+memory within 10% and tokens/s within 20% with the built-in H200 rates. A known miss is marked
+strict xfail, so that fixing it (or breaking the rest) shows; a record of code since changed is
+skipped, saying what replaced it.
 """
 
 from __future__ import annotations
@@ -20,19 +21,22 @@ from mega.core.plugins.manager import make_plugins
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 FILES = (
+    "layouts_1p3b_1gpu_2026-11-24.json",
     "layouts_1p3b_2gpu_2026-11-24.json",
     "layouts_6p7b_2gpu_2026-11-24.json",
     "layouts_6p7b_2gpu_more_2026-11-24.json",
 )
 GIB = 2**30
-# Compiled full recompute measured 22.5 GiB against 17.3 counted. On one H200 the same flags
-# measured 29.9 GiB compiled and 27.5 with --no-compile (plan_calibration_h200): compiling adds
-# 2.4 GiB that the count of compiled units (a checkpointed layer saves nothing, as measured on
-# the GPU for one layer) does not find.
-MEMORY_MISSES = {"1p3b-tp1dp2:--recompute-granularity=full"}
+# Measured before full recompute kept its checkpoint outside the compiled layer: compiled around
+# it, each 1.3B layer kept 288 MiB that the planner never counted (22.5 GiB against 17.3).
+STALE = {
+    "1p3b-2gpu-tp1dp2:--recompute-granularity=full": "measured with full recompute compiled "
+    "around its checkpoint, since changed; its one-GPU twin (1p3b-1gpu) is checked instead",
+}
+MEMORY_MISSES: set[str] = set()
 # Sequence parallelism on the 1.3B measured 35% slower than plain TP2 (555.9 against 412.4 ms)
 # with the same bytes communicated; the count sees no reason for it.
-SPEED_MISSES = {"1p3b-tp2-sp"}
+SPEED_MISSES = {"1p3b-2gpu-tp2-sp"}
 
 
 def train_flags(command: str) -> str:
@@ -54,8 +58,14 @@ def _runs(misses: set[str]):
     params = []
     for name in FILES:
         for run in json.loads((RESULTS / name).read_text())["results"]:
-            key = f"{name.split('_')[1]}-{run['layout'].split(' ')[0]}"
-            mark = pytest.mark.xfail(strict=True, reason="known miss") if key in misses else ()
+            model, gpus = name.split("_")[1:3]
+            key = f"{model}-{gpus}-{run['layout'].split(' ')[0]}"
+            if key in STALE:
+                mark = pytest.mark.skip(reason=STALE[key])
+            elif key in misses:
+                mark = pytest.mark.xfail(strict=True, reason="known miss")
+            else:
+                mark = ()
             params.append(pytest.param(run, id=key, marks=mark))
     return params
 
@@ -93,7 +103,10 @@ def test_measured_fastest_6p7b_layout_is_predicted_fastest():
     # the acceptance of --search on the recorded layouts: ranked by predicted tokens/s, the
     # one measured fastest comes first (all fit 2 H200)
     runs = [
-        run for name in FILES[1:] for run in json.loads((RESULTS / name).read_text())["results"]
+        run
+        for name in FILES
+        if "6p7b" in name
+        for run in json.loads((RESULTS / name).read_text())["results"]
     ]
     measured = max(runs, key=lambda run: run["tokens_per_s"])
     predicted = max(runs, key=lambda run: _plan(run).tokens_per_second)

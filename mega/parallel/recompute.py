@@ -59,7 +59,31 @@ def _checkpointed(forward: Callable[..., Any], tracker: Any) -> Callable[..., An
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
+    run.checkpointed = forward  # what checkpoint_outside wraps
+    run.tracker = tracker
     return run
+
+
+def checkpoint_outside(module: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> bool:
+    """If ``module``'s forward is a checkpoint made here, put ``wrap`` (``torch.compile``) around
+    what it checkpoints and keep the checkpoint outside, eager; False if it is not one.
+
+    Compiled around the checkpoint, the checkpoint is traced into the graph and the partitioner
+    still saves tensors inside it: a 1.3B GPT layer (torch 2.11, one H100) kept its QKV and FC1
+    outputs, 288 MiB per layer at micro-batch 4, and full recompute of the compiled model took
+    29.9 GiB where --no-compile took 27.5. An eager checkpoint around the compiled forward
+    drops everything the compiled graph saves and replays the compiled forward in backward."""
+    run = module.__dict__.get("forward")  # an instance attribute, as apply_recompute sets it
+    inner = getattr(run, "checkpointed", None)
+    if inner is None:
+        return False
+    module.forward = _checkpointed(wrap(inner), run.tracker)
+    return True
+
+
+def is_checkpointed(module: torch.nn.Module) -> bool:
+    """Whether apply_recompute made ``module``'s forward a checkpoint."""
+    return hasattr(module.__dict__.get("forward"), "checkpointed")
 
 
 def _passthrough(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from mega.core.plan.fused_graph import FusedGraph, fused_graph
 from mega.core.plan.tracking import StepTracker, Work
+from mega.parallel.recompute import checkpoint_outside
 
 
 def _forward_signature(fn: Any, depth: int = 0) -> tuple:
@@ -283,9 +284,20 @@ def _pass_through(nbytes: int) -> None:
 
 
 def stand_in_compiled(unit: torch.nn.Module, tracker: StepTracker, cache: dict) -> None:
-    """Make ``unit``'s forward count as its compiled self (see above). ``cache`` maps a kind of
-    unit to its measured memory; share it among the units of a run."""
-    forward = unit.forward
+    """Make ``unit``'s forward count as its compiled self (see above), compiled where
+    ``mega train`` compiles it: inside a full-recompute checkpoint. ``cache`` maps a kind of unit
+    to its measured memory; share it among the units of a run."""
+
+    def counted(forward: Callable) -> Callable:
+        return _counted_forward(forward, unit, tracker, cache)
+
+    if not checkpoint_outside(unit, counted):
+        unit.forward = counted(unit.forward)
+
+
+def _counted_forward(
+    forward: Callable, unit: torch.nn.Module, tracker: StepTracker, cache: dict
+) -> Callable:
     # repr: the submodules and their settings (a dropout's p changes what is saved)
     kind = repr(unit), _forward_signature(forward), _tensor_signature(list(unit.parameters()))
 
@@ -313,4 +325,4 @@ def stand_in_compiled(unit: torch.nn.Module, tracker: StepTracker, cache: dict) 
         run.tracker = tracker
         return CompiledStandIn.apply(run, cache[key], *tensors)
 
-    unit.forward = counted
+    return counted

@@ -19,6 +19,10 @@ float32 log-softmax is fused and the float32 logits are never written out. Every
 checkpoints, the gradient buffer and the optimizer see the same model either way.
 Tensor-parallel layers hold collectives, which compiled layers mishandled (measured on 4 H200,
 torch 2.11): ``--compile`` is refused with TP > 1.
+
+A layer that full recompute checkpoints is compiled inside its checkpoint, not around it
+(``mega.parallel.recompute.checkpoint_outside`` says what compiling around it kept), and on its
+own, never as part of a stack.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from mega.parallel.plan import LM_HEAD, ParallelPlan, layer_lists
+from mega.parallel.recompute import checkpoint_outside, is_checkpointed
 
 
 def compiled_units(chunk: torch.nn.Module, plan: ParallelPlan) -> list[torch.nn.Module]:
@@ -39,10 +44,12 @@ def compiled_units(chunk: torch.nn.Module, plan: ParallelPlan) -> list[torch.nn.
         owner = path.rpartition(".")[0]
         if path not in present:
             continue
-        if stacks and owner:  # a list owned by the model itself has no stack apart from it
+        layers = list(present[path].children())
+        # a list owned by the model itself has no stack apart from it
+        if stacks and owner and not any(is_checkpointed(layer) for layer in layers):
             units.append(present[owner])
         else:
-            units += list(present[path].children())
+            units += layers
     units += [present[p] for p, style in plan.tensor.items() if style == LM_HEAD and p in present]
     return units
 
@@ -62,5 +69,6 @@ def compile_model(
     for chunk in chunks or [model]:
         units.update((id(unit), unit) for unit in compiled_units(chunk, plan))
     for unit in units.values():
-        unit.compile()
+        if not checkpoint_outside(unit, torch.compile):
+            unit.compile()
     return len(units)
