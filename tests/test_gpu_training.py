@@ -81,3 +81,22 @@ def test_compile_is_on_by_default_on_cuda(tmp_path: Path):
     engine.train()
     layer = engine.model.decoder.layers[0]
     assert layer._compiled_call_impl is not None
+
+
+def test_a_gpu_run_sets_its_planned_peak_memory_against_the_measured(tmp_path: Path):
+    """Every GPU run checks the planner: rank 0 plans the run beside it, and a line once the
+    plan is in (or at the end) sets the planned peak against the measured one."""
+    plugins = make_plugins()
+    args = [
+        "--model", "gpt", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads",
+        "8", "--seq-length", "512", "--max-position-embeddings", "512", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "8000", "--bf16",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "1e-4", "--eval-iters", "0",
+        "--device", "cuda", "--train-iters", "3", "--run-dir", str(tmp_path),
+    ]  # fmt: skip
+    Engine(resolve_config(args, plugins), plugins, Display(rich_output=False)).train()
+    records = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    planned = [r for r in records if "planned_memory_gb" in r]
+    assert len(planned) == 1
+    # the recorded layouts are within 10%; this small model's allocator rounding weighs more
+    assert planned[0]["planned_memory_gb"] == pytest.approx(planned[0]["max_memory_gb"], rel=0.25)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from mega import ModelSpec, hookimpl
 from mega.cli import make_cli
 from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
@@ -79,3 +81,36 @@ def test_calibrate_without_a_gpu_is_one_error_line_exit_2():
         pytest.skip("this machine has a GPU")
     assert done.returncode == 2
     assert done.stderr.strip() == "error: calibration measures a GPU, and this machine has none"
+
+
+class HostReadingGPT:
+    """A model plugin whose forward reads a tensor's value on the host: it cannot run on meta."""
+
+    @hookimpl
+    def register_models(self, register):
+        from mega.plugins.models.gpt import GPTConfig, _build, flops_per_token
+
+        def build(cfg, ctx):
+            model = _build(cfg, ctx)
+            forward = model.forward
+
+            def reading(tokens, labels=None, **kwargs):
+                if tokens.max().item() < 0:  # the host read
+                    raise AssertionError("token ids are never negative")
+                return forward(tokens, labels, **kwargs)
+
+            model.forward = reading
+            return model
+
+        register(ModelSpec(name="gpt-host-reading", config_cls=GPTConfig, build=build,
+                           flops_per_token=flops_per_token))  # fmt: skip
+
+
+def test_a_model_that_cannot_run_on_meta_is_one_line_naming_it_and_where():
+    plugins = make_plugins(extra=[("host-reading", HostReadingGPT())])
+    args = ["plan", *shlex.split(SMALL.replace("--model gpt", "--model gpt-host-reading"))]
+    result = CliRunner().invoke(make_cli(plugins), args)
+    assert isinstance(result.exception, MegaUsageError)
+    message = str(result.exception)
+    assert message.startswith("model 'gpt-host-reading' cannot be planned: it does not run its")
+    assert "Tensor.item()" in message and f"{Path(__file__).name}:" in message

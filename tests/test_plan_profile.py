@@ -10,7 +10,9 @@ import shlex
 import pytest
 
 from mega.core.config.resolve import resolve_config
-from mega.core.plan.shadow import profile_rank
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run
+from mega.core.plan.shadow import counted_microbatches, profile_rank
 from mega.core.plugins.manager import make_plugins
 
 SMALL = (
@@ -75,3 +77,39 @@ def test_tensor_parallel_rank_holds_half_the_layers_and_splits_the_collectives()
     activation, per_token = 2 * 32 * 64 * 2, 2 * 32 * 4
     expected = 5 * activation + 3 * per_token
     assert p2.forward.collectives["tp", "allreduce", 2] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "vpp", "m", "counted"),
+    [
+        ("no-pipelining", 1, 1, 128, 1),  # one micro-batch in flight, whatever the batch
+        ("1f1b", 4, 1, 64, 4),  # the first stage holds pp
+        ("interleaved", 4, 2, 64, 8),
+        ("gpipe", 2, 1, 8, 8),  # every forward before any backward: all of them are in flight
+    ],
+)
+def test_a_step_is_counted_on_as_few_microbatches_as_hold_the_same_in_flight(
+    schedule, pp, vpp, m, counted
+):
+    spec = make_plugins().parallel.get(schedule)
+    assert counted_microbatches(spec.table, pp, vpp, m) == counted
+
+
+def test_a_larger_global_batch_changes_the_time_not_the_memory_or_the_reduction():
+    """Counted on fewer micro-batches, a plan still charges the gradient reduction once."""
+    plugins = make_plugins()
+    flags = SMALL.replace("--global-batch-size 4", "--global-batch-size {}")
+    layout = " --pipeline-model-parallel-size 2 --nproc-per-node 4 --overlap-grad-reduce"
+    small, large = (
+        plan_run(resolve_config(shlex.split(flags.format(g) + layout), plugins), plugins,
+                 BUILT_IN["h200"])
+        for g in (8, 64)
+    )  # fmt: skip
+    assert [s.profile.peak_bytes for s in small.stages] == [
+        s.profile.peak_bytes for s in large.stages
+    ]
+    assert large.gradient_sync_seconds == pytest.approx(small.gradient_sync_seconds)
+    per_microbatch = [s.forward_seconds + s.backward_seconds for s in small.stages]
+    assert [s.forward_seconds + s.backward_seconds for s in large.stages] == pytest.approx(
+        per_microbatch
+    )

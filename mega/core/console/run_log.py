@@ -42,6 +42,9 @@ class RunLog:
         self.display, self.flops_per_token = display, flops_per_token
         self.loss_names = loss_names
         self.sinks: list[Any] = []
+        # rank 0 on a GPU: the planner counting this run (mega.core.plan.check), until it reports
+        self.plan_check: Any = None
+        self._peak_gib: float | None = None  # the largest rank's peak at the last line
         stamp = time.strftime("%Y%m%d-%H%M%S")
         c = config
         self.run_dir = Path(
@@ -77,8 +80,29 @@ class RunLog:
             self.sinks.append(WandbSink(log.wandb_project, log.wandb_exp_name, save_dir, config))
 
     def close(self) -> None:
+        if self.plan_check is not None:
+            self.plan_check.stop()
         for sink in self.sinks:
             sink.close()
+
+    def _report_plan(self, metrics: dict[str, Any], wait_s: float = 0.0) -> None:
+        """Once the planner has reported: its peak against the measured one, in a line and in
+        ``metrics`` (``planned_memory_gb``)."""
+        planned = self.plan_check.result(wait_s)
+        if planned is None:
+            return
+        self.plan_check = None
+        self.display.print(planned.memory_line(self._peak_gib))
+        if not planned.error:
+            metrics["planned_memory_gb"] = round(planned.peak_gib, 3)
+
+    def finish_plan_check(self, iteration: int, wait_s: float = 60.0) -> None:
+        """At the end of a run too short for the planner to report beside it: wait for it."""
+        if self.plan_check is not None and self._peak_gib is not None:
+            record: dict[str, Any] = {}
+            self._report_plan(record, wait_s)
+            if record:
+                self.write({"iteration": iteration, **record})
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -153,7 +177,10 @@ class RunLog:
             by_rank = self._peak_memory_gb_by_rank()
             metrics["max_memory_gb"] = max(by_rank)
             metrics["max_memory_gb_by_rank"] = by_rank
+            self._peak_gib = max(by_rank)
         self.display.print(format_iteration_line(metrics, cfg.train_iters, self.loss_names))
+        if self.plan_check is not None and self._peak_gib is not None:
+            self._report_plan(metrics)
         nan_total = progress["nan_total"] + nan_count
         self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
         return metrics, nan_count

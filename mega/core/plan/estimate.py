@@ -124,12 +124,15 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
             p2p="rendezvous",
         )
         pipeline, bubble = result.total_time, result.bubble_fraction
-    # the gradient reduction, launched by backward's hooks (counted per micro-batch) or at the
-    # step; under --overlap-grad-reduce it runs beside the last micro-batch's backward, and
-    # what is longer shows. The distributed optimizer's parameter all-gather follows the update.
-    reduce = m * collective_seconds(slowest.profile.backward, rates, _STEP_DIMS)
+    # the gradient reduction, launched by backward's hooks or at the step; under
+    # --overlap-grad-reduce it runs beside the last micro-batch's backward, and what is longer
+    # shows (the buckets' scaling, on the compute stream, does not overlap). The distributed
+    # optimizer's parameter all-gather follows the update.
+    hooked = slowest.profile.reduction
+    reduce = collective_seconds(hooked, rates, _STEP_DIMS)
     if config.parallel.overlap_grad_reduce:
         reduce = max(0.0, reduce - slowest.backward_seconds)
+    reduce += hooked.memory_bytes / rates.memory_bytes
     reduce += collective_seconds(slowest.profile.step, rates, _STEP_DIMS)
     optimizer = (
         slowest.profile.optimizer_elements * OPTIMIZER_BYTES_PER_ELEMENT / rates.memory_bytes

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from mega import BuildContext
 from mega.core.config.sections import RunConfig
+from mega.core.errors import MegaUsageError
 from mega.core.plan.compiled import stand_in_compiled
 from mega.core.plan.tracking import StepTracker, Work, nbytes, planning_sdpa
 from mega.core.plugins.manager import Plugins
@@ -44,6 +47,8 @@ from mega.core.training.build import (
 from mega.core.training.compile import compiled_units
 from mega.core.training.step import model_forward
 from mega.parallel import comm
+from mega.parallel.pipeline.actions import Backward, Forward, WeightGrad
+from mega.parallel.pipeline.simulator import simulate
 from mega.parallel.topology import ORDER, Topology, build_topology
 
 META = torch.device("meta")
@@ -60,7 +65,8 @@ class RankProfile:
     peak_bytes: int  # the largest live total during forward, backward and the optimizer step
     forward: Work  # per micro-batch, over this rank's chunks
     backward: Work  # per micro-batch (recompute's forwards included)
-    step: Work  # gradient reduction and the optimizer, once per global batch
+    reduction: Work  # the gradient buckets backward's hooks reduce, once per global batch
+    step: Work  # the rest of the gradient reduction and the optimizer, once per global batch
     chunks: int
     optimizer_elements: int  # the fp32 elements this rank's optimizer updates (its shard)
     table: Any  # the schedule's table function (pp, vpp, m) -> actions by pipeline rank
@@ -147,6 +153,72 @@ def _state_bytes(parts: Any) -> dict[str, int]:
     }
 
 
+def _in_flight(table: dict[int, list[Any]]) -> tuple:
+    """The most micro-batches each rank holds activations for at once, in all and by chunk: a
+    forward holds them until its backward, or its weight gradients where the table splits them
+    off."""
+    shape = []
+    for rank in sorted(table):
+        actions = table[rank]
+        split = {(a.microbatch, a.chunk) for a in actions if isinstance(a, WeightGrad)}
+        live: dict[int, int] = {}
+        most_by_chunk: dict[int, int] = {}
+        most = 0
+        for a in actions:
+            if isinstance(a, Forward):
+                live[a.chunk] = live.get(a.chunk, 0) + 1
+                most_by_chunk[a.chunk] = max(most_by_chunk.get(a.chunk, 0), live[a.chunk])
+                most = max(most, sum(live.values()))
+            elif isinstance(a, WeightGrad) or (
+                isinstance(a, Backward) and (a.microbatch, a.chunk) not in split
+            ):
+                live[a.chunk] -= 1
+        shape.append((most, tuple(sorted(most_by_chunk.items()))))
+    return tuple(shape)
+
+
+def counted_microbatches(table: Callable[[int, int, int], Any], pp: int, vpp: int, m: int) -> int:
+    """How many of a step's ``m`` micro-batches the count runs: the fewest whose schedule holds
+    as many in flight on every rank and chunk as ``m`` do. The peak is the same (one GPU with
+    any ``m``: one), the work per micro-batch too, and a plan no longer grows with the global
+    batch (128 micro-batches took as long to count as 128 steps of one)."""
+    try:
+        full = _in_flight(table(pp, vpp, m))
+    except Exception:  # noqa: BLE001 - a schedule that cannot tell: count them all
+        return m
+    for fewer in range(1, m):
+        try:
+            candidate = table(pp, vpp, fewer)
+            simulate(candidate, pp, vpp, fewer, p2p="rendezvous")  # as the executor checks
+        except Exception:  # noqa: BLE001 - too few for this schedule (or it cannot run them)
+            continue
+        if _in_flight(candidate) == full:
+            return fewer
+    return m
+
+
+@contextlib.contextmanager
+def _on_meta(model: str, what: str) -> Iterator[None]:
+    """A model that cannot ``what`` on the meta device (a plugin's forward that reads a tensor's
+    values on the host, say) cannot be planned: one line saying so and where, not a traceback."""
+    try:
+        yield
+    except MegaUsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the model did is what the line says
+        planner = str(Path(__file__).parent)  # its dispatch mode is where a failing op surfaces
+        frames = [
+            f
+            for f in traceback.extract_tb(exc.__traceback__)
+            if "/torch/" not in f.filename and not f.filename.startswith(planner)
+        ]
+        where = f", at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        raise MegaUsageError(
+            f"model '{model}' cannot be planned: it does not {what} on the meta device, where"
+            f" mega plan counts it ({type(exc).__name__}: {str(exc).splitlines()[0]}{where})"
+        ) from None
+
+
 def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
     """Build rank ``rank`` of ``config``'s layout on the meta device and count one eager step."""
     world = config.world_size
@@ -157,7 +229,7 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         plain = sorted(topology.groups.items(), key=lambda item: item[0] in ORDER)
         names = {group.group_name: name for name, group in plain}
         tracker = StepTracker(names)
-        with tracker:
+        with tracker, _on_meta(config.model_name, "build"):
             ctx = build_context(config, plugins, topology, META)
             parts = build_parts(config, plugins, topology, META, ctx, None)
             if compiles_layers(config.training.compile, CUDA, topology):
@@ -177,7 +249,29 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
                 tracker.work = outer
 
         executor.forward_fn = counted_forward
-        with tracker:
+        reduction = Work()
+        start_bucket = parts.buffer._start
+
+        def counted_start(bucket: Any, async_op: bool) -> None:
+            # a bucket's reduction, started by the last micro-batch's backward: once per step
+            outer, tracker.work = tracker.work, reduction
+            try:
+                start_bucket(bucket, async_op)
+            finally:
+                tracker.work = outer
+
+        parts.buffer._start = counted_start
+        update = parts.optimizer._update
+
+        def compiled_update(*args: Any, **kwargs: Any) -> Any:
+            # on a GPU the update is one compiled kernel writing the state in place: none of
+            # the eager update's temporaries (28 bytes per element) exist there
+            with tracker.memory_uncounted():
+                return update(*args, **kwargs)
+
+        parts.optimizer._update = compiled_update
+        m = counted_microbatches(executor.table, executor.layout.pp, executor.layout.vpp, m)
+        with tracker, _on_meta(config.model_name, "run its step"):
             tracker.work = Work()
             static = tracker.live
             tracker.reset_peak()
@@ -195,6 +289,7 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
             peak_bytes=tracker.peak,
             forward=forward.scaled(1 / m),
             backward=backward.scaled(1 / m),
+            reduction=reduction,
             step=step,
             chunks=len(executor.chunks),
             optimizer_elements=parts.optimizer.exp_avg.numel(),

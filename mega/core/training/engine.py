@@ -29,6 +29,7 @@ from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog, device_text
 from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.plan.check import start_plan_check
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
@@ -78,6 +79,7 @@ class Engine:
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
         self.device, self.topology = join_job(cfg)
+        plan_check = start_plan_check(cfg, self.device) if self.topology.is_rank0 else None
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
             self.display = Display(enabled=False, rank=self.topology.rank)
         # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
@@ -96,6 +98,7 @@ class Engine:
         self.log = RunLog(
             cfg, self.topology, self.device, self.display, parts.flops_per_token, self.loss_names
         )
+        self.log.plan_check = plan_check
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
             load_run(self, cfg.checkpoint.load)
@@ -204,6 +207,7 @@ class Engine:
                 self.save()
             finish_pending_save(self)
             self.display.stop_progress()
+            self.log.finish_plan_check(self.iteration)
             if stop:  # as Megatron: saved, and no final evaluation
                 self.display.print(f" exiting after iteration {self.iteration}: {stop}")
                 return last
