@@ -101,8 +101,8 @@ class RunLog:
         if self.plan_check is not None and self._peak_gib is not None:
             record: dict[str, Any] = {}
             self._report_plan(record, wait_s)
-            if record:
-                self.write({"iteration": iteration, **record})
+            if record:  # the peak it was set against beside it
+                self.write({"iteration": iteration, "max_memory_gb": self._peak_gib, **record})
 
     def write(self, record: dict[str, Any]) -> None:
         for sink in self.sinks:
