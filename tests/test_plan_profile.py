@@ -8,6 +8,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
+import torch
 
 from mega.core.config.resolve import resolve_config
 from mega.core.plan.calibration import BUILT_IN
@@ -113,3 +114,24 @@ def test_a_larger_global_batch_changes_the_time_not_the_memory_or_the_reduction(
     assert [s.forward_seconds + s.backward_seconds for s in large.stages] == pytest.approx(
         per_microbatch
     )
+
+
+def test_a_plan_counts_the_same_after_training_and_leaves_the_training_scale_alone():
+    """The executor's MoE auxiliary-loss scale is process-wide; a step trained in the process
+    before (a tensor on the CPU at scale 8) must neither change what the planner counts (a
+    launch more per such tensor) nor be filled with the planner's scale."""
+    from mega.parallel.expert import aux_loss
+
+    config, plugins = _config(SMALL + " --pipeline-model-parallel-size 2", 2)
+    before = plan_run(config, plugins, BUILT_IN["h100"])
+    aux_loss.set_backward_scale(8.0, torch.device("cpu"))
+    try:
+        after = plan_run(config, plugins, BUILT_IN["h100"])
+        assert aux_loss._scale_on(torch.device("cpu")).item() == 8.0
+    finally:
+        aux_loss._tensors.pop(torch.device("cpu"), None)
+        aux_loss.set_backward_scale(1.0)
+    assert after.tokens_per_second == before.tokens_per_second
+    assert [s.profile.backward.ops for s in after.stages] == [
+        s.profile.backward.ops for s in before.stages
+    ]

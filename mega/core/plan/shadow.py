@@ -47,6 +47,7 @@ from mega.core.training.build import (
 from mega.core.training.compile import compiled_units
 from mega.core.training.step import model_forward
 from mega.parallel import comm
+from mega.parallel.expert.aux_loss import private_scale
 from mega.parallel.pipeline.actions import Backward, Forward, WeightGrad
 from mega.parallel.pipeline.simulator import simulate
 from mega.parallel.topology import ORDER, Topology, build_topology
@@ -92,7 +93,8 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def planning_patches() -> Iterator[None]:
-    """Attention that keeps what a fused kernel keeps; pipeline transfers that send nothing."""
+    """Attention that keeps what a fused kernel keeps; pipeline transfers that send nothing; the
+    MoE auxiliary losses' scale of the planner's own."""
     sdpa, exchange = F.scaled_dot_product_attention, comm.exchange
 
     def no_transfer(sends: Any, recvs: Any, group: Any, wait: bool = True) -> Any:
@@ -100,7 +102,8 @@ def planning_patches() -> Iterator[None]:
 
     F.scaled_dot_product_attention, comm.exchange = planning_sdpa, no_transfer
     try:
-        yield
+        with private_scale():
+            yield
     finally:
         F.scaled_dot_product_attention, comm.exchange = sdpa, exchange
 

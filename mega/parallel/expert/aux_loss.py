@@ -14,6 +14,9 @@ A Python number read in backward would be frozen into the compiled backward grap
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 _value = {"scale": 1.0}
@@ -28,6 +31,20 @@ def set_backward_scale(scale: float, device: torch.device | None = None) -> None
         _scale_on(torch.device(device))
     for tensor in _tensors.values():
         tensor.fill_(_value["scale"])
+
+
+@contextlib.contextmanager
+def private_scale() -> Iterator[None]:
+    """A scale and tensors of its own while the block runs (``mega plan`` counting a step in a
+    process that may have trained: its count must not depend on the devices seen before, and it
+    must not change a real run's scale)."""
+    global _value, _tensors
+    outer = _value, _tensors
+    _value, _tensors = {"scale": 1.0}, {}
+    try:
+        yield
+    finally:
+        _value, _tensors = outer
 
 
 def _scale_on(device: torch.device) -> torch.Tensor:
