@@ -334,15 +334,19 @@ def _tp_linear_rank(rank, world_size, style, sequence_parallel):
     cls = ColumnParallelLinear if style == "column" else RowParallelLinear
     layer = cls.from_linear(full, group, rank, world_size, sequence_parallel=sequence_parallel)
     layer.weight.fp8_format = "hybrid"
-    seq = slice(rank * 16, (rank + 1) * 16)
+
+    # with SP a rank holds a block of the 64 tokens (mega.parallel.tensor.mappings), [2, 16, h]
+    def block(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(64, -1)[rank * 32 : (rank + 1) * 32].reshape(2, 16, -1)
+
     local_x = x.clone()
-    if style == "row":  # the input's columns of this rank; with SP the output's positions
+    if style == "row":  # the input's columns of this rank; with SP the output's tokens
         local_x = x[..., rank * 48 : (rank + 1) * 48].clone()
     elif sequence_parallel:
-        local_x = x[:, seq].clone()
+        local_x = block(x).clone()
     local_x.requires_grad_()
     out = layer(local_x)
-    local_g = g[:, seq] if sequence_parallel and style == "row" else g
+    local_g = block(g) if sequence_parallel and style == "row" else g
     if style == "column":
         local_g = g[..., rank * 48 : (rank + 1) * 48]
     out.backward(local_g.contiguous())
@@ -363,23 +367,21 @@ def test_tensor_parallel_fp8_linears_are_within_the_fp8_bound(style, sequence_pa
     for rank, r in enumerate(ranks):
         x, g, w = (r[k].double().reshape(-1, r[k].shape[-1]) if r[k].ndim == 3 else r[k].double()
                    for k in ("x", "g", "w"))  # fmt: skip
-        cols, seq = slice(rank * 48, (rank + 1) * 48), slice(rank * 16, (rank + 1) * 16)
+        cols, rows = slice(rank * 48, (rank + 1) * 48), slice(rank * 32, (rank + 1) * 32)
         if style == "column":
             w_local, g_local = w[cols], g[:, cols]
             out = (x @ w_local.t(), product_error_bound(x, w_local.t(), u4, u4))
             w_grad = (g_local.t() @ x, product_error_bound(g_local.t(), x, u5, u4))
-            # the input gradient is summed over the ranks (this rank's positions of it with SP)
+            # the input gradient is summed over the ranks (this rank's tokens of it with SP)
             x_grad = (g @ w, product_error_bound(g, w, u5, u4))
             if sequence_parallel:
-                rows = torch.arange(64).reshape(2, 32)[:, seq].reshape(-1)
                 x_grad = (x_grad[0][rows], x_grad[1][rows])
         else:
             x_local, w_local = x[:, cols], w[:, cols]
             out = (x @ w.t(), product_error_bound(x, w.t(), u4, u4))  # summed over the ranks
             if sequence_parallel:
-                rows = torch.arange(64).reshape(2, 32)[:, seq].reshape(-1)
                 out = (out[0][rows], out[1][rows])
-            # (with SP, backward gathers the output gradient's positions back: all of g)
+            # (with SP, backward gathers the output gradient's tokens back: all of g)
             x_grad = (g @ w_local, product_error_bound(g, w_local, u5, u4))
             w_grad = (g.t() @ x_local, product_error_bound(g.t(), x_local, u5, u4))
         got = {"out": r["out"], "x_grad": r["x_grad"], "w_grad": r["w_grad"]}

@@ -8,6 +8,7 @@ computed once per dispatcher-independent configuration (a module fixture).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
 
@@ -90,3 +91,50 @@ def test_checkpoints_reshard_across_expert_parallel_sizes(one_process_8, tmp_pat
         "grad_norms": one_process_8["grad_norms"][4:],
     }
     assert_same_training(expected, resumed)
+
+
+SEQ_AUX = [*MOE, "--moe-router-load-balancing-type", "seq_aux_loss"]
+
+
+def test_per_sequence_balancing_under_sequence_parallelism_trains_as_one_process(tmp_path):
+    """Under --sequence-parallel a rank holds a block of the micro-batch's tokens, not a slice of
+    every sequence: the per-sequence load-balancing loss still counts each sequence's tokens,
+    wherever they are."""
+    one = layout_run(SEQ_AUX, 1, str(tmp_path / "one"))[0]
+    flags = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    assert_same_training(one, layout_run([*SEQ_AUX, *flags], 2, str(tmp_path / "sp"))[0])
+
+
+def test_a_token_block_drops_by_position_among_its_own_tokens():
+    """Capacity dropping by position on a rank's token block: each expert keeps the block's
+    first ``capacity`` tokens routed to it, ordered by (position, sequence) as Megatron orders
+    tokens, whichever sequences the block holds."""
+    from mega.plugins.models.gpt.config import GPTConfig
+    from mega.plugins.models.gpt.moe import Router
+
+    b, s, experts, k, blocks = 3, 8, 4, 2, 2
+    cfg = GPTConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, num_experts=experts,
+        moe_router_topk=k, moe_expert_capacity_factor=0.5, moe_token_drop_policy="position",
+    )  # fmt: skip
+    router = Router(cfg)
+    torch.manual_seed(0)
+    tokens = b * s // blocks
+    for block in range(blocks):
+        router.token_block = (block, blocks)
+        probs = torch.rand(tokens, k)
+        indices = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens)])
+        kept_probs, kept, capacity = router._drop(probs, indices, b, s // blocks)
+        flat = block * tokens + torch.arange(tokens)  # the block's tokens in [b, s] order
+        order = sorted(range(tokens), key=lambda t: (flat[t] % s, flat[t] // s))
+        expected = torch.full_like(indices, -1)
+        used = [0] * experts
+        for t in order:
+            for j in range(k):
+                e = int(indices[t, j])
+                used[e] += 1
+                if used[e] <= capacity:
+                    expected[t, j] = e
+        assert capacity < tokens and (expected == -1).any()
+        assert torch.equal(kept, expected)
+        assert torch.equal(kept_probs, probs * (expected >= 0))

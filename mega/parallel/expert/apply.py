@@ -50,9 +50,14 @@ def apply_expert_parallel(
     rank = topology.group_rank("ep")
     for layer in moe_layers(model, plan):
         # the ranks holding the micro-batch's other tokens: its sequence's other positions
-        # (context parallel), or its tokens' other slices (sequence parallel), or both
+        # (context parallel), or its other token blocks (sequence parallel), or both
         split_tp = sequence_parallel and topology.tensor_model_parallel_size > 1
         layer.router.token_group = topology.group("tpcp" if split_tp else "cp")
+        if split_tp:
+            layer.router.token_block = (
+                topology.group_rank("tp"),
+                topology.tensor_model_parallel_size,
+            )
         if ep == 1:
             continue
         experts = layer.experts

@@ -185,7 +185,7 @@ def _enter_sequence_parallel(
     for param in root.parameters():
         if not hasattr(param, "shard"):
             param.sequence_parallel = True
-    # Dropouts act on this rank's sequence slice: each rank draws its own mask. (A dropout already
+    # Dropouts act on this rank's block of the tokens: each rank draws its own mask. (A dropout already
     # wrapped, e.g. inside the core attention, forks once: the tracker is re-entrant.)
     dropouts = [
         name

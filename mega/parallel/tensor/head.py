@@ -4,7 +4,7 @@ It replaces a model's parameter-free output head (``LM_HEAD`` in the plan) and r
 output weight already vocab-sharded (the vocab-parallel word embeddings when tied, or the
 column-parallel ``output_layer``). Its input is the final hidden state: replicated, so it is
 copied into the TP region (all-reduce of dX in backward), or under sequence parallelism
-``[b, s/tp, h]``, all-gathered along the sequence (reduce-scatter backward).
+``[b, s/tp, h]``, all-gathered over the tokens (reduce-scatter backward).
 """
 
 from __future__ import annotations

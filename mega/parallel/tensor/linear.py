@@ -6,7 +6,7 @@ Both are built from an initialised full ``nn.Linear`` and keep its parameter nam
 
 Column-parallel, ``Y_r = X A_r^T + b_r``: the rank holds ``out/tp`` output rows. Its input is
 replicated: identity forward, all-reduce of dX backward; under sequence parallelism the input
-arrives as ``[b, s/tp, h]`` and is all-gathered along the sequence (reduce-scatter backward).
+arrives as ``[b, s/tp, h]`` and is all-gathered over the tokens (reduce-scatter backward).
 
 Row-parallel, ``Y = sum_r X_r A_r^T + b``: the rank holds ``in/tp`` input columns and its input
 is the column-parallel layer's sharded output. The partial products are all-reduced, or

@@ -11,11 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mega.parallel.tensor.mappings import (
-    SEQUENCE_DIM,
-    gather_from_tensor_parallel,
-    scatter_to_sequence,
-)
+from mega.parallel.tensor.mappings import gather_sequence_replicated, scatter_to_sequence
 from mega.parallel.tensor.rng import TensorParallelRNG
 
 
@@ -42,9 +38,9 @@ class RunUnderRNG(nn.Module):
 
 
 class ScatterToSequence(nn.Module):
-    """Sequence parallelism's entry: keep this rank's ``[b, s/tp, h]`` slice of the replicated
+    """Sequence parallelism's entry: keep this rank's ``[b, s/tp, h]`` block of the replicated
     ``[b, s, h]`` input, then run the wrapped elementwise module (the embedding dropout) on it
-    under the TP RNG, as Megatron does: each rank drops its own slice with its own stream."""
+    under the TP RNG, as Megatron does: each rank drops its own tokens with its own stream."""
 
     def __init__(self, module: nn.Module, group: Any, tracker: TensorParallelRNG) -> None:
         super().__init__()
@@ -62,7 +58,7 @@ class ScatterToSequence(nn.Module):
 class GatherFromSequence(nn.Module):
     """Sequence parallelism's exit into replicated code: gather the ``[b, s/tp, h]`` input to
     ``[b, s, h]``, then run the wrapped module. Every rank computes the same thing from there
-    (BERT's pooler), so the backward keeps this rank's slice of the gradient (Megatron's
+    (BERT's pooler), so the backward keeps this rank's block of the gradient (Megatron's
     ``tensor_parallel_output_grad=False``) instead of summing over the ranks."""
 
     def __init__(self, module: nn.Module, group: Any) -> None:
@@ -72,4 +68,4 @@ class GatherFromSequence(nn.Module):
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> Any:
-        return self.module(gather_from_tensor_parallel(hidden, self.group, dim=SEQUENCE_DIM))
+        return self.module(gather_sequence_replicated(hidden, self.group))

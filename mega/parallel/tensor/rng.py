@@ -7,7 +7,7 @@ Two random streams exist on every rank:
   draws the same mask everywhere, so the replicas stay equal;
 - the tracker's "model-parallel" stream, seeded ``seed + 2718 + tp_rank``, *different on each
   TP rank*: dropout on sharded activations (attention probabilities of this rank's heads; under
-  sequence parallelism, this rank's sequence slice) must not repeat another rank's mask.
+  sequence parallelism, this rank's block of the tokens) must not repeat another rank's mask.
 
 ``fork()`` swaps the tracker's state into the default CPU generator (and the current CUDA
 device's, when CUDA is in use) and swaps it back on exit, keeping how far it advanced. Activation

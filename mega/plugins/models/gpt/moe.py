@@ -21,7 +21,9 @@ How tokens reach the experts is the layer's ``dispatcher``: here every expert is
 parallelism (:mod:`mega.parallel.expert.apply`) gives the layer a registered dispatcher over the
 expert-parallel group and keeps only this rank's experts. Under sequence parallelism the layer
 sees only its rank's tokens; ``Router.token_group`` (set from outside) is the group holding the
-rest of the sequence, over which the load-balancing counts are summed.
+rest of the sequence, over which the load-balancing counts are summed, and
+``Router.token_block`` says which block of the micro-batch's tokens this rank holds (see
+:mod:`mega.parallel.tensor.mappings`), for what is counted per sequence or by position.
 """
 
 from __future__ import annotations
@@ -93,12 +95,23 @@ class Router(nn.Module):
         self.pad = cfg.moe_pad_expert_input_to_capacity
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         self.token_group = None  # sequence parallelism: the ranks holding the rest of the tokens
+        # sequence parallelism: this rank's block of the micro-batch's tokens (rank, blocks)
+        self.token_block = (0, 1)
         self.stats = RouterStats(cfg.num_experts)
 
     def _group_size(self) -> int:
         if self.token_group is None:
             return 1
         return torch.distributed.get_world_size(self.token_group)
+
+    def _whole(self, x: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """This rank's ``b * s`` token rows of ``x`` as ``[b, s * blocks, ...]``: the micro-batch's
+        sequences, with zeros in the rows of the tokens other ranks hold."""
+        rank, blocks = self.token_block
+        tokens = x.shape[0]
+        if blocks > 1:
+            x = F.pad(x, (0, 0) * (x.dim() - 1) + (rank * tokens, (blocks - 1 - rank) * tokens))
+        return x.view(b, s * blocks, *x.shape[1:])
 
     def _summed(self, counts: torch.Tensor) -> torch.Tensor:
         if self.token_group is not None:
@@ -179,9 +192,9 @@ class Router(nn.Module):
             total = scores.shape[0] * ranks
             loss = (scores.sum(0) * counts).sum() * (experts / (k * total * total))
         else:  # seq_aux_loss: per sequence, averaged over the micro-batch's sequences
-            counts = self._summed(chosen.view(b, s, -1).sum(1))  # [b, E]
+            counts = self._summed(self._whole(chosen, b, s).sum(1))  # [b, E]
             total = s * ranks
-            per_sequence = (scores.view(b, s, -1).sum(1) * counts).sum(1)
+            per_sequence = (self._whole(scores, b, s).sum(1) * counts).sum(1)
             loss = per_sequence.sum() * (experts / (k * total * total)) / b
         self.stats.add("load_balancing_loss", loss)
         return attach(probs, loss * self.aux_coeff)
@@ -205,12 +218,11 @@ class Router(nn.Module):
             keep_rows = torch.topk(dense, capacity, dim=0).indices  # [capacity, E]
             keep = torch.zeros_like(onehot).scatter(0, keep_rows, True) & onehot
         else:  # position: the first ``capacity`` tokens routed to each expert, position-major
-            experts = self.num_experts
-            order = onehot.view(b, s, experts).transpose(0, 1).reshape(s * b, experts)
-            rank = (
-                order.long().cumsum(0).view(s, b, experts).transpose(0, 1).reshape(b * s, experts)
-            )
-            keep = onehot & (rank <= capacity)
+            experts, (block, _) = self.num_experts, self.token_block
+            whole = self._whole(onehot.long(), b, s).transpose(0, 1)  # [S, b, E]
+            order = whole.reshape(-1, experts).cumsum(0).view(whole.shape)
+            rank = order.transpose(0, 1).reshape(-1, experts)  # [b * S, E]
+            keep = onehot & (rank[block * tokens : (block + 1) * tokens] <= capacity)
         kept = keep.gather(1, indices)  # [T, k]
         return probs * kept, torch.where(kept, indices, -1), capacity
 
