@@ -14,6 +14,10 @@ master weights and gradients, the distributed optimizer and overlapped gradient 
 off, mock data, and a vocabulary (NullTokenizer, 50176 = 98 x 512 ids) that every TP size up to 4
 pads to the same size, so all layouts train the same model on the same batches.
 
+With ``--fake-world`` each layout runs as its rank 0 alone on one GPU, over torch's fake process
+group (``benchmarks/fake_rank.py``): no communication, so the step time is one rank's compute,
+what a layout costs beside its collectives, measured without the GPUs it needs.
+
 Speed is the median over the iterations after ``--warmup``. Writes
 ``benchmarks/results/parallel_layouts_<date>.json`` with the commands, versions and numbers.
 """
@@ -126,8 +130,9 @@ def speed_and_memory(records: list[dict], warmup: int, world: int) -> dict:
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     world, flags = layout_flags(name, args.mbs)
     run_dir = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+    runner = [str(Path(__file__).with_name("fake_rank.py"))] if args.fake_world else ["-m", "mega"]
     command = [
-        sys.executable, "-m", "mega", "train", *MODEL, *flags,
+        sys.executable, *runner, "train", *MODEL, *flags,
         "--nproc-per-node", str(world),
         "--global-batch-size", str(args.gbs),
         "--train-iters", str(args.iters), "--run-dir", str(run_dir),
@@ -135,8 +140,10 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     ]  # fmt: skip
     timing = run_dir / "pipeline_timing"
     env = {**os.environ, "MEGA_PIPELINE_TIMING": str(timing)} if "--parallel" in flags else None
+    if args.fake_world:
+        env = {**(env or os.environ), "WORLD_SIZE": str(world)}
     ran, records, _ = train(command, run_dir, out / f"{run_dir.name}.log", env)
-    row: dict = {"layout": name, "world_size": world, **ran}
+    row: dict = {"layout": name, "world_size": world, "fake_world": args.fake_world, **ran}
     if not records:
         return row
     row["lm_loss"] = [r["lm_loss"] for r in records]
@@ -245,6 +252,11 @@ def main() -> None:
         default="",
         help="mega train flags appended to every layout's command (they override the 1.3B "
         "model's, e.g. a small model with --device cpu for a gloo run)",
+    )
+    parser.add_argument(
+        "--fake-world",
+        action="store_true",
+        help="run each layout's rank 0 alone on one GPU over a fake process group (compute only)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()

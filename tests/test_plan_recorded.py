@@ -33,10 +33,18 @@ STALE = {
     "1p3b-2gpu-tp1dp2:--recompute-granularity=full": "measured with full recompute compiled "
     "around its checkpoint, since changed; its one-GPU twin (1p3b-1gpu) is checked instead",
 }
+# Sequence parallelism measured 35% slower than plain TP2 on the 1.3B (555.9 against 412.4 ms),
+# with the same bytes communicated: its rank held a slice along dim 1 of [b, s, h], which cost a
+# strided copy on both sides of every collective. It now holds a block of the flat tokens (no
+# copy); measured on one H100 over a fake process group (benchmarks/results/
+# tp_rank_compute_1p3b_*), its rank's step went from 599.9 to 505.9 ms (TP2: 447.7 and 433.9).
+# Its memory record still holds; its speed waits for a 2-GPU machine to be measured again.
+SPEED_STALE = {
+    "1p3b-2gpu-tp2-sp": "measured before sequence parallelism held token blocks (no 2-GPU "
+    "machine since)",
+}
 MEMORY_MISSES: set[str] = set()
-# Sequence parallelism on the 1.3B measured 35% slower than plain TP2 (555.9 against 412.4 ms)
-# with the same bytes communicated; the count sees no reason for it.
-SPEED_MISSES = {"1p3b-2gpu-tp2-sp"}
+SPEED_MISSES: set[str] = set()
 
 
 def train_flags(command: str) -> str:
@@ -54,14 +62,15 @@ def train_flags(command: str) -> str:
     return shlex.join(kept)
 
 
-def _runs(misses: set[str]):
+def _runs(misses: set[str], stale: dict[str, str] | None = None):
+    stale = {**STALE, **(stale or {})}
     params = []
     for name in FILES:
         for run in json.loads((RESULTS / name).read_text())["results"]:
             model, gpus = name.split("_")[1:3]
             key = f"{model}-{gpus}-{run['layout'].split(' ')[0]}"
-            if key in STALE:
-                mark = pytest.mark.skip(reason=STALE[key])
+            if key in stale:
+                mark = pytest.mark.skip(reason=stale[key])
             elif key in misses:
                 mark = pytest.mark.xfail(strict=True, reason="known miss")
             else:
@@ -94,7 +103,7 @@ def test_peak_memory_of_every_stage_within_10_percent(run):
         assert stage.profile.peak_bytes / GIB == pytest.approx(measured, rel=0.10), stage.stage
 
 
-@pytest.mark.parametrize("run", _runs(SPEED_MISSES))
+@pytest.mark.parametrize("run", _runs(SPEED_MISSES, SPEED_STALE))
 def test_tokens_per_second_within_20_percent(run):
     assert _plan(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
 
