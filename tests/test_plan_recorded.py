@@ -37,7 +37,7 @@ STALE = {
 # with the same bytes communicated: its rank held a slice along dim 1 of [b, s, h], which cost a
 # strided copy on both sides of every collective. It now holds a block of the flat tokens (no
 # copy); measured on one H100 over a fake process group (benchmarks/results/
-# tp_rank_compute_1p3b_*), its rank's step went from 599.9 to 505.9 ms (TP2: 447.7 and 433.9).
+# tp_rank_compute_*), its rank's step went from 1.4x TP2's to 1.1x.
 # Its memory record still holds; its speed waits for a 2-GPU machine to be measured again.
 SPEED_STALE = {
     "1p3b-2gpu-tp2-sp": "measured before sequence parallelism held token blocks (no 2-GPU "

@@ -115,15 +115,78 @@ class _GatherFromTensorParallel(torch.autograd.Function):
         return _split(grad, ctx.dim, ctx.group), None, None
 
 
+def _flat_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[b, s, ...]`` as ``[b * s, ...]`` (a view of a contiguous tensor), after checking that
+    the sequence splits over the group."""
+    size = group_size(group)
+    if x.shape[1] % size:
+        raise ValueError(
+            f"dim 1 of shape {tuple(x.shape)} does not split over {size} ranks "
+            "(under --sequence-parallel the sequence length must divide by the TP size)"
+        )
+    return x.reshape(-1, *x.shape[2:])
+
+
+def _as_sequences(flat: torch.Tensor, batch: int) -> torch.Tensor:
+    return flat.view(batch, -1, *flat.shape[1:])
+
+
+# The token collectives reshape inside their autograd functions, where no autograd node is
+# recorded for the views: TP layers run eager, and there every node costs host time.
+def _token_block(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _as_sequences(_split(_flat_tokens(x, group), 0, group), x.shape[0])
+
+
+def _gather_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _as_sequences(_all_gather(x.reshape(-1, *x.shape[2:]), 0, group), x.shape[0])
+
+
+def _reduce_scatter_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return _as_sequences(_reduce_scatter(_flat_tokens(x, group), 0, group), x.shape[0])
+
+
 class _ScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return _split(x, 0, group)
+        return _token_block(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_gather(grad, 0, ctx.group), None
+        return _gather_tokens(grad, ctx.group), None
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter_tokens(grad, ctx.group), None
+
+
+class _GatherSequenceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _gather_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _token_block(grad, ctx.group), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return _reduce_scatter_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_tokens(grad, ctx.group), None
 
 
 class _GatherAlong(torch.autograd.Function):
@@ -175,47 +238,22 @@ def gather_from_tensor_parallel(x: torch.Tensor, group: Any, dim: int = -1) -> t
     return _GatherFromTensorParallel.apply(x, dim % x.dim(), group)
 
 
-def _tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """``[b, s, ...]`` as ``[b * s, ...]`` (a view of a contiguous tensor), after checking that
-    the sequence splits over the group."""
-    size = group_size(group)
-    if x.shape[1] % size:
-        raise ValueError(
-            f"dim 1 of shape {tuple(x.shape)} does not split over {size} ranks "
-            "(under --sequence-parallel the sequence length must divide by the TP size)"
-        )
-    return x.reshape(-1, *x.shape[2:])
-
-
-def _as_sequence(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The flat tokens ``[n, ...]`` back as ``[b, n / b, ...]`` (``like``'s batch size)."""
-    return flat.view(like.shape[0], -1, *like.shape[2:])
-
-
 def scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[b, s, h]`` replicated -> this rank's ``[b, s/tp, h]`` token block; all-gather backward."""
-    if group is None:
-        return x
-    return _as_sequence(_ScatterToSequence.apply(_tokens(x, group), group), x)
+    return x if group is None else _ScatterToSequence.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[b, s/tp, h]`` -> ``[b, s, h]`` on every rank; reduce-scatter backward."""
-    if group is None:
-        return x
-    return _as_sequence(gather_along(_tokens(x, None), group, 0), x)
+    return x if group is None else _GatherFromSequence.apply(x, group)
 
 
 def gather_sequence_replicated(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``[b, s/tp, h]`` -> ``[b, s, h]`` for code every rank runs alike (BERT's pooler): the
     backward keeps this rank's block of the gradient instead of summing over the ranks."""
-    if group is None:
-        return x
-    return _as_sequence(_GatherFromTensorParallel.apply(_tokens(x, None), 0, group), x)
+    return x if group is None else _GatherSequenceReplicated.apply(x, group)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Partial sums ``[b, s, h]`` -> this rank's summed ``[b, s/tp, h]``; all-gather backward."""
-    if group is None:
-        return x
-    return _as_sequence(reduce_scatter_along(_tokens(x, group), group, 0), x)
+    return x if group is None else _ReduceScatterToSequence.apply(x, group)
