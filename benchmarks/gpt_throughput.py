@@ -228,24 +228,35 @@ CATEGORIES = (
 )
 
 
+def category_of(kernel: str) -> str:
+    name = kernel.lower()
+    return next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+
+
 def kernel_table(prof: torch.profiler.profile, steps: int) -> str:
-    """Per-step device time by category, then the 30 most expensive kernels."""
+    """Per-step device time by category, the 30 most expensive kernels, and the 30 most expensive
+    outside GEMM and attention (where FP8's casts land)."""
     rows = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_category: dict[str, float] = {}
     for event in rows:
-        name = event.key.lower()
-        category = next((c for c, keys in CATEGORIES if any(k in name for k in keys)), "other")
+        category = category_of(event.key)
         by_category[category] = by_category.get(category, 0.0) + event.self_device_time_total
     lines = [
         "per step, ms: " + ", ".join(f"{c} {us / 1e3 / steps:.2f}" for c, us in by_category.items())
     ]
     lines.append(f"total {sum(by_category.values()) / 1e3 / steps:.2f}")
     rows.sort(key=lambda e: -e.self_device_time_total)
-    for event in rows[:30]:
-        lines.append(
-            f"{event.self_device_time_total / 1e3 / steps:9.3f} ms/step {event.count // steps:6d}x  "
-            f"{event.key[:150]}"
-        )
+    others = [e for e in rows if category_of(e.key) not in ("gemm", "attention")]
+    for title, events in (
+        ("most expensive", rows[:30]),
+        ("outside GEMM and attention", others[:30]),
+    ):
+        lines.append(f"-- {title}:")
+        for event in events:
+            lines.append(
+                f"{event.self_device_time_total / 1e3 / steps:9.3f} ms/step "
+                f"{event.count // steps:6d}x  {event.key[:150]}"
+            )
     return "\n".join(lines)
 
 
@@ -505,6 +516,10 @@ def main() -> None:
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version(),
         "python": platform.python_version(),
+        # compiler settings given through the environment change the kernels being timed
+        "environment": {
+            k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "TORCH_"))
+        },
         "settings": {
             "layers": args.layers,
             "hidden": args.hidden,
