@@ -56,6 +56,13 @@ def test_search_prints_runnable_train_commands_fastest_first():
         resolve_config(words[2:], make_plugins())
 
 
+def test_a_gpu_run_in_fp8_is_planned_on_a_machine_without_a_gpu():
+    # the plan is for --gpu's kind: this machine's devices are not asked
+    result = _plan("--device", "cuda", "--fp8-format", "hybrid", "--gpu", "h100")
+    assert result.exit_code == 0, result.output
+    assert "tokens/s" in result.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

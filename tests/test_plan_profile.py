@@ -26,7 +26,8 @@ SMALL = (
 def _config(args: str, world_size: int):
     plugins = make_plugins()
     argv = [*shlex.split(args), "--nproc-per-node", str(world_size)]
-    return resolve_config(argv, plugins), plugins
+    # planned for a GPU (FP8 runs need one), on this machine without
+    return resolve_config(argv, plugins, this_machine=False), plugins
 
 
 def _gpt_parameters(h: int, layers: int, vocab: int, positions: int) -> int:
@@ -135,3 +136,61 @@ def test_a_plan_counts_the_same_after_training_and_leaves_the_training_scale_alo
     assert [s.profile.backward.ops for s in after.stages] == [
         s.profile.backward.ops for s in before.stages
     ]
+
+
+def test_fp8_layers_count_their_gemms_as_fp8_and_first_last_bf16_layers_as_bf16():
+    three = SMALL.replace("--num-layers 2", "--num-layers 3") + " --device cuda"
+    fp8 = three + " --fp8-format hybrid"
+    (bf16, plugins), (all_fp8, _), (middle, _) = (
+        _config(args, 1) for args in (three, fp8, fp8 + " --first-last-layers-bf16")
+    )
+    b, f, m = (profile_rank(c, plugins, 0) for c in (bf16, all_fp8, middle))
+    layer_flops = 2 * (2 * 32) * 12 * 64 * 64  # tokens x (qkv 3h^2 + proj h^2 + fc 8h^2)
+    # the layers' linears move to FP8 GEMMs, the logits stay bf16; backward twice forward
+    assert f.forward.fp8_matmul_flops == 3 * layer_flops
+    assert f.forward.matmul_flops == b.forward.matmul_flops - 3 * layer_flops
+    assert f.backward.fp8_matmul_flops == 2 * f.forward.fp8_matmul_flops
+    assert m.forward.fp8_matmul_flops == layer_flops  # layers 0 and 2 kept in bf16
+    # the compiled layers: a bf16 and an FP8 layer are measured apart (their graphs differ), so
+    # the middle layer alone adds a third of what three FP8 layers add
+    assert f.forward.memory_bytes != b.forward.memory_bytes
+    assert m.forward.memory_bytes - b.forward.memory_bytes == pytest.approx(
+        (f.forward.memory_bytes - b.forward.memory_bytes) / 3
+    )
+    # backward keeps FP8 copies of the linears' inputs: half the bytes of bf16 ones
+    assert f.peak_bytes < b.peak_bytes
+
+
+def test_an_amax_then_a_cast_reads_the_tensor_twice():
+    # inductor runs the amax and the cast that needs it as two kernels, each reading what the
+    # tensor is computed from: the fused graph counts the second read
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mega.core.plan.fused_graph import fused_graph
+    from mega.parallel.fp8.scaling import E4M3, to_fp8
+
+    def current_scale(x, y):
+        return to_fp8(x * y, E4M3)[0]
+
+    def given_scale(x, y, scale):
+        return (x * y * scale).clamp(-448, 448).to(E4M3)
+
+    x, y = torch.empty(256, 512, dtype=torch.bfloat16), torch.empty(256, 512, dtype=torch.bfloat16)
+    current = fused_graph(make_fx(current_scale, tracing_mode="fake")(x, y).graph)
+    given = fused_graph(make_fx(given_scale, tracing_mode="fake")(x, y, torch.ones(())).graph)
+    cast = 256 * 512  # the FP8 output, written once and read once
+    assert given.traffic_bytes == 2 * cast and given.kernels == 1
+    assert current.traffic_bytes == 2 * cast + 2 * 2 * 256 * 512  # x and y read again
+    assert current.kernels == 2
+
+
+def test_rates_without_an_fp8_rate_refuse_an_fp8_plan_by_name():
+    # a calibration saved before mega planned FP8 runs has none
+    import dataclasses
+
+    from mega.core.errors import MegaUsageError
+
+    config, plugins = _config(SMALL + " --device cuda --fp8-format hybrid", 1)
+    rates = dataclasses.replace(BUILT_IN["h100"], fp8_matmul_flops=0.0)
+    with pytest.raises(MegaUsageError, match="no FP8 GEMM rate; run `mega plan --calibrate`"):
+        plan_run(config, plugins, rates)

@@ -1,9 +1,10 @@
 """The planner against the runs measured on GPUs (benchmarks/results): every recorded layout of
 the 1.3B and 6.7B GPT on 1 and 2 H200 (data, tensor, sequence and pipeline parallel, interleaved,
 micro-batch sizes, selective and full recompute, compiled and not), every pipeline stage's peak
-memory within 10% and tokens/s within 20% with the built-in H200 rates. A known miss is marked
-strict xfail, so that fixing it (or breaking the rest) shows; a record of code since changed is
-skipped, saying what replaced it.
+memory within 10% and tokens/s within 20% with the built-in H200 rates; and the 1.3B and 2.7B GPT
+in bf16 and FP8 on one H100 (benchmarks/gpt_throughput.py's mega rows) with the H100 rates. A
+known miss is marked strict xfail, so that fixing it (or breaking the rest) shows; a record of
+code since changed is skipped, saying what replaced it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ FILES = (
     "layouts_6p7b_2gpu_2026-11-24.json",
     "layouts_6p7b_2gpu_more_2026-11-24.json",
 )
+# one H100, benchmarks/gpt_throughput.py: its "mega" rows (bf16, and --fp8-format hybrid)
+ONE_H100_FILES = ("gpt_fp8_1p3b_2026-11-24.json", "gpt_fp8_2p7b_2026-11-24.json")
 GIB = 2**30
 # Measured before full recompute kept its checkpoint outside the compiled layer: compiled around
 # it, each 1.3B layer kept 288 MiB that the planner never counted (22.5 GiB against 17.3).
@@ -120,3 +123,24 @@ def test_measured_fastest_6p7b_layout_is_predicted_fastest():
     measured = max(runs, key=lambda run: run["tokens_per_s"])
     predicted = max(runs, key=lambda run: _plan(run).tokens_per_second)
     assert predicted["layout"] == measured["layout"]
+
+
+def _one_h100_runs():
+    params = []
+    for name in ONE_H100_FILES:
+        for row in json.loads((RESULTS / name).read_text())["results"]:
+            if row["system"].startswith("mega"):
+                precision = "fp8" if "--fp8-format" in row["argv"] else "bf16"
+                params.append(pytest.param(row, id=f"{name.split('_')[2]}-1gpu-h100-{precision}"))
+    return params
+
+
+@pytest.mark.parametrize("row", _one_h100_runs())
+def test_one_h100_bf16_and_fp8_runs_within_10_percent_memory_and_20_percent_speed(row):
+    plugins = make_plugins()
+    config = resolve_config(row["argv"], plugins, this_machine=False)  # --device cuda
+    plan = plan_run(config, plugins, BUILT_IN["h100"])
+    assert plan.stages[0].profile.peak_bytes / GIB == pytest.approx(
+        row["peak_memory_gib"], rel=0.10
+    )
+    assert plan.tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.20)

@@ -96,9 +96,7 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
         memory_gib = GPU_MEMORY_GIB[kind]
     from mega.core.config.resolve import resolve_config
 
-    config = resolve_config(args, plugins)
-    if config.precision.fp8_format:
-        raise MegaUsageError("--fp8-format: the planner does not count FP8 runs yet")
+    config = resolve_config(args, plugins, this_machine=False)  # planned for --gpu's kind
     if search:
         from mega.cli.plan_search import print_search
 

@@ -169,14 +169,19 @@ def _place_file_values(
 
 
 def resolve_config(
-    argv: list[str], plugins: Plugins, base: dict[str, Any] | None = None
+    argv: list[str],
+    plugins: Plugins,
+    base: dict[str, Any] | None = None,
+    *,
+    this_machine: bool = True,
 ) -> RunConfig:
     """Build the run's typed config from command-line tokens (everything after ``mega train``).
 
     ``base``: values in a config file's shape under the file and the flags (``mega evaluate``
     starts from the checkpoint's saved config). Raises ``MegaUsageError`` listing every problem
     found: unknown flags and file keys, bad values, unknown plugin names, and each section's own
-    ``validate()`` messages.
+    ``validate()`` messages. ``this_machine=False`` (``mega plan``: a run for GPUs this machine
+    may not have) leaves out the checks of this machine's devices.
     """
     selectors = scan_selectors(argv)  # a clashing plugin name is refused by Registry.get
     file_model, file_sections = _file_sections(base) if base else (None, {})
@@ -253,7 +258,7 @@ def resolve_config(
         **built,
     )
     # a flag that failed to parse kept its default, so the other checks still mean something
-    errors += validate_run(config, plugins)
+    errors += validate_run(config, plugins, this_machine=this_machine)
     if errors:
         raise MegaUsageError(errors)
     return config

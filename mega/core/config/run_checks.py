@@ -10,13 +10,25 @@ from __future__ import annotations
 from typing import Any
 
 
-def run_problems(config: Any, plugins: Any) -> list[str]:
-    """Every problem below, one line each."""
+def run_problems(config: Any, plugins: Any, this_machine: bool = True) -> list[str]:
+    """Every problem below, one line each; this machine's devices only if ``this_machine``."""
     return [
-        *device_problems(config.training.device),
+        *(machine_problems(config) if this_machine else ()),
         *batch_key_problems(config, plugins),
         *no_op_problems(config),
     ]
+
+
+def machine_problems(config: Any) -> list[str]:
+    """This machine cannot run ``config``: no GPU for ``--device cuda``, none with FP8 tensor
+    cores for ``--fp8-format``."""
+    errors = device_problems(config.training.device)
+    fp8_format = config.precision.fp8_format
+    if fp8_format:
+        from mega.parallel.fp8.checks import fp8_device_problems
+
+        errors += fp8_device_problems(f"--fp8-format {fp8_format}", config.training.device)
+    return errors
 
 
 def device_problems(device: str) -> list[str]:

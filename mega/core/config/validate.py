@@ -16,8 +16,9 @@ from mega.parallel.checks import parallel_problems
 from mega.parallel.distributed import process_place
 
 
-def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
-    """Every problem of ``config``, one line each (empty when it can run)."""
+def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True) -> list[str]:
+    """Every problem of ``config``, one line each (empty when it can run); with
+    ``this_machine``, including whether this machine has the devices it asks for."""
     errors: list[str] = []
     for section in config.sections().values():
         check = getattr(section, "validate", None)
@@ -55,7 +56,7 @@ def validate_run(config: RunConfig, plugins: Plugins) -> list[str]:
         except MegaUsageError as exc:
             errors += exc.messages
     errors += validate_checkpoint_dirs(config.checkpoint)
-    errors += run_problems(config, plugins)
+    errors += run_problems(config, plugins, this_machine)
     for result in plugins.pm.hook.validate_config(config=config):
         errors += list(result or [])
     return errors

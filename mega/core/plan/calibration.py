@@ -1,6 +1,6 @@
 """The rates a step-time estimate divides by: measured on a GPU, kept per GPU kind.
 
-``Rates`` holds what one GPU does per second: dense bf16 matmul FLOPs, fused attention FLOPs
+``Rates`` holds what one GPU does per second: dense bf16 and FP8 matmul FLOPs, fused attention FLOPs
 (forward and backward), bytes through memory (read + write, for the ops that are not matmuls),
 the host's cost of launching one eager op, and the bus bandwidth of an NCCL all-reduce between
 GPUs of one host. ``measure_rates()`` measures the first five on this machine's GPU (``mega plan
@@ -35,6 +35,9 @@ class Rates:
     host_op_seconds: float  # launching one small eager op (the host side)
     allreduce_bus_bytes: float  # NCCL all-reduce bus bandwidth (bytes x 2(n-1)/n per second)
     source: str = ""  # where the numbers came from
+    # FP8 GEMMs (torch._scaled_mm) of the same shapes; 0: not measured (a calibration saved
+    # before mega planned FP8 runs)
+    fp8_matmul_flops: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -61,7 +64,11 @@ def _measured(
     attention: tuple[float, float],
     memory: float,
     host: float,
+    fp8: tuple[str, float],
 ) -> Rates:
+    """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
+    mega first planned FP8 runs (its other rates, within 8% of the first file's, are not
+    taken: the recorded checks were made with the first)."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -70,7 +77,9 @@ def _measured(
         memory_bytes=memory,
         host_op_seconds=host,
         allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
-        source=f"benchmarks/results/{results} (torch 2.11); all-reduce assumed (NVLink 4)",
+        source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11);"
+        " all-reduce assumed (NVLink 4)",
+        fp8_matmul_flops=fp8[1],
     )
 
 
@@ -78,10 +87,12 @@ BUILT_IN: dict[str, Rates] = {
     "h100": _measured(
         "NVIDIA H100 80GB HBM3", "plan_calibration_h100_2026-11-24.json",
         685.3e12, (330.0e12, 277.1e12), 2.876e12, 11.1e-6,
+        ("plan_calibration_fp8_h100_2026-11-24.json", 1231.0e12),
     ),
     "h200": _measured(
         "NVIDIA H200", "plan_calibration_h200_2026-11-24.json",
         657.0e12, (382.0e12, 327.3e12), 4.07e12, 8.5e-6,
+        ("plan_calibration_fp8_h200_2026-11-24.json", 1183.8e12),
     ),
 }  # fmt: skip
 
@@ -102,28 +113,72 @@ def _time(fn: Callable[[], object], repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+# a transformer layer's GEMMs (projections 3h and h, MLP 4h both ways) at two hidden sizes:
+# (tokens, in, out)
+_LAYER_GEMMS = tuple(
+    (tokens, k, n)
+    for tokens, h in ((8192, 2048), (4096, 4096))
+    for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h))
+)
+
+
 def _matmul_rate() -> float:
-    """The rate of a transformer layer's GEMMs (projections 3h and h, MLP 4h both ways) at two
-    hidden sizes, forward (``F.linear``), input gradient and the weight gradient accumulated in
-    fp32 (mega's fused weight gradient): total FLOPs over total time."""
+    """The rate of a transformer layer's GEMMs, forward (``F.linear``), input gradient and the
+    weight gradient accumulated in fp32 (mega's fused weight gradient): total FLOPs over total
+    time."""
     import torch.nn.functional as F
 
     flops = seconds = 0.0
-    for tokens, h in ((8192, 2048), (4096, 4096)):
-        for k, n in ((h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)):
-            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
-            main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
-            flops += 3 * 2.0 * tokens * k * n
-            seconds += _time(lambda x=x, w=w: F.linear(x, w), 20)
-            seconds += _time(lambda dy=dy, w=w: dy @ w, 20)
-            seconds += _time(
-                lambda m=main_grad, dy=dy, x=x: torch.addmm(
-                    m, dy.t(), x, out_dtype=torch.float32, out=m
-                ),
-                20,
-            )
+    for tokens, k, n in _LAYER_GEMMS:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
+        main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+        flops += 3 * 2.0 * tokens * k * n
+        seconds += _time(lambda x=x, w=w: F.linear(x, w), 20)
+        seconds += _time(lambda dy=dy, w=w: dy @ w, 20)
+        seconds += _time(
+            lambda m=main_grad, dy=dy, x=x: torch.addmm(
+                m, dy.t(), x, out_dtype=torch.float32, out=m
+            ),
+            20,
+        )
+    return flops / seconds
+
+
+def _fp8_matmul_rate() -> float:
+    """The same GEMMs as ``mega.parallel.fp8.linear`` runs them through ``torch._scaled_mm``:
+    forward (E4M3 x E4M3, fast accumulation, bf16 out), input gradient (E5M2 x E4M3, bf16 out),
+    weight gradient (fp32 out into the gradient buffer), each operand K-major as Hopper needs."""
+    one = torch.ones((), device="cuda")
+    flops = seconds = 0.0
+    for tokens, k, n in _LAYER_GEMMS:
+        x = torch.randn(tokens, k, device="cuda").to(torch.float8_e4m3fn)
+        w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+        dy = torch.randn(tokens, n, device="cuda").to(torch.float8_e5m2)
+        w_columns, x_columns, dy_t = (
+            w.t().contiguous().t(),
+            x.t().contiguous().t(),
+            dy.t().contiguous(),
+        )
+        main_grad = torch.zeros(n, k, device="cuda", dtype=torch.float32)
+        flops += 3 * 2.0 * tokens * k * n
+        seconds += _time(
+            lambda x=x, w=w: torch._scaled_mm(
+                x, w.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True
+            ),
+            20,
+        )
+        seconds += _time(
+            lambda dy=dy, w=w_columns: torch._scaled_mm(dy, w, one, one, out_dtype=torch.bfloat16),
+            20,
+        )
+        seconds += _time(
+            lambda m=main_grad, dy=dy_t, x=x_columns: torch._scaled_mm(
+                dy, x, one, one, out_dtype=torch.float32, out=m
+            ),
+            20,
+        )
     return flops / seconds
 
 
@@ -185,6 +240,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
     if not torch.cuda.is_available():
         raise RuntimeError("calibration measures a GPU, and this machine has none")
     name = torch.cuda.get_device_name()
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)  # FP8 tensor cores: Ada, Hopper on
     forward, backward = _attention_rates()
     if allreduce_bus_bytes is None:
         known = BUILT_IN.get(gpu_kind(name))
@@ -198,6 +254,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         host_op_seconds=_host_op_seconds(),
         allreduce_bus_bytes=allreduce_bus_bytes,
         source=f"measure_rates, torch {torch.__version__}",
+        fp8_matmul_flops=_fp8_matmul_rate() if fp8 else 0.0,
     )
 
 

@@ -126,8 +126,6 @@ def _plan_from_stdin() -> dict[str, Any]:
     from mega.core.plan.estimate import plan_run
     from mega.core.plugins.manager import make_plugins
 
-    if config.precision.fp8_format:
-        return {"error": "the planner does not count FP8 runs yet"}
     try:
         # memory needs no rates; a kind without built-in ones plans with the default's
         plan = plan_run(config, make_plugins(), rates_for(kind if kind in BUILT_IN else None))

@@ -60,7 +60,20 @@ def _forward_signature(fn: Any, depth: int = 0) -> tuple:
 
 
 def _tensor_signature(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+    # a weight's FP8 marking (mega.parallel.fp8.apply) changes its layer's graph: under
+    # --first-last-layers-bf16 the bf16 and FP8 layers of one model are two kinds
+    return tuple(
+        (tuple(t.shape), t.dtype, t.requires_grad, getattr(t, "fp8_format", None)) for t in tensors
+    )
+
+
+def _fresh_like(parameter: torch.Tensor) -> torch.Tensor:
+    """A new meta tensor in ``parameter``'s place, with its FP8 marking (read on every call)."""
+    fresh = torch.empty_like(parameter).requires_grad_(parameter.requires_grad)
+    fp8_format = getattr(parameter, "fp8_format", None)
+    if fp8_format is not None:
+        fresh.fp8_format = fp8_format
+    return fresh
 
 
 @dataclass
@@ -160,10 +173,7 @@ def measure_compiled(
             decompositions=select_decomp_table(),
         )
 
-    fresh = {
-        name: torch.empty_like(p).requires_grad_(p.requires_grad)
-        for name, p in module.named_parameters()
-    }
+    fresh = {name: _fresh_like(p) for name, p in module.named_parameters()}
     # detached: the measurement's backward must not reach the caller's tensors (a tied weight)
     args, kwargs = tree_map_only(
         torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), (args, kwargs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mega.core.config.sections import RunConfig
+from mega.core.errors import MegaUsageError
 from mega.core.plan.calibration import Rates
 from mega.core.plan.shadow import RankProfile, profile_rank
 from mega.core.plan.tracking import Work
@@ -85,6 +86,7 @@ def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
     whichever is longer."""
     gpu = (
         work.matmul_flops / rates.matmul_flops
+        + (work.fp8_matmul_flops / rates.fp8_matmul_flops if work.fp8_matmul_flops else 0.0)
         + work.attention_flops / attention_rate
         + work.memory_bytes / rates.memory_bytes
         + collective_seconds(work, rates, _LAYER_DIMS)
@@ -94,6 +96,11 @@ def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
 
 def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
     """Count every pipeline stage of ``config``'s layout and estimate its step (see above)."""
+    if config.precision.fp8_format and not rates.fp8_matmul_flops:
+        raise MegaUsageError(
+            f"--fp8-format: the rates of {rates.gpu} ({rates.source}) have no FP8 GEMM rate;"
+            " run `mega plan --calibrate` on that GPU again"
+        )
     world = config.world_size
     pp = config.parallel.pipeline_model_parallel_size
     stages = []

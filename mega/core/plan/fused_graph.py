@@ -117,8 +117,68 @@ def fused_graph(graph: torch.fx.Graph) -> FusedGraph:
         peak = max(peak, live)
         live -= sum(freed_after[i])
     generated = [n for n in realized if not _is_external(n)]
+    second = _second_passes(nodes, realized, base)
     return FusedGraph(
         peak_bytes=peak,
-        traffic_bytes=2 * sum(_bytes(n) for n in generated),
-        kernels=len(realized),
+        traffic_bytes=2 * sum(_bytes(n) for n in generated)
+        + sum(_bytes(n) for reads in second for n in reads),
+        kernels=len(realized) + len(second),
     )
+
+
+def _numel(node: torch.fx.Node) -> int:
+    value = node.meta.get("val")
+    return hint_int(value.numel()) if isinstance(value, torch.Tensor) else 0
+
+
+def _second_passes(
+    nodes: list[torch.fx.Node], realized: set[torch.fx.Node], base: Any
+) -> list[set[torch.fx.Node]]:
+    """The buffers read a second time because a tensor is reduced to one value that an
+    elementwise op over the same tensor then needs: an FP8 cast's amax, then the cast. Inductor
+    cannot run both in one kernel (the value is known only once every element is read), so the
+    cast's kernel reads the reduced tensor's inputs again (what the reduction's kernel read: the
+    buffers and graph inputs it is computed from). One set of buffers per extra kernel."""
+    again: list[set[torch.fx.Node]] = []
+    for node in nodes:
+        if not _is_reduction(node) or _numel(node) != 1 or node in realized:
+            continue
+        reduced = max((_numel(n) for n in node.all_input_nodes), default=0)
+        if not any(_numel(user) >= reduced for user in _scalar_users(node)):
+            continue
+        again.append(_frontier(node, realized, base))
+    return again
+
+
+def _is_reduction(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.reduction in target.tags
+
+
+def _scalar_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes that read ``node``'s one value, through other one-value nodes (the scale
+    computed from an amax)."""
+    found, todo = [], list(node.users)
+    while todo:
+        user = todo.pop()
+        found.append(user)
+        if _numel(user) == 1:
+            todo += user.users
+    return found
+
+
+def _frontier(node: torch.fx.Node, realized: set[torch.fx.Node], base: Any) -> set[torch.fx.Node]:
+    """The buffers and graph inputs that ``node``'s kernel reads (through fused nodes)."""
+    found: set[torch.fx.Node] = set()
+    todo = [base(n) for n in node.all_input_nodes]
+    seen: set[torch.fx.Node] = set()
+    while todo:
+        source = todo.pop()
+        if source in seen:
+            continue
+        seen.add(source)
+        if source in realized or source.op != "call_function":
+            found.add(source)
+        else:
+            todo += [base(n) for n in source.all_input_nodes]
+    return found

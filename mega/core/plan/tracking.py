@@ -3,8 +3,8 @@
 ``StepTracker`` is a dispatch mode: every op's output storages are added to the live bytes when
 they first appear and subtracted when Python frees them (a weak reference per storage), so
 ``peak`` is the largest live total, as the CUDA caching allocator's ``max_memory_allocated`` would
-count it (sizes rounded up to its 512-byte blocks). On the way it adds up the work: matmul FLOPs,
-attention FLOPs (``flash_attention``, the stand-in for SDPA while planning), bytes
+count it (sizes rounded up to its 512-byte blocks). On the way it adds up the work: matmul FLOPs (bf16
+and FP8 apart), attention FLOPs (``flash_attention``, the stand-in for SDPA while planning), bytes
 moved by the other ops, and bytes each collective sends, by process group.
 """
 
@@ -30,6 +30,9 @@ _MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
 }  # fmt: skip
+# FP8 GEMMs (mega.parallel.fp8: forward, input gradient, and the weight gradient written into
+# main_grad with out=): [m, k] x [k, n], counted at the FP8 rate
+_FP8_MATMULS = {aten._scaled_mm.default, aten._scaled_mm.out}
 # the matmuls whose first argument is the tensor added to the product
 _ACCUMULATING = {
     aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out,
@@ -56,6 +59,7 @@ class Work:
     """What one stretch of a step computes and moves (one rank)."""
 
     matmul_flops: float = 0.0
+    fp8_matmul_flops: float = 0.0
     attention_flops: float = 0.0
     memory_bytes: float = 0.0  # bytes read and written by the ops that are not matmuls
     ops: float = 0  # kernels launched, roughly: every op that is not a view
@@ -68,6 +72,7 @@ class Work:
     def add(self, other: Work, factor: float = 1.0) -> None:
         """Add ``factor`` times ``other``."""
         self.matmul_flops += factor * other.matmul_flops
+        self.fp8_matmul_flops += factor * other.fp8_matmul_flops
         self.attention_flops += factor * other.attention_flops
         self.memory_bytes += factor * other.memory_bytes
         self.ops += factor * other.ops
@@ -170,6 +175,11 @@ class StepTracker(TorchDispatchMode):
             work.matmul_flops += 2.0 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
             work.ops += 1
             return
+        if func in _FP8_MATMULS:
+            a, b = args[:2]
+            work.fp8_matmul_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+            work.ops += 1
+            return
         if func in _NO_BYTES:
             return
         if func is torch.ops.mega.weight_grad.default:
@@ -177,6 +187,12 @@ class StepTracker(TorchDispatchMode):
             # where this mode does not see it. grad [tokens, out], inputs [tokens, in]
             grad_2d, inputs_2d = args[0], args[1]
             work.matmul_flops += 2.0 * grad_2d.shape[0] * grad_2d.shape[1] * inputs_2d.shape[1]
+            work.ops += 1
+            return
+        if func is torch.ops.mega.weight_grad_fp8.default:
+            # its FP8 twin (mega.parallel.fp8.linear). grad_t [out, tokens], inputs [tokens, in]
+            grad_t, inputs_2d = args[0], args[1]
+            work.fp8_matmul_flops += 2.0 * grad_t.shape[0] * grad_t.shape[1] * inputs_2d.shape[1]
             work.ops += 1
             return
         if func is torch.ops.mega_plan.flash_attention.default:

@@ -235,7 +235,11 @@ def lr_schedule(config: RunConfig) -> LRSchedule:
 
 
 def mark_fp8_weights(
-    model: torch.nn.Module, plan: Any, precision: Any, device: torch.device, display: Display
+    model: torch.nn.Module,
+    plan: Any,
+    precision: Any,
+    device: torch.device,
+    display: Display | None,
 ) -> None:
     """--fp8-format: mark the transformer layers' linears (``mega.parallel.fp8.apply``), once
     this rank's GPU is known to have FP8 tensor cores (the launcher checked through NVML, where
@@ -243,9 +247,10 @@ def mark_fp8_weights(
     from mega.parallel.fp8 import checks
     from mega.parallel.fp8.apply import apply_fp8
 
-    problems = checks.rank_device_problems(f"--fp8-format {precision.fp8_format}", device)
-    if problems:
-        raise MegaUsageError(problems)
+    if device.type != "meta":  # the planner builds on meta, for a GPU kind it names itself
+        problems = checks.rank_device_problems(f"--fp8-format {precision.fp8_format}", device)
+        if problems:
+            raise MegaUsageError(problems)
     keep = precision.first_last_layers_bf16
     marked = apply_fp8(
         model,
@@ -254,7 +259,9 @@ def mark_fp8_weights(
         bf16_at_start=precision.num_layers_at_start_in_bf16 if keep else 0,
         bf16_at_end=precision.num_layers_at_end_in_bf16 if keep else 0,
     )
-    display.print(f" > FP8 ({precision.fp8_format}, {precision.fp8_recipe}): {len(marked)} linears")
+    if display is not None:
+        message = f" > FP8 ({precision.fp8_format}, {precision.fp8_recipe}): {len(marked)} linears"
+        display.print(message)
 
 
 def compiles_layers(flag: bool | None, device: torch.device, topology: Topology) -> bool:
