@@ -128,7 +128,9 @@ def search(
                 for distopt in (False, True) if dp > 1 else (False,):
                     layout, name = _layout_args(tp, pp, vpp, sp, mbs, recompute, distopt)
                     try:
-                        candidate_config = resolve_config(base + layout, plugins, this_machine=False)
+                        candidate_config = resolve_config(
+                            base + layout, plugins, this_machine=False
+                        )
                     except MegaUsageError:
                         continue  # a combination the config refuses
                     plan = plan_run(candidate_config, plugins, rates)
