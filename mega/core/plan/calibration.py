@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from mega.parallel.fp8.checks import MIN_CAPABILITY
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -67,8 +69,9 @@ def _measured(
     fp8: tuple[str, float],
 ) -> Rates:
     """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
-    mega first planned FP8 runs (its other rates, within 8% of the first file's, are not
-    taken: the recorded checks were made with the first)."""
+    mega first planned FP8 runs. That file's other rates are not taken: the recorded checks were
+    made with the first (they differ by up to 13% on the H200: run to run, or machine to
+    machine)."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -150,6 +153,8 @@ def _fp8_matmul_rate() -> float:
     """The same GEMMs as ``mega.parallel.fp8.linear`` runs them through ``torch._scaled_mm``:
     forward (E4M3 x E4M3, fast accumulation, bf16 out), input gradient (E5M2 x E4M3, bf16 out),
     weight gradient (fp32 out into the gradient buffer), each operand K-major as Hopper needs."""
+    from mega.parallel.fp8.linear import accumulate_wgrad_fp8
+
     one = torch.ones((), device="cuda")
     flops = seconds = 0.0
     for tokens, k, n in _LAYER_GEMMS:
@@ -174,8 +179,8 @@ def _fp8_matmul_rate() -> float:
             20,
         )
         seconds += _time(
-            lambda m=main_grad, dy=dy_t, x=x_columns: torch._scaled_mm(
-                dy, x, one, one, out_dtype=torch.float32, out=m
+            lambda m=main_grad, dy=dy_t, x=x_columns: accumulate_wgrad_fp8(
+                m, dy, x, one, one, overwrite=True
             ),
             20,
         )
@@ -240,7 +245,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
     if not torch.cuda.is_available():
         raise RuntimeError("calibration measures a GPU, and this machine has none")
     name = torch.cuda.get_device_name()
-    fp8 = torch.cuda.get_device_capability() >= (8, 9)  # FP8 tensor cores: Ada, Hopper on
+    fp8 = torch.cuda.get_device_capability() >= MIN_CAPABILITY  # FP8 tensor cores
     forward, backward = _attention_rates()
     if allreduce_bus_bytes is None:
         known = BUILT_IN.get(gpu_kind(name))

@@ -28,6 +28,7 @@ works on a copy, because the incoming tensor may be shared with another autograd
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -145,48 +146,34 @@ def _reduce_scatter_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _as_sequences(_reduce_scatter(_flat_tokens(x, group), 0, group), x.shape[0])
 
 
-class _ScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+TokenCollective = Callable[[torch.Tensor, Any], torch.Tensor]
+
+
+def _token_function(
+    name: str, forward: TokenCollective, backward: TokenCollective
+) -> type[torch.autograd.Function]:
+    """An autograd function of ``(x, group)`` that runs ``forward`` and whose gradient is
+    ``backward`` of the incoming gradient (the table in the module's docstring)."""
+
+    def run_forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return _token_block(x, group)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_tokens(grad, ctx.group), None
+    def run_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return backward(grad, ctx.group), None
 
-
-class _GatherFromSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_tokens(grad, ctx.group), None
+    methods = {"forward": staticmethod(run_forward), "backward": staticmethod(run_backward)}
+    return type(name, (torch.autograd.Function,), methods)
 
 
-class _GatherSequenceReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _gather_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _token_block(grad, ctx.group), None
-
-
-class _ReduceScatterToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_tokens(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_tokens(grad, ctx.group), None
+_ScatterToSequence = _token_function("_ScatterToSequence", _token_block, _gather_tokens)
+_GatherFromSequence = _token_function("_GatherFromSequence", _gather_tokens, _reduce_scatter_tokens)
+_GatherSequenceReplicated = _token_function(
+    "_GatherSequenceReplicated", _gather_tokens, _token_block
+)
+_ReduceScatterToSequence = _token_function(
+    "_ReduceScatterToSequence", _reduce_scatter_tokens, _gather_tokens
+)
 
 
 class _GatherAlong(torch.autograd.Function):
