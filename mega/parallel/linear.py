@@ -93,3 +93,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    # the two sides of the GEMM, as the tensor-parallel linears split them (a fused MLP calls them)
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this layer's GEMM reads it: unchanged."""
+        return x
+
+    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its GEMM's product: the bias added."""
+        return partial if self.bias is None else partial + self.bias

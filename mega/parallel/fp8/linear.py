@@ -70,6 +70,50 @@ def _(grad_t, inputs, grad_inverse, inputs_inverse, weight):  # noqa: ANN001, AN
     return torch.empty_like(weight)
 
 
+def weight_grad_fp8(
+    grad_t: torch.Tensor,
+    inputs: torch.Tensor,
+    grad_inverse: torch.Tensor,
+    inputs_inverse: torch.Tensor,
+    weight: torch.Tensor,
+    fuse: bool,
+) -> torch.Tensor:
+    """The weight gradient ``grad_t @ inputs`` from FP8 ``[out, tokens]`` (row-major) and
+    ``[tokens, in]``: into ``main_grad`` (returning the placeholder) when ``fuse``, else in the
+    weight's dtype."""
+    inputs = _column_major(inputs)
+    if fuse:
+        return _weight_grad_fp8(grad_t, inputs, grad_inverse, inputs_inverse, weight)
+    return torch._scaled_mm(grad_t, inputs, grad_inverse, inputs_inverse, out_dtype=weight.dtype)
+
+
+def input_grad_fp8(
+    grad: torch.Tensor,
+    weight: torch.Tensor,
+    grad_inverse: torch.Tensor,
+    weight_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The input gradient ``grad @ weight`` from FP8 ``[tokens, out]`` and ``[out, in]``,
+    full-precision accumulation."""
+    return torch._scaled_mm(
+        grad, _column_major(weight), grad_inverse, weight_inverse, out_dtype=out_dtype
+    )
+
+
+def forward_fp8(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    x_inverse: torch.Tensor,
+    weight_inverse: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x @ weight^T`` from FP8 ``[tokens, in]`` and ``[out, in]``, fast accumulation."""
+    return torch._scaled_mm(
+        x, weight.t(), x_inverse, weight_inverse, out_dtype=out_dtype, use_fast_accum=True
+    )
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -83,9 +127,7 @@ class _Fp8Linear(torch.autograd.Function):
         x_2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
         x_fp8, x_inverse = to_fp8(x_2d, E4M3)
         w_fp8, w_inverse = to_fp8(weight, E4M3)  # [out, in]: its .t() is column-major
-        out = torch._scaled_mm(
-            x_fp8, w_fp8.t(), x_inverse, w_inverse, out_dtype=x.dtype, use_fast_accum=True
-        )
+        out = forward_fp8(x_fp8, w_fp8, x_inverse, w_inverse, x.dtype)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x_fp8, x_inverse, w_fp8, w_inverse, weight)
@@ -101,18 +143,12 @@ class _Fp8Linear(torch.autograd.Function):
         g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype, columns_first=ctx.has_bias)
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = torch._scaled_mm(
-                g_fp8, _column_major(w_fp8), g_inverse, w_inverse, out_dtype=grad_output.dtype
-            )
+            grad_input = input_grad_fp8(g_fp8, w_fp8, g_inverse, w_inverse, grad_output.dtype)
             grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
         if needs_weight:
-            g_t, x_cols = g_fp8.t().contiguous(), _column_major(x_fp8)
-            if ctx.fuse_wgrad:
-                grad_weight = _weight_grad_fp8(g_t, x_cols, g_inverse, x_inverse, weight)
-            else:
-                grad_weight = torch._scaled_mm(
-                    g_t, x_cols, g_inverse, x_inverse, out_dtype=weight.dtype
-                )
+            grad_weight = weight_grad_fp8(
+                g_fp8.t().contiguous(), x_fp8, g_inverse, x_inverse, weight, ctx.fuse_wgrad
+            )
         if ctx.has_bias and needs_bias:
             grad_bias = grad_2d.sum(0)
         return grad_input, grad_weight, grad_bias, None, None

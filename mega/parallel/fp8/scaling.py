@@ -30,11 +30,19 @@ def to_fp8(
     ``columns_first`` (a 2-D ``tensor``): take the amax of each column, then of those. The same
     value; but then the compiler fuses it with a bias gradient (a sum over the same rows) into one
     pass: FC1's output gradient of the 1.3B GPT on an H100, 0.485 -> 0.346 ms."""
-    fmax = torch.finfo(dtype).max
     magnitude = tensor.detach().abs()
     if columns_first:
         magnitude = magnitude.amax(dim=0)
-    amax = magnitude.amax().float().clamp(min=AMAX_FLOOR)
-    scale = fmax / amax
-    data = (tensor.float() * scale).clamp(-fmax, fmax).to(dtype)
-    return data, scale.reciprocal()
+    scale = scale_for(magnitude.amax(), dtype)
+    return cast_with_scale(tensor, scale, dtype), scale.reciprocal()
+
+
+def scale_for(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 scale that maps ``amax`` (a scalar tensor) to ``dtype``'s largest value."""
+    return torch.finfo(dtype).max / amax.float().clamp(min=AMAX_FLOOR)
+
+
+def cast_with_scale(tensor: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor * scale`` in ``dtype``, saturated at its largest value."""
+    fmax = torch.finfo(dtype).max
+    return (tensor.float() * scale).clamp(-fmax, fmax).to(dtype)

@@ -80,11 +80,13 @@ class ColumnParallelLinear(_ParallelLinear):
         return cls(weight, bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_ops.linear(self.gather_input(x), self.weight, self.bias)  # [b, s, out/tp]
+
+    def gather_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The replicated input this rank's GEMM reads (``mega.parallel.linear.Linear``'s API)."""
         if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)  # [b, s/tp, in] -> [b, s, in]
-        else:
-            x = copy_to_tensor_parallel(x, self.group)
-        return linear_ops.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+            return gather_from_sequence(x, self.group)  # [b, s/tp, in] -> [b, s, in]
+        return copy_to_tensor_parallel(x, self.group)
 
     def extra_repr(self) -> str:
         out, inp = self.weight.shape
@@ -104,7 +106,12 @@ class RowParallelLinear(_ParallelLinear):
         return cls(weight, linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear_ops.linear(x, self.weight)  # [b, s, out], this rank's share of the sum
+        # [b, s, out], this rank's share of the sum
+        return self.reduce_output(linear_ops.linear(x, self.weight))
+
+    def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
+        """The output from this rank's partial product: summed over the group (reduce-scattered
+        along the sequence under sequence parallelism), then the bias added once."""
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence(partial, self.group)  # [b, s/tp, out]
         else:
