@@ -123,6 +123,60 @@ def test_the_fused_fp8_weight_gradient_on_cuda():
     torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-5, atol=1e-4)
 
 
+def fp8_code_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many representable FP8 values apart each pair of same-format elements is (the codes
+    of same-sign FP8 values are ordered by magnitude)."""
+    return (got.view(torch.uint8).int() - want.view(torch.uint8).int()).abs()
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize(("rows", "cols"), [(1000, 336), (4096, 2048)])
+@pytest.mark.parametrize("fp8_format", ["e4m3", "hybrid"])
+def test_the_gelu_cast_kernels_match_the_reference(fp8_format, rows, cols, bias):
+    """The Triton passes (``mega.parallel.fp8.gelu_kernels``) against the eager ops they replace,
+    on shapes that are and are not multiples of their tiles. The scales are equal (the same
+    amax, the same divisions). An FP8 value may be the neighbouring one, and only there:
+    Triton's erf differs from ATen's in the last bit where ``1 + erf(x / sqrt(2))`` cancels
+    (x < -3), so a bf16 GeLU there can round the other way (measured on an H100: 52,154 of
+    [8192, 8192] GeLU values one bf16 ulp apart, all at x < -3), and so can a GeLU gradient
+    (315 of the FP8 output gradients, 5e-6). A wrong formula, scale or layout moves elements
+    everywhere, and by more than one step. The bias gradient sums the rows in another order in
+    fp32, then rounds to bf16: within one bf16 ulp."""
+    from mega.parallel.fp8 import gelu_cast
+    from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
+
+    torch.manual_seed(0)
+    y = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
+    b = torch.randn(cols, device="cuda", dtype=torch.bfloat16) if bias else None
+    grad = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) / 100
+    grad_dtype = GRAD_DTYPES[fp8_format]
+    assert gelu_cast._use_kernels(y)
+    (data, scale, inverse), expected = (
+        gelu_cast.gelu_to_fp8(y, b, E4M3),
+        gelu_cast.gelu_to_fp8_reference(y, b, E4M3),
+    )
+    assert torch.equal(scale, expected[1]) and torch.equal(inverse, expected[2])
+    backward = [
+        fn(grad, y, b, expected[1], E4M3, grad_dtype)
+        for fn in (gelu_cast.gelu_grad_to_fp8, gelu_cast.gelu_grad_to_fp8_reference)
+    ]
+    assert torch.equal(backward[0][2], backward[1][2]), "grad inverse scale"
+    x = y if b is None else y + b
+    for name, got, want, where in [
+        ("h", data, expected[0], x), ("h transposed", backward[0][4], backward[1][4], x.t()),
+        ("grad", backward[0][0], backward[1][0], None),
+        ("grad transposed", backward[0][1], backward[1][1], None),
+    ]:  # fmt: skip
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        steps = fp8_code_steps(got, want)
+        assert steps.max() <= 1, name
+        if where is not None:
+            assert (where[steps.bool()] < -3).all(), name
+        else:
+            assert steps.bool().float().mean() < 1e-3, (name, steps.bool().sum())
+    torch.testing.assert_close(backward[0][3], backward[1][3], rtol=2.0**-7, atol=1e-4)
+
+
 RUN = [*TINY, "--device", "cuda", "--bf16", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import normal_
+from mega.parallel.fp8.mlp import fp8_gelu_mlp, fuses_gelu_mlp
 from mega.parallel.linear import Linear
 from mega.parallel.positions import at_positions
 from mega.plugins.models.gpt.config import GPTConfig
@@ -236,6 +237,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = ffn or cfg.resolved_ffn_hidden_size()
         activation = cfg.mlp_activation()
+        self.activation_name = activation
         self.swiglu = activation == "swiglu"
         self.activation = None if self.swiglu else ACTIVATIONS[activation]
         fc1_rows = 2 * ffn if self.swiglu else ffn  # SwiGLU: [gate; up] stacked on the output dim
@@ -243,13 +245,20 @@ class MLP(nn.Module):
         self.linear_fc2 = Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        intermediate = self.linear_fc1(hidden)  # [b, s, f] or [b, s, 2f]
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if fuses_gelu_mlp(self.activation_name, fc1.weight, fc2.weight):
+            # FP8: FC2's input and FC1's output gradient cast straight from the GEMMs' outputs
+            partial = fp8_gelu_mlp(
+                fc1.gather_input(hidden), fc1.weight, fc1.bias, fc2.weight, fc2.bias is not None
+            )
+            return fc2.reduce_output(partial)
+        intermediate = fc1(hidden)  # [b, s, f] or [b, s, 2f]
         if self.swiglu:
             gate, up = intermediate.chunk(2, dim=-1)
             intermediate = F.silu(gate) * up
         else:
             intermediate = self.activation(intermediate)
-        return self.linear_fc2(intermediate)
+        return fc2(intermediate)
 
 
 class TransformerLayer(nn.Module):

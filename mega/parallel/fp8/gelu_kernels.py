@@ -1,0 +1,254 @@
+"""Triton kernels for the GeLU between two FP8 linears (``mega.parallel.fp8.gelu_cast``): each
+site is one pass that finds the amax and one that casts, both reading the GEMM output they start
+from, so nothing in bf16 is written in between.
+
+- forward: ``h = gelu(y + b)``; pass 1 its amax, pass 2 ``h`` in FP8 (FC2's input);
+- backward: ``g = dh * gelu'(y + b)``; pass 1 its amax, its column sums (the bias gradient) and
+  FC2's input again, transposed (what FC2's weight-gradient GEMM reads); pass 2 ``g`` in FP8 both
+  ways (FC1's input- and weight-gradient GEMMs).
+
+Rounding follows the eager ops they replace (``y + b`` and ``gelu`` round to the activations'
+dtype; the cast is ``clamp(x * scale)``; ``scale = fmax / max(amax, floor)``), so the outputs are
+those of the reference implementation bit for bit (GPU test). Only imported on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from mega.parallel.fp8.scaling import AMAX_FLOOR
+
+BLOCK_ROWS = 64
+BLOCK_COLS = 64
+NUM_WARPS = 4
+
+
+@triton.jit
+def _tile(rows_block, cols_block, m, n, BM: tl.constexpr, BN: tl.constexpr, WIDE: tl.constexpr):
+    rows = rows_block * BM + tl.arange(0, BM)
+    cols = cols_block * BN + tl.arange(0, BN)
+    if WIDE:  # 64-bit offsets only where 32 bits overflow: they cost instructions per element
+        rows, cols = rows.to(tl.int64), cols.to(tl.int64)
+    mask = (rows[:, None] < m) & (cols[None, :] < n)
+    return rows, cols, mask
+
+
+@triton.jit
+def _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS: tl.constexpr):
+    """``y + b`` rounded to ``y``'s dtype (as the eager add), in float32."""
+    y = tl.load(y_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=cols < n, other=0.0)
+        y = (y.to(tl.float32) + b.to(tl.float32)[None, :]).to(y_ptr.dtype.element_ty)
+    return y.to(tl.float32)
+
+
+@triton.jit
+def _gelu(x, dtype: tl.constexpr):
+    """Exact (erf) GeLU of float32 ``x``, rounded to ``dtype`` and back."""
+    return (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _gelu_grad(dh, x, dtype: tl.constexpr):
+    """``dh * gelu'(x)`` (ATen's formula), rounded to ``dtype`` and back."""
+    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    return (dh * (cdf + x * pdf)).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _scale(amax_ptr, FMAX: tl.constexpr, FLOOR: tl.constexpr):
+    # as mega.parallel.fp8.scaling.scale_for: torch divides a number by a tensor as the
+    # tensor's reciprocal times the number, two roundings (IEEE each)
+    return tl.div_rn(1.0, tl.maximum(tl.load(amax_ptr), FLOOR)) * FMAX
+
+
+@triton.jit
+def _cast(x, scale, FMAX: tl.constexpr, dtype: tl.constexpr):
+    return tl.minimum(tl.maximum(x * scale, -FMAX), FMAX).to(dtype)
+
+
+@triton.jit
+def _store_scales(scale, scale_ptr, inverse_ptr):
+    """The first program writes the scale and its inverse (``_scaled_mm``'s operand)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(scale_ptr, scale)
+        tl.store(inverse_ptr, tl.div_rn(1.0, scale))
+
+
+@triton.jit
+def _gelu_amax_kernel(
+    y_ptr,
+    bias_ptr,
+    amax_ptr,
+    m,
+    n,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
+    h = _gelu(
+        _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS), y_ptr.dtype.element_ty
+    )
+    tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(h), 0.0)))
+
+
+@triton.jit
+def _gelu_cast_kernel(
+    y_ptr,
+    bias_ptr,
+    amax_ptr,
+    out_ptr,
+    scale_ptr,
+    inverse_ptr,
+    m,
+    n,
+    HAS_BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
+    h = _gelu(
+        _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS), y_ptr.dtype.element_ty
+    )
+    scale = _scale(amax_ptr, FMAX, FLOOR)
+    data = _cast(h, scale, FMAX, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
+    _store_scales(scale, scale_ptr, inverse_ptr)
+
+
+@triton.jit
+def _gelu_grad_reduce_kernel(
+    grad_ptr,
+    y_ptr,
+    bias_ptr,
+    h_scale_ptr,
+    h_t_ptr,
+    column_sums_ptr,
+    amax_ptr,
+    m,
+    n,
+    HAS_BIAS: tl.constexpr,
+    H_FMAX: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
+    dtype = y_ptr.dtype.element_ty
+    x = _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS)
+    # FC2's input as the forward cast it (same scale), transposed: [n, m]
+    h_data = _cast(_gelu(x, dtype), tl.load(h_scale_ptr), H_FMAX, h_t_ptr.dtype.element_ty)
+    tl.store(h_t_ptr + cols[None, :] * m + rows[:, None], h_data, mask=mask)
+    dh = tl.load(grad_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    g = tl.where(mask, _gelu_grad(dh.to(tl.float32), x, dtype), 0.0)
+    # one row of partial bias-gradient sums per row of tiles (summed after: deterministic)
+    tl.store(column_sums_ptr + tl.program_id(0) * n + cols, tl.sum(g, axis=0), mask=cols < n)
+    tl.atomic_max(amax_ptr, tl.max(tl.abs(g)))
+
+
+@triton.jit
+def _gelu_grad_cast_kernel(
+    grad_ptr,
+    y_ptr,
+    bias_ptr,
+    amax_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    inverse_ptr,
+    m,
+    n,
+    HAS_BIAS: tl.constexpr,
+    FMAX: tl.constexpr,
+    FLOOR: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
+    x = _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS)
+    dh = tl.load(grad_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+    g = _gelu_grad(dh.to(tl.float32), x, y_ptr.dtype.element_ty)
+    scale = _scale(amax_ptr, FMAX, FLOOR)
+    data = _cast(g, scale, FMAX, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
+    tl.store(out_t_ptr + cols[None, :] * m + rows[:, None], data, mask=mask)
+    _store_scales(scale, scale_ptr, inverse_ptr)
+
+
+def _grid(m: int, n: int) -> tuple[int, int]:
+    return triton.cdiv(m, BLOCK_ROWS), triton.cdiv(n, BLOCK_COLS)
+
+
+def _tiling(m: int, n: int) -> dict:
+    """The launch arguments every kernel here takes."""
+    return {"BM": BLOCK_ROWS, "BN": BLOCK_COLS, "WIDE": m * n >= 2**31, "num_warps": NUM_WARPS}
+
+
+def _scalars(like: torch.Tensor, count: int) -> list[torch.Tensor]:
+    return [torch.empty((), dtype=torch.float32, device=like.device) for _ in range(count)]
+
+
+# triton_op: under torch.compile the launches go into the compiled graph (no Python dispatch per
+# call, allocations planned with the rest); the kernels stay as written (nothing fuses into them)
+@torch.library.triton_op("mega::gelu_to_fp8", mutates_args=())
+def gelu_to_fp8(
+    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gelu(y + bias)`` of a row-major ``[m, n]`` ``y`` in FP8 ``dtype``: (data, scale,
+    inverse scale)."""
+    m, n = y.shape
+    has_bias, bias_arg = bias is not None, y if bias is None else bias  # unread without a bias
+    amax = torch.zeros((), dtype=torch.float32, device=y.device)
+    wrap_triton(_gelu_amax_kernel)[_grid(m, n)](
+        y, bias_arg, amax, m, n, HAS_BIAS=has_bias, **_tiling(m, n),
+    )  # fmt: skip
+    data = torch.empty((m, n), dtype=dtype, device=y.device)
+    scale, inverse = _scalars(y, 2)
+    wrap_triton(_gelu_cast_kernel)[_grid(m, n)](
+        y, bias_arg, amax, data, scale, inverse, m, n, HAS_BIAS=has_bias,
+        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **_tiling(m, n),
+    )  # fmt: skip
+    return data, scale, inverse
+
+
+@torch.library.triton_op("mega::gelu_grad_to_fp8", mutates_args=())
+def gelu_grad_to_fp8(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    h_scale: torch.Tensor,
+    h_dtype: torch.dtype,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad * gelu'(y + bias)`` in FP8 ``dtype`` row-major and transposed, its inverse scale and
+    its column sums (in ``y``'s dtype), and ``gelu(y + bias)`` cast again with ``h_scale`` to
+    ``h_dtype``, transposed."""
+    m, n = y.shape
+    has_bias, bias_arg = bias is not None, y if bias is None else bias
+    reduce_grid = _grid(m, n)
+    h_t = torch.empty((n, m), dtype=h_dtype, device=y.device)
+    column_sums = torch.empty((reduce_grid[0], n), dtype=torch.float32, device=y.device)
+    amax = torch.zeros((), dtype=torch.float32, device=y.device)
+    wrap_triton(_gelu_grad_reduce_kernel)[reduce_grid](
+        grad, y, bias_arg, h_scale, h_t, column_sums, amax, m, n, HAS_BIAS=has_bias,
+        H_FMAX=torch.finfo(h_dtype).max, **_tiling(m, n),
+    )  # fmt: skip
+    data = torch.empty((m, n), dtype=dtype, device=y.device)
+    data_t = torch.empty((n, m), dtype=dtype, device=y.device)
+    scale, inverse = _scalars(y, 2)
+    wrap_triton(_gelu_grad_cast_kernel)[_grid(m, n)](
+        grad, y, bias_arg, amax, data, data_t, scale, inverse, m, n, HAS_BIAS=has_bias,
+        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **_tiling(m, n),
+    )  # fmt: skip
+    return data, data_t, inverse, column_sums.sum(0).to(y.dtype), h_t
