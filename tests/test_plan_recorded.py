@@ -26,9 +26,15 @@ FILES = (
     "layouts_1p3b_2gpu_2026-11-24.json",
     "layouts_6p7b_2gpu_2026-11-24.json",
     "layouts_6p7b_2gpu_more_2026-11-24.json",
+    "layouts_1p3b_2gpu_tp2_sp_2026-11-24.json",
 )
+# later runs of layouts recorded before, for code changed since: their ids end in "-again"
+AGAIN = {"layouts_1p3b_2gpu_tp2_sp_2026-11-24.json"}
 # one H100, benchmarks/gpt_throughput.py: its "mega" rows (bf16, and --fp8-format hybrid)
-ONE_H100_FILES = ("gpt_fp8_1p3b_2026-11-24.json", "gpt_fp8_2p7b_2026-11-24.json")
+ONE_H100_FILES = (
+    "gpt_fp8_1p3b_fused_gelu_2026-11-24.json",
+    "gpt_fp8_2p7b_fused_gelu_2026-11-24.json",
+)
 GIB = 2**30
 # Measured before full recompute kept its checkpoint outside the compiled layer: compiled around
 # it, each 1.3B layer kept 288 MiB that the planner never counted (22.5 GiB against 17.3).
@@ -39,15 +45,18 @@ STALE = {
 # Sequence parallelism measured 35% slower than plain TP2 on the 1.3B (555.9 against 412.4 ms),
 # with the same bytes communicated: its rank held a slice along dim 1 of [b, s, h], which cost a
 # strided copy on both sides of every collective. It now holds a block of the flat tokens (no
-# copy); measured on one H100 over a fake process group (benchmarks/results/
-# tp_rank_compute_*), its rank's step went from 1.4x TP2's to 1.1x.
-# Its memory record still holds; its speed waits for a 2-GPU machine to be measured again.
+# copy), and measured again on 2 H200 (the "-again" records) it is 0.94x TP2 (404.2 against
+# 377.8 ms).
 SPEED_STALE = {
-    "1p3b-2gpu-tp2-sp": "measured before sequence parallelism held token blocks (no 2-GPU "
-    "machine since)",
+    "1p3b-2gpu-tp2-sp": "measured before sequence parallelism held token blocks; measured "
+    "again in layouts_1p3b_2gpu_tp2_sp (1p3b-2gpu-tp2-sp-again)",
 }
 MEMORY_MISSES: set[str] = set()
-SPEED_MISSES: set[str] = set()
+# Planned 24% fast (100,400 against 81,161 tokens/s): the plan has SP faster than TP2 (the
+# same bytes sent, less work per rank), measured it is slower. Not yet explained; the suspect is
+# the host model (eager TP steps are host-bound; the plan counts ops x one eager op's launch
+# cost, not what the collectives' autograd functions cost the host).
+SPEED_MISSES = {"1p3b-2gpu-tp2-sp-again"}
 
 
 def train_flags(command: str) -> str:
@@ -72,6 +81,7 @@ def _runs(misses: set[str], stale: dict[str, str] | None = None):
         for run in json.loads((RESULTS / name).read_text())["results"]:
             model, gpus = name.split("_")[1:3]
             key = f"{model}-{gpus}-{run['layout'].split(' ')[0]}"
+            key += "-again" if name in AGAIN else ""
             if key in stale:
                 mark = pytest.mark.skip(reason=stale[key])
             elif key in misses:
