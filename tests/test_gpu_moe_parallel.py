@@ -7,6 +7,9 @@ dense layouts agree to 1e-3 there, every one-GPU MoE path (loop or grouped GEMM,
 compiled) agrees to 3e-4 and the same sequences on CPU ranks (gloo) agree to 1e-7. A loss alone
 hides this for a few steps (the first step's loss does not see the gradient), so each layout's
 first gradient norm is compared too, and the clip is in play at every step.
+First run on 2 H200 (2026-11-24): TP=2+SP and DP=2 passed; EP=2 (both dispatchers), compiled,
+had a first gradient norm 18% below one GPU's (1.174 against 1.432) while eager EP=2 matched it
+exactly, so ``--compile`` is now refused with EP > 1 and the EP layouts here run eager.
 Skipped without 2 CUDA GPUs.
 """
 

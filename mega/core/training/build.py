@@ -266,13 +266,17 @@ def mark_fp8_weights(
 
 def compiles_layers(flag: bool | None, device: torch.device, topology: Topology) -> bool:
     """Whether ``--compile`` (``flag``; None when not given) compiles the layers on ``device``.
-    Its default: on a GPU without tensor or context parallelism, where it was
+    Its default: on a GPU without tensor, context or expert parallelism, where it was
     measured to win (1.3B GPT on one H100: 55.7k against 50.8k tokens/s). With context
     parallelism it trains like eager on the CPU, but is not yet measured on GPUs: asked for
-    only."""
+    only. With tensor or expert parallelism it is refused (``mega.parallel.checks``)."""
     if flag is not None:
         return flag
-    single = topology.tensor_model_parallel_size == 1 and topology.context_parallel_size == 1
+    single = (
+        topology.tensor_model_parallel_size == 1
+        and topology.context_parallel_size == 1
+        and topology.expert_model_parallel_size == 1
+    )
     return device.type == "cuda" and single
 
 
