@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mega.parallel.fp8.scaling import cast_with_scale, scale_for
+from mega.parallel.fp8.scaling import E4M3, cast_with_scale, scale_for
 
 
 def gelu_to_fp8_reference(
@@ -31,17 +31,16 @@ def gelu_grad_to_fp8_reference(
     y: torch.Tensor,
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
-    h_dtype: torch.dtype,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``g = grad * gelu'(y + bias)`` in FP8 row-major and transposed, its inverse scale, its
-    column sums (the bias gradient) and FC2's input again (``gelu(y + bias)`` cast with
+    column sums (the bias gradient) and FC2's input again (``gelu(y + bias)`` cast to E4M3 with
     ``h_scale``), transposed."""
     x = y if bias is None else y + bias
     g = torch.ops.aten.gelu_backward(grad, x)
     scale = scale_for(g.abs().amax(dim=0).amax(), dtype)
     data = cast_with_scale(g, scale, dtype)
-    h_t = cast_with_scale(F.gelu(x), h_scale, h_dtype).t().contiguous()
+    h_t = cast_with_scale(F.gelu(x), h_scale, E4M3).t().contiguous()
     return data, data.t().contiguous(), scale.reciprocal(), g.sum(0), h_t
 
 
@@ -79,11 +78,10 @@ def gelu_grad_to_fp8(
     y: torch.Tensor,
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
-    h_dtype: torch.dtype,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """FC1's output gradient from FC2's input gradient ``grad``: (FP8 row-major, FP8 transposed,
     inverse scale, bias gradient, FC2's FP8 input transposed)."""
     if _use_kernels(y):
-        return torch.ops.mega.gelu_grad_to_fp8(grad, y, bias, h_scale, h_dtype, dtype)
-    return gelu_grad_to_fp8_reference(grad, y, bias, h_scale, h_dtype, dtype)
+        return torch.ops.mega.gelu_grad_to_fp8(grad, y, bias, h_scale, dtype)
+    return gelu_grad_to_fp8_reference(grad, y, bias, h_scale, dtype)

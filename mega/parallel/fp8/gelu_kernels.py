@@ -7,9 +7,12 @@ from, so nothing in bf16 is written in between.
   FC2's input again, transposed (what FC2's weight-gradient GEMM reads); pass 2 ``g`` in FP8 both
   ways (FC1's input- and weight-gradient GEMMs).
 
-Rounding follows the eager ops they replace (``y + b`` and ``gelu`` round to the activations'
-dtype; the cast is ``clamp(x * scale)``; ``scale = fmax / max(amax, floor)``), so the outputs are
-those of the reference implementation bit for bit (GPU test). Only imported on a CUDA machine.
+Each kernel serves both directions (``GRADIENT``). Rounding follows the eager ops they replace
+(``y + b`` and ``gelu`` round to the activations' dtype; the cast is ``clamp(x * scale)``; the
+scale is ``fmax * (1 / max(amax, floor))`` as torch computes ``fmax / amax``), so the scales are
+the reference's exactly and the FP8 values are too, except where Triton's erf differs from
+ATen's in the last bit (x < -3: one FP8 step; the GPU test bounds it). Only imported with a CUDA
+build of torch.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
-from mega.parallel.fp8.scaling import AMAX_FLOOR
+from mega.parallel.fp8.scaling import AMAX_FLOOR, E4M3
 
 BLOCK_ROWS = 64
 BLOCK_COLS = 64
 NUM_WARPS = 4
+E4M3_MAX = tl.constexpr(torch.finfo(E4M3).max)  # FC2's input is always E4M3
 
 
 @triton.jit
@@ -81,83 +85,48 @@ def _store_scales(scale, scale_ptr, inverse_ptr):
 
 
 @triton.jit
-def _gelu_amax_kernel(
-    y_ptr,
-    bias_ptr,
-    amax_ptr,
-    m,
-    n,
-    HAS_BIAS: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    WIDE: tl.constexpr,
-):
-    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
-    h = _gelu(
-        _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS), y_ptr.dtype.element_ty
-    )
-    tl.atomic_max(amax_ptr, tl.max(tl.where(mask, tl.abs(h), 0.0)))
+def _value(grad_ptr, x, rows, cols, mask, n, dtype: tl.constexpr, GRADIENT: tl.constexpr):
+    """What a site casts: ``gelu(x)`` (forward) or ``dh * gelu'(x)`` (backward), float32."""
+    if GRADIENT:
+        dh = tl.load(grad_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
+        return _gelu_grad(dh.to(tl.float32), x, dtype)
+    return _gelu(x, dtype)
 
 
 @triton.jit
-def _gelu_cast_kernel(
-    y_ptr,
-    bias_ptr,
-    amax_ptr,
-    out_ptr,
-    scale_ptr,
-    inverse_ptr,
-    m,
-    n,
-    HAS_BIAS: tl.constexpr,
-    FMAX: tl.constexpr,
-    FLOOR: tl.constexpr,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    WIDE: tl.constexpr,
-):
-    rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
-    h = _gelu(
-        _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS), y_ptr.dtype.element_ty
-    )
-    scale = _scale(amax_ptr, FMAX, FLOOR)
-    data = _cast(h, scale, FMAX, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
-    _store_scales(scale, scale_ptr, inverse_ptr)
-
-
-@triton.jit
-def _gelu_grad_reduce_kernel(
+def _amax_kernel(
     grad_ptr,
     y_ptr,
     bias_ptr,
+    amax_ptr,
     h_scale_ptr,
     h_t_ptr,
     column_sums_ptr,
-    amax_ptr,
     m,
     n,
+    GRADIENT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    H_FMAX: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     WIDE: tl.constexpr,
 ):
+    """Pass 1: the amax of what the site casts. Backward also writes the partial bias-gradient
+    sums and FC2's input again (as the forward cast it, with its scale), transposed."""
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
     dtype = y_ptr.dtype.element_ty
     x = _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS)
-    # FC2's input as the forward cast it (same scale), transposed: [n, m]
-    h_data = _cast(_gelu(x, dtype), tl.load(h_scale_ptr), H_FMAX, h_t_ptr.dtype.element_ty)
-    tl.store(h_t_ptr + cols[None, :] * m + rows[:, None], h_data, mask=mask)
-    dh = tl.load(grad_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
-    g = tl.where(mask, _gelu_grad(dh.to(tl.float32), x, dtype), 0.0)
-    # one row of partial bias-gradient sums per row of tiles (summed after: deterministic)
-    tl.store(column_sums_ptr + tl.program_id(0) * n + cols, tl.sum(g, axis=0), mask=cols < n)
-    tl.atomic_max(amax_ptr, tl.max(tl.abs(g)))
+    value = tl.where(mask, _value(grad_ptr, x, rows, cols, mask, n, dtype, GRADIENT), 0.0)
+    if GRADIENT:
+        h_data = _cast(_gelu(x, dtype), tl.load(h_scale_ptr), E4M3_MAX, h_t_ptr.dtype.element_ty)
+        tl.store(h_t_ptr + cols[None, :] * m + rows[:, None], h_data, mask=mask)  # [n, m]
+        # one row of partial sums per row of tiles, summed after: deterministic
+        sums = tl.sum(value, axis=0)
+        tl.store(column_sums_ptr + tl.program_id(0) * n + cols, sums, mask=cols < n)
+    tl.atomic_max(amax_ptr, tl.max(tl.abs(value)))
 
 
 @triton.jit
-def _gelu_grad_cast_kernel(
+def _cast_kernel(
     grad_ptr,
     y_ptr,
     bias_ptr,
@@ -168,6 +137,7 @@ def _gelu_grad_cast_kernel(
     inverse_ptr,
     m,
     n,
+    GRADIENT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     FMAX: tl.constexpr,
     FLOOR: tl.constexpr,
@@ -175,14 +145,15 @@ def _gelu_grad_cast_kernel(
     BN: tl.constexpr,
     WIDE: tl.constexpr,
 ):
+    """Pass 2: the cast with pass 1's amax; backward writes it transposed too."""
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
     x = _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS)
-    dh = tl.load(grad_ptr + rows[:, None] * n + cols[None, :], mask=mask, other=0.0)
-    g = _gelu_grad(dh.to(tl.float32), x, y_ptr.dtype.element_ty)
+    value = _value(grad_ptr, x, rows, cols, mask, n, y_ptr.dtype.element_ty, GRADIENT)
     scale = _scale(amax_ptr, FMAX, FLOOR)
-    data = _cast(g, scale, FMAX, out_ptr.dtype.element_ty)
+    data = _cast(value, scale, FMAX, out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
-    tl.store(out_t_ptr + cols[None, :] * m + rows[:, None], data, mask=mask)
+    if GRADIENT:
+        tl.store(out_t_ptr + cols[None, :] * m + rows[:, None], data, mask=mask)
     _store_scales(scale, scale_ptr, inverse_ptr)
 
 
@@ -195,8 +166,36 @@ def _tiling(m: int, n: int) -> dict:
     return {"BM": BLOCK_ROWS, "BN": BLOCK_COLS, "WIDE": m * n >= 2**31, "num_warps": NUM_WARPS}
 
 
-def _scalars(like: torch.Tensor, count: int) -> list[torch.Tensor]:
-    return [torch.empty((), dtype=torch.float32, device=like.device) for _ in range(count)]
+def _cast_site(
+    grad: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+    h_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Both passes of one site; ``grad`` None: forward. Returns (data, data transposed, scale,
+    inverse scale, bias gradient, FC2's input transposed); backward only fills the transposes and
+    the bias gradient."""
+    m, n = y.shape
+    gradient = grad is not None
+    # a pointer a kernel does not read or write still has to be passed: ``y``
+    grad_arg, bias_arg = grad if gradient else y, y if bias is None else bias
+    new = {"device": y.device}
+    h_t = torch.empty((n, m), dtype=E4M3, **new) if gradient else y
+    column_sums = torch.empty((_grid(m, n)[0], n), dtype=torch.float32, **new) if gradient else y
+    amax = torch.zeros((), dtype=torch.float32, **new)
+    flags = {"GRADIENT": gradient, "HAS_BIAS": bias is not None, **_tiling(m, n)}
+    wrap_triton(_amax_kernel)[_grid(m, n)](
+        grad_arg, y, bias_arg, amax, y if h_scale is None else h_scale, h_t, column_sums, m, n,
+        **flags,
+    )  # fmt: skip
+    data = torch.empty((m, n), dtype=dtype, **new)
+    data_t = torch.empty((n, m), dtype=dtype, **new) if gradient else data
+    scale, inverse = (torch.empty((), dtype=torch.float32, **new) for _ in range(2))
+    wrap_triton(_cast_kernel)[_grid(m, n)](
+        grad_arg, y, bias_arg, amax, data, data_t, scale, inverse, m, n,
+        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **flags,
+    )  # fmt: skip
+    if not gradient:
+        return data, scale, inverse
+    return data, data_t, inverse, column_sums.sum(0).to(y.dtype), h_t
 
 
 # triton_op: under torch.compile the launches go into the compiled graph (no Python dispatch per
@@ -207,19 +206,7 @@ def gelu_to_fp8(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gelu(y + bias)`` of a row-major ``[m, n]`` ``y`` in FP8 ``dtype``: (data, scale,
     inverse scale)."""
-    m, n = y.shape
-    has_bias, bias_arg = bias is not None, y if bias is None else bias  # unread without a bias
-    amax = torch.zeros((), dtype=torch.float32, device=y.device)
-    wrap_triton(_gelu_amax_kernel)[_grid(m, n)](
-        y, bias_arg, amax, m, n, HAS_BIAS=has_bias, **_tiling(m, n),
-    )  # fmt: skip
-    data = torch.empty((m, n), dtype=dtype, device=y.device)
-    scale, inverse = _scalars(y, 2)
-    wrap_triton(_gelu_cast_kernel)[_grid(m, n)](
-        y, bias_arg, amax, data, scale, inverse, m, n, HAS_BIAS=has_bias,
-        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **_tiling(m, n),
-    )  # fmt: skip
-    return data, scale, inverse
+    return _cast_site(None, y, bias, dtype)
 
 
 @torch.library.triton_op("mega::gelu_grad_to_fp8", mutates_args=())
@@ -228,27 +215,9 @@ def gelu_grad_to_fp8(
     y: torch.Tensor,
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
-    h_dtype: torch.dtype,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``grad * gelu'(y + bias)`` in FP8 ``dtype`` row-major and transposed, its inverse scale and
-    its column sums (in ``y``'s dtype), and ``gelu(y + bias)`` cast again with ``h_scale`` to
-    ``h_dtype``, transposed."""
-    m, n = y.shape
-    has_bias, bias_arg = bias is not None, y if bias is None else bias
-    reduce_grid = _grid(m, n)
-    h_t = torch.empty((n, m), dtype=h_dtype, device=y.device)
-    column_sums = torch.empty((reduce_grid[0], n), dtype=torch.float32, device=y.device)
-    amax = torch.zeros((), dtype=torch.float32, device=y.device)
-    wrap_triton(_gelu_grad_reduce_kernel)[reduce_grid](
-        grad, y, bias_arg, h_scale, h_t, column_sums, amax, m, n, HAS_BIAS=has_bias,
-        H_FMAX=torch.finfo(h_dtype).max, **_tiling(m, n),
-    )  # fmt: skip
-    data = torch.empty((m, n), dtype=dtype, device=y.device)
-    data_t = torch.empty((n, m), dtype=dtype, device=y.device)
-    scale, inverse = _scalars(y, 2)
-    wrap_triton(_gelu_grad_cast_kernel)[_grid(m, n)](
-        grad, y, bias_arg, amax, data, data_t, scale, inverse, m, n, HAS_BIAS=has_bias,
-        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **_tiling(m, n),
-    )  # fmt: skip
-    return data, data_t, inverse, column_sums.sum(0).to(y.dtype), h_t
+    its column sums (in ``y``'s dtype), and ``gelu(y + bias)`` cast again to E4M3 with
+    ``h_scale``, transposed."""
+    return _cast_site(grad, y, bias, dtype, h_scale)

@@ -114,6 +114,12 @@ def forward_fp8(
     )
 
 
+def fuses_wgrad(weight: torch.Tensor, fuse_wgrad: bool) -> bool:
+    """Whether this call writes ``weight``'s gradient into ``main_grad``: it opted in and
+    gradients are being recorded for it."""
+    return fuse_wgrad and torch.is_grad_enabled() and weight.requires_grad
+
+
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -163,5 +169,5 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in FP8 (``--fp8-format e4m3`` or ``hybrid``); the weight
     gradient goes into ``main_grad`` when ``fuse_wgrad`` and gradients are being recorded."""
-    fuse = fuse_wgrad and torch.is_grad_enabled() and weight.requires_grad
+    fuse = fuses_wgrad(weight, fuse_wgrad)
     return _Fp8Linear.apply(x, weight, bias, GRAD_DTYPES[fp8_format], fuse)

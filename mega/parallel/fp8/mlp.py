@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mega.parallel.fp8.gelu_cast import gelu_grad_to_fp8, gelu_to_fp8
-from mega.parallel.fp8.linear import forward_fp8, input_grad_fp8, weight_grad_fp8
+from mega.parallel.fp8.linear import forward_fp8, fuses_wgrad, input_grad_fp8, weight_grad_fp8
 from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES, to_fp8
 
 
@@ -58,7 +58,7 @@ class _Fp8GeluMlp(torch.autograd.Function):
         g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype, columns_first=ctx.fc2_bias_follows)
         grad_h = input_grad_fp8(g_fp8, w2_fp8, g_inverse, w2_inverse, dtype)  # [tokens, ffn]
         grad_y, grad_y_t, grad_y_inverse, grad_b1, h_t = gelu_grad_to_fp8(
-            grad_h, y, fc1_bias, h_scale, E4M3, ctx.grad_dtype
+            grad_h, y, fc1_bias, h_scale, ctx.grad_dtype
         )
         grad_w2 = grad_x = grad_w1 = None
         if needs_w2:
@@ -76,10 +76,6 @@ class _Fp8GeluMlp(torch.autograd.Function):
         return grad_x, grad_w1, grad_b1, grad_w2, None, None, None
 
 
-def _fuses(weight: torch.Tensor, fuse_wgrad: bool) -> bool:
-    return fuse_wgrad and torch.is_grad_enabled() and weight.requires_grad
-
-
 def fp8_gelu_mlp(
     x: torch.Tensor,
     fc1_weight: torch.Tensor,
@@ -91,7 +87,7 @@ def fp8_gelu_mlp(
     FP8 (their weights' ``fp8_format``, the same for both); weight gradients go into
     ``main_grad`` for weights that fuse them (``fuse_wgrad``). ``fc2_bias_follows``: the caller
     adds FC2's bias to the result (its gradient's row sum then shares a pass with the amax)."""
-    fuse = tuple(_fuses(w, getattr(w, "fuse_wgrad", False)) for w in (fc1_weight, fc2_weight))
+    fuse = tuple(fuses_wgrad(w, getattr(w, "fuse_wgrad", False)) for w in (fc1_weight, fc2_weight))
     grad_dtype = GRAD_DTYPES[fc1_weight.fp8_format]
     return _Fp8GeluMlp.apply(
         x, fc1_weight, fc1_bias, fc2_weight, grad_dtype, fuse, fc2_bias_follows
