@@ -215,7 +215,8 @@ def test_a_linear_that_would_silently_stay_bf16_is_refused(plugins):
     [
         (["--fp8-format", "hybrid", "--bf16", "--device", "cpu"], "needs an NVIDIA GPU"),
         (["--fp8-format", "hybrid", "--device", "cpu"], "needs --bf16"),
-        (["--fp8-format", "e4m3", "--bf16", "--fp8-recipe", "delayed"], "--fp8-recipe delayed"),
+        (["--fp8-format", "e4m3", "--bf16", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8"),
+        (["--fp8-format", "e4m3", "--bf16", "--fp8-amax-history-len", "0"], "history-len"),
         (["--fp8-format", "fp4"], "fp4"),
         (["--num-layers-at-start-in-bf16", "-1"], "must not be negative"),
         (["--fp8-format", "hybrid", "--bf16", "--seq-length", "30"], "multiple of 16"),

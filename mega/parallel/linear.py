@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mega.parallel.fp8.delayed import Sites, sites_of
 from mega.parallel.fp8.linear import fp8_linear
 from mega.parallel.weight_grad import (
     WeightGradQueue,
@@ -76,13 +77,20 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, in FP8 when the weight carries an ``fp8_format`` (``mega.parallel.fp8``),
-    with the weight gradient fused into ``weight.main_grad`` when the weight has opted in
-    (``fuse_wgrad``) and gradients are being recorded."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fp8_sites: Sites | None = None,
+) -> torch.Tensor:
+    """``F.linear``, in FP8 when the weight carries an ``fp8_format`` (``mega.parallel.fp8``;
+    ``fp8_sites``: the calling module's delayed scaling, ``sites_of(module)``), with the weight
+    gradient fused into ``weight.main_grad`` when the weight has opted in (``fuse_wgrad``) and
+    gradients are being recorded."""
     fp8_format = getattr(weight, "fp8_format", None)
     if fp8_format is not None:
-        return fp8_linear(x, weight, bias, fp8_format, getattr(weight, "fuse_wgrad", False))
+        fuse = getattr(weight, "fuse_wgrad", False)
+        return fp8_linear(x, weight, bias, fp8_format, fuse, fp8_sites)
     if getattr(weight, "fuse_wgrad", False) and torch.is_grad_enabled() and weight.requires_grad:
         return _LinearAccumulatingWgrad.apply(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -92,7 +100,7 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose forward goes through :func:`linear` (same parameters and names)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, sites_of(self))
 
     # the two sides of the GEMM, as the tensor-parallel linears split them (a fused MLP calls them)
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:

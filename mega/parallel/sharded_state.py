@@ -128,3 +128,22 @@ def training_tensors(
                 )
             )
     return tensors
+
+
+def fp8_scaling_tensors(scaling: Any, topology: Topology) -> list[ShardedTensor]:
+    """``--fp8-recipe delayed``'s amax histories and scales (``mega.parallel.fp8.delayed``) as
+    ``fp8/<module path>.amax_history`` and ``.scale``: equal on every rank that holds the layer
+    (they are max-reduced over its data, context and tensor parallel ranks), so the first of
+    those writes them; optional, so a checkpoint without them loads (the first step seeds)."""
+    writer = topology.tp_rank == 0 and topology.group_rank("dpcp") == 0
+    return [
+        ShardedTensor(
+            key=f"fp8/{key}",
+            global_shape=tuple(buffer.shape),
+            dtype=buffer.dtype,
+            pieces=[Piece((0,) * buffer.dim(), buffer)],
+            write=writer,
+            optional=True,
+        )
+        for key, buffer in scaling.state().items()
+    ]

@@ -61,7 +61,30 @@ def training_state(engine: Any) -> dict[str, Any]:
         "vocab_unpadded": True,  # older torch checkpoints kept the padding rows
         "optimizer": engine.optimizer.state_dict(),
         "rng": capture_rng_state(),
+        **fp8_scaling_state(engine),
     }
+
+
+def fp8_scaling_state(engine: Any) -> dict[str, Any]:
+    """--fp8-recipe delayed: the amax histories and scales (``mega.parallel.fp8.delayed``)."""
+    scaling = getattr(engine, "fp8_scaling", None)
+    if scaling is None:
+        return {}
+    return {"fp8_scaling": {k: v.detach().clone() for k, v in scaling.state().items()}}
+
+
+def restore_fp8_scaling(engine: Any, state: dict[str, Any], tensors_loaded: bool) -> None:
+    """Put a checkpoint's delayed-scaling state back (a sharded load has already read it into
+    the buffers); a checkpoint without it leaves the first step to seed the histories."""
+    scaling = getattr(engine, "fp8_scaling", None)
+    if scaling is None:
+        return
+    if not tensors_loaded:
+        saved = state.get("fp8_scaling", {})
+        for key, buffer in scaling.state().items():
+            if key in saved:
+                buffer.copy_(saved[key])
+    scaling.loaded()
 
 
 def model_without_padding(model: dict[str, Any], vocab_rows: dict[str, int]) -> dict[str, Any]:
@@ -105,9 +128,9 @@ def layout_of(engine: Any) -> dict[str, Any]:
 
 def sharded_tensors(engine: Any, *, for_load: bool = False, with_optimizer: bool = True) -> list:
     """The engine's model and optimizer as this rank's ``ShardedTensor``s."""
-    from mega.parallel.sharded_state import training_tensors
+    from mega.parallel.sharded_state import fp8_scaling_tensors, training_tensors
 
-    return training_tensors(
+    tensors = training_tensors(
         engine.model,
         engine.optimizer,
         engine.topology,
@@ -115,6 +138,8 @@ def sharded_tensors(engine: Any, *, for_load: bool = False, with_optimizer: bool
         with_optimizer=with_optimizer,
         for_load=for_load,
     )
+    scaling = getattr(engine, "fp8_scaling", None)
+    return tensors + (fp8_scaling_tensors(scaling, engine.topology) if scaling else [])
 
 
 def cpu_threads(device: Any) -> int | None:
@@ -161,6 +186,7 @@ def restore_training_state(
         raise MegaUsageError(
             f"--load {directory}: does not match this model ({first_line(exc)})"
         ) from None
+    restore_fp8_scaling(engine, state, tensors_loaded)
     if not load_optim:  # a fresh optimizer: its fp32 masters from the loaded weights
         engine.optimizer.masters_from_params()
     if ckpt.finetune:

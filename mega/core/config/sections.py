@@ -14,7 +14,7 @@ from typing import Any
 
 from mega.core.config.fields import option
 
-# Megatron's --fp8-recipe names and torchao's rowwise; mega builds tensorwise
+# Megatron's --fp8-recipe names and torchao's rowwise; mega builds tensorwise and delayed
 # (mega.parallel.fp8.checks refuses the others by name)
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
 
@@ -181,9 +181,22 @@ class PrecisionConfig:
     )
     fp8_recipe: str = option(
         "tensorwise",
-        "FP8 scaling recipe: tensorwise (one scale per tensor from its current amax). Megatron's"
-        " delayed, mxfp8 and blockwise, and rowwise, are not built in mega.",
+        "FP8 scaling recipe: tensorwise (one scale per tensor from its current amax) or delayed"
+        " (scales from the amaxes of earlier steps, recorded while casting). Megatron's mxfp8"
+        " and blockwise, and rowwise, are not built in mega.",
         choices=FP8_RECIPES,
+    )
+    fp8_margin: int = option(
+        0, "--fp8-recipe delayed: scale down by 2^margin (headroom above the recorded amax)."
+    )
+    fp8_amax_history_len: int = option(
+        1, "--fp8-recipe delayed: steps of amax history kept per tensor."
+    )
+    fp8_amax_compute_algo: str = option(
+        "most_recent",
+        "--fp8-recipe delayed: the amax a scale is computed from: the newest step's, or the"
+        " history's max.",
+        choices=("most_recent", "max"),
     )
     first_last_layers_bf16: bool = option(
         False,

@@ -55,6 +55,7 @@ class RunParts:
     flops_per_token: float
     loss_names: tuple[str, ...]  # the model's loss parts, in the order the executor gives them
     prepare_microbatch: Any  # ModelSpec.prepare_microbatch: the host-side step of each batch
+    fp8_scaling: Any = None  # --fp8-recipe delayed: DelayedScaling, updated after each step
 
 
 def build_run(
@@ -134,6 +135,7 @@ def build_parts(
         mark_fp8_weights(model, plan, config.precision, device, display)
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
+    fp8_scaling = delayed_fp8_scaling(model, config.precision, topology, device)
     if compiles_layers(t.compile, device, topology) and device.type != "meta":
         compile_model(model, plan, chunks)
     p = config.parallel
@@ -184,6 +186,7 @@ def build_parts(
         flops_per_token=model_spec.flops_per_token(config.model, t.seq_length, padded_vocab),
         loss_names=model_spec.losses_of(config.model),
         prepare_microbatch=microbatch_preparation(model_spec.prepare_microbatch, topology),
+        fp8_scaling=fp8_scaling,
     )
 
 
@@ -262,6 +265,25 @@ def mark_fp8_weights(
     if display is not None:
         message = f" > FP8 ({precision.fp8_format}, {precision.fp8_recipe}): {len(marked)} linears"
         display.print(message)
+
+
+def delayed_fp8_scaling(
+    model: torch.nn.Module, precision: Any, topology: Topology, device: torch.device
+) -> Any:
+    """--fp8-recipe delayed: the FP8 linears' amax histories and scales (float32, so made after
+    the model's dtype cast), reduced over the ranks that hold the same layers; None otherwise."""
+    if not precision.fp8_format or precision.fp8_recipe != "delayed":
+        return None
+    from mega.parallel.fp8.delayed import DelayedScaling
+
+    return DelayedScaling(
+        model,
+        history_len=precision.fp8_amax_history_len,
+        compute_algo=precision.fp8_amax_compute_algo,
+        margin=precision.fp8_margin,
+        groups=[topology.group("dpcp"), topology.group("tp")],
+        device=device,
+    )
 
 
 def compiles_layers(flag: bool | None, device: torch.device, topology: Topology) -> bool:

@@ -73,6 +73,7 @@ class Engine:
         self.pending_save: Any = None  # an --async-save checkpoint still being written
         self.host_copy: Any = None  # --async-save's host buffer, kept between saves
         self.interval = IntervalStats()  # what the next iteration line will summarise
+        self.fp8_scaling: Any = None  # --fp8-recipe delayed (set up by setup())
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
 
@@ -94,6 +95,7 @@ class Engine:
         self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
         self.lr_schedule, self.flops_per_token = parts.lr_schedule, parts.flops_per_token
         self.loss_names = parts.loss_names
+        self.fp8_scaling = parts.fp8_scaling
         self.prepare_microbatch = parts.prepare_microbatch
         self.log = RunLog(
             cfg, self.topology, self.device, self.display, parts.flops_per_token, self.loss_names
@@ -135,6 +137,8 @@ class Engine:
         self.buffer.finish_grad_sync()
         if self.pending_save is not None:  # its copies must read the values before the update
             self.pending_save.before_update()
+        if self.fp8_scaling is not None:  # the next step casts with this step's amaxes
+            self.fp8_scaling.update()
         outcome = self.optimizer.step(lr, iteration)
         return StepResult(
             loss=self._batch_loss(losses),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-BUILT_RECIPES = ("tensorwise",)
+BUILT_RECIPES = ("tensorwise", "delayed")
 MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 ALIGNMENT = 16  # _scaled_mm needs every GEMM dimension divisible by 16
 
@@ -27,8 +27,13 @@ def fp8_flag_problems(precision: Any) -> list[str]:
     if precision.fp8_recipe not in BUILT_RECIPES:
         errors.append(
             f"--fp8-recipe {precision.fp8_recipe}: not built in mega (it has"
-            f" {', '.join(BUILT_RECIPES)}: per-tensor scaling from the current amax)"
+            f" {' and '.join(BUILT_RECIPES)}: per-tensor scaling from the current amax or from"
+            " earlier steps' amaxes)"
         )
+    if precision.fp8_amax_history_len < 1:
+        errors.append("--fp8-amax-history-len must be at least 1")
+    if precision.fp8_margin < 0:
+        errors.append("--fp8-margin must not be negative")
     if not precision.bf16:
         errors.append(
             f"--fp8-format {precision.fp8_format} needs --bf16 (the FP8 GEMMs read and write bf16"

@@ -18,12 +18,14 @@ from mega.parallel.fp8.scaling import E4M3, cast_with_scale, scale_for
 
 
 def gelu_to_fp8_reference(
-    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gelu(y + bias)`` in FP8: (data, scale, inverse scale)."""
+    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gelu(y + bias)`` in FP8, with ``scale`` or (None) from its amax: (data, scale, inverse
+    scale, amax)."""
     h = F.gelu(y if bias is None else y + bias)
-    scale = scale_for(h.detach().abs().amax(), dtype)
-    return cast_with_scale(h, scale, dtype), scale, scale.reciprocal()
+    amax = h.detach().abs().amax().float()
+    scale = scale_for(amax, dtype) if scale is None else scale.clone()
+    return cast_with_scale(h, scale, dtype), scale, scale.reciprocal(), amax
 
 
 def gelu_grad_to_fp8_reference(
@@ -32,16 +34,18 @@ def gelu_grad_to_fp8_reference(
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``g = grad * gelu'(y + bias)`` in FP8 row-major and transposed, its inverse scale, its
-    column sums (the bias gradient) and FC2's input again (``gelu(y + bias)`` cast to E4M3 with
-    ``h_scale``), transposed."""
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``g = grad * gelu'(y + bias)`` in FP8 row-major and transposed (with ``scale`` or from its
+    amax), its inverse scale, its column sums (the bias gradient), FC2's input again
+    (``gelu(y + bias)`` cast to E4M3 with ``h_scale``), transposed, and its amax."""
     x = y if bias is None else y + bias
     g = torch.ops.aten.gelu_backward(grad, x)
-    scale = scale_for(g.abs().amax(dim=0).amax(), dtype)
+    amax = g.abs().amax(dim=0).amax().float()
+    scale = scale_for(amax, dtype) if scale is None else scale
     data = cast_with_scale(g, scale, dtype)
     h_t = cast_with_scale(F.gelu(x), h_scale, E4M3).t().contiguous()
-    return data, data.t().contiguous(), scale.reciprocal(), g.sum(0), h_t
+    return data, data.t().contiguous(), scale.reciprocal(), g.sum(0), h_t, amax
 
 
 def _load_kernels():  # noqa: ANN202
@@ -64,13 +68,16 @@ def _use_kernels(y: torch.Tensor) -> bool:
 
 
 def gelu_to_fp8(
-    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gelu(y + bias)`` of FC1's ``[tokens, ffn]`` output as FC2's FP8 input: (data, scale,
-    inverse scale)."""
+    y: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``gelu(y + bias)`` of FC1's ``[tokens, ffn]`` output as FC2's FP8 input, with ``scale``
+    (delayed scaling) or from its amax: (data, scale, inverse scale, amax)."""
     if _use_kernels(y):
-        return torch.ops.mega.gelu_to_fp8(y, bias, dtype)
-    return gelu_to_fp8_reference(y, bias, dtype)
+        return torch.ops.mega.gelu_to_fp8(y, bias, dtype, scale)
+    return gelu_to_fp8_reference(y, bias, dtype, scale)
 
 
 def gelu_grad_to_fp8(
@@ -79,9 +86,11 @@ def gelu_grad_to_fp8(
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FC1's output gradient from FC2's input gradient ``grad``: (FP8 row-major, FP8 transposed,
-    inverse scale, bias gradient, FC2's FP8 input transposed)."""
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FC1's output gradient from FC2's input gradient ``grad``, with ``scale`` or from its amax:
+    (FP8 row-major, FP8 transposed, inverse scale, bias gradient, FC2's FP8 input transposed,
+    amax)."""
     if _use_kernels(y):
-        return torch.ops.mega.gelu_grad_to_fp8(grad, y, bias, h_scale, dtype)
-    return gelu_grad_to_fp8_reference(grad, y, bias, h_scale, dtype)
+        return torch.ops.mega.gelu_grad_to_fp8(grad, y, bias, h_scale, dtype, scale)
+    return gelu_grad_to_fp8_reference(grad, y, bias, h_scale, dtype, scale)

@@ -7,7 +7,8 @@ from, so nothing in bf16 is written in between.
   FC2's input again, transposed (what FC2's weight-gradient GEMM reads); pass 2 ``g`` in FP8 both
   ways (FC1's input- and weight-gradient GEMMs).
 
-Each kernel serves both directions (``GRADIENT``). Rounding follows the eager ops they replace
+Under delayed scaling the scale is known before the site runs: pass 1 casts too (``CAST``) and
+is the site's only pass. Each kernel serves both directions (``GRADIENT``). Rounding follows the eager ops they replace
 (``y + b`` and ``gelu`` round to the activations' dtype; the cast is ``clamp(x * scale)``; the
 scale is ``fmax * (1 / max(amax, floor))`` as torch computes ``fmax / amax``), so the scales are
 the reference's exactly and the FP8 values are too, except where Triton's erf differs from
@@ -94,6 +95,14 @@ def _value(grad_ptr, x, rows, cols, mask, n, dtype: tl.constexpr, GRADIENT: tl.c
 
 
 @triton.jit
+def _store_data(data, out_ptr, out_t_ptr, rows, cols, mask, m, n, GRADIENT: tl.constexpr):
+    """The cast values, row-major ``[m, n]``; backward also transposed ``[n, m]``."""
+    tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
+    if GRADIENT:
+        tl.store(out_t_ptr + cols[None, :] * m + rows[:, None], data, mask=mask)
+
+
+@triton.jit
 def _amax_kernel(
     grad_ptr,
     y_ptr,
@@ -102,16 +111,24 @@ def _amax_kernel(
     h_scale_ptr,
     h_t_ptr,
     column_sums_ptr,
+    out_ptr,
+    out_t_ptr,
+    scale_ptr,
+    scale_out_ptr,
+    inverse_ptr,
     m,
     n,
     GRADIENT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    CAST: tl.constexpr,
+    FMAX: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     WIDE: tl.constexpr,
 ):
     """Pass 1: the amax of what the site casts. Backward also writes the partial bias-gradient
-    sums and FC2's input again (as the forward cast it, with its scale), transposed."""
+    sums and FC2's input again (as the forward cast it, with its scale), transposed. ``CAST``
+    (a given scale, ``scale_ptr``): the cast as well, as pass 2 writes it."""
     rows, cols, mask = _tile(tl.program_id(0), tl.program_id(1), m, n, BM, BN, WIDE)
     dtype = y_ptr.dtype.element_ty
     x = _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS)
@@ -123,6 +140,11 @@ def _amax_kernel(
         sums = tl.sum(value, axis=0)
         tl.store(column_sums_ptr + tl.program_id(0) * n + cols, sums, mask=cols < n)
     tl.atomic_max(amax_ptr, tl.max(tl.abs(value)))
+    if CAST:
+        scale = tl.load(scale_ptr)
+        data = _cast(value, scale, FMAX, out_ptr.dtype.element_ty)
+        _store_data(data, out_ptr, out_t_ptr, rows, cols, mask, m, n, GRADIENT)
+        _store_scales(scale, scale_out_ptr, inverse_ptr)
 
 
 @triton.jit
@@ -151,9 +173,7 @@ def _cast_kernel(
     value = _value(grad_ptr, x, rows, cols, mask, n, y_ptr.dtype.element_ty, GRADIENT)
     scale = _scale(amax_ptr, FMAX, FLOOR)
     data = _cast(value, scale, FMAX, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * n + cols[None, :], data, mask=mask)
-    if GRADIENT:
-        tl.store(out_t_ptr + cols[None, :] * m + rows[:, None], data, mask=mask)
+    _store_data(data, out_ptr, out_t_ptr, rows, cols, mask, m, n, GRADIENT)
     _store_scales(scale, scale_ptr, inverse_ptr)
 
 
@@ -168,45 +188,47 @@ def _tiling(m: int, n: int) -> dict:
 
 def _cast_site(
     grad: torch.Tensor | None, y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-    h_scale: torch.Tensor | None = None,
+    h_scale: torch.Tensor | None = None, given_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """Both passes of one site; ``grad`` None: forward. Returns (data, data transposed, scale,
-    inverse scale, bias gradient, FC2's input transposed); backward only fills the transposes and
-    the bias gradient."""
+    """One site; ``grad`` None: forward. Two passes, or one with a ``given_scale``. Returns
+    (data, data transposed, scale, inverse scale, bias gradient, FC2's input transposed, amax);
+    backward only fills the transposes and the bias gradient."""
     m, n = y.shape
-    gradient = grad is not None
+    gradient, cast = grad is not None, given_scale is not None
     # a pointer a kernel does not read or write still has to be passed: ``y``
     grad_arg, bias_arg = grad if gradient else y, y if bias is None else bias
     new = {"device": y.device}
     h_t = torch.empty((n, m), dtype=E4M3, **new) if gradient else y
     column_sums = torch.empty((_grid(m, n)[0], n), dtype=torch.float32, **new) if gradient else y
     amax = torch.zeros((), dtype=torch.float32, **new)
-    flags = {"GRADIENT": gradient, "HAS_BIAS": bias is not None, **_tiling(m, n)}
-    wrap_triton(_amax_kernel)[_grid(m, n)](
-        grad_arg, y, bias_arg, amax, y if h_scale is None else h_scale, h_t, column_sums, m, n,
-        **flags,
-    )  # fmt: skip
     data = torch.empty((m, n), dtype=dtype, **new)
     data_t = torch.empty((n, m), dtype=dtype, **new) if gradient else data
     scale, inverse = (torch.empty((), dtype=torch.float32, **new) for _ in range(2))
-    wrap_triton(_cast_kernel)[_grid(m, n)](
-        grad_arg, y, bias_arg, amax, data, data_t, scale, inverse, m, n,
-        FMAX=torch.finfo(dtype).max, FLOOR=AMAX_FLOOR, **flags,
+    flags = {"GRADIENT": gradient, "HAS_BIAS": bias is not None, **_tiling(m, n)}
+    fmax = torch.finfo(dtype).max
+    wrap_triton(_amax_kernel)[_grid(m, n)](
+        grad_arg, y, bias_arg, amax, y if h_scale is None else h_scale, h_t, column_sums, data,
+        data_t, given_scale if cast else y, scale, inverse, m, n, CAST=cast, FMAX=fmax, **flags,
     )  # fmt: skip
+    if not cast:
+        wrap_triton(_cast_kernel)[_grid(m, n)](
+            grad_arg, y, bias_arg, amax, data, data_t, scale, inverse, m, n,
+            FMAX=fmax, FLOOR=AMAX_FLOOR, **flags,
+        )  # fmt: skip
     if not gradient:
-        return data, scale, inverse
-    return data, data_t, inverse, column_sums.sum(0).to(y.dtype), h_t
+        return data, scale, inverse, amax
+    return data, data_t, inverse, column_sums.sum(0).to(y.dtype), h_t, amax
 
 
 # triton_op: under torch.compile the launches go into the compiled graph (no Python dispatch per
 # call, allocations planned with the rest); the kernels stay as written (nothing fuses into them)
 @torch.library.triton_op("mega::gelu_to_fp8", mutates_args=())
 def gelu_to_fp8(
-    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``gelu(y + bias)`` of a row-major ``[m, n]`` ``y`` in FP8 ``dtype``: (data, scale,
-    inverse scale)."""
-    return _cast_site(None, y, bias, dtype)
+    inverse scale, amax); with the ``scale`` given (delayed scaling) or from the amax."""
+    return _cast_site(None, y, bias, dtype, given_scale=scale)
 
 
 @torch.library.triton_op("mega::gelu_grad_to_fp8", mutates_args=())
@@ -216,8 +238,9 @@ def gelu_grad_to_fp8(
     bias: torch.Tensor | None,
     h_scale: torch.Tensor,
     dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``grad * gelu'(y + bias)`` in FP8 ``dtype`` row-major and transposed, its inverse scale and
-    its column sums (in ``y``'s dtype), and ``gelu(y + bias)`` cast again to E4M3 with
-    ``h_scale``, transposed."""
-    return _cast_site(grad, y, bias, dtype, h_scale)
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grad * gelu'(y + bias)`` in FP8 ``dtype`` row-major and transposed (with ``scale`` or
+    from the amax), its inverse scale and its column sums (in ``y``'s dtype), ``gelu(y + bias)``
+    cast again to E4M3 with ``h_scale``, transposed, and the amax."""
+    return _cast_site(grad, y, bias, dtype, h_scale, scale)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES, to_fp8
+from mega.parallel.fp8.delayed import GRAD, INPUT, WEIGHT, Sites, to_fp8_at
+from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
 from mega.parallel.weight_grad import fused_weight_grad
 
 
@@ -129,15 +130,19 @@ class _Fp8Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         grad_dtype: torch.dtype,
         fuse_wgrad: bool,
+        sites: Sites | None,
+        record: bool,
     ) -> torch.Tensor:
         x_2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        x_fp8, x_inverse = to_fp8(x_2d, E4M3)
-        w_fp8, w_inverse = to_fp8(weight, E4M3)  # [out, in]: its .t() is column-major
+        x_fp8, x_inverse = to_fp8_at(x_2d, E4M3, sites, INPUT, record)
+        # [out, in]: its .t() is column-major
+        w_fp8, w_inverse = to_fp8_at(weight, E4M3, sites, WEIGHT, record)
         out = forward_fp8(x_fp8, w_fp8, x_inverse, w_inverse, x.dtype)
         if bias is not None:
             out = out + bias
         ctx.save_for_backward(x_fp8, x_inverse, w_fp8, w_inverse, weight)
         ctx.has_bias, ctx.grad_dtype, ctx.fuse_wgrad = bias is not None, grad_dtype, fuse_wgrad
+        ctx.sites = sites  # not saved for backward: the casts write its history in place
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -146,7 +151,9 @@ class _Fp8Linear(torch.autograd.Function):
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         # with a bias, its gradient and the amax are one pass over the output gradient
-        g_fp8, g_inverse = to_fp8(grad_2d, ctx.grad_dtype, columns_first=ctx.has_bias)
+        g_fp8, g_inverse = to_fp8_at(
+            grad_2d, ctx.grad_dtype, ctx.sites, GRAD, True, columns_first=ctx.has_bias
+        )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
             grad_input = input_grad_fp8(g_fp8, w_fp8, g_inverse, w_inverse, grad_output.dtype)
@@ -157,7 +164,7 @@ class _Fp8Linear(torch.autograd.Function):
             )
         if ctx.has_bias and needs_bias:
             grad_bias = grad_2d.sum(0)
-        return grad_input, grad_weight, grad_bias, None, None
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def fp8_linear(
@@ -166,8 +173,12 @@ def fp8_linear(
     bias: torch.Tensor | None,
     fp8_format: str,
     fuse_wgrad: bool,
+    sites: Sites | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` in FP8 (``--fp8-format e4m3`` or ``hybrid``); the weight
-    gradient goes into ``main_grad`` when ``fuse_wgrad`` and gradients are being recorded."""
+    gradient goes into ``main_grad`` when ``fuse_wgrad`` and gradients are being recorded.
+    ``sites``: the linear's delayed scaling (``mega.parallel.fp8.delayed``), None for current
+    scaling; amaxes are recorded while gradients are (training, not evaluation)."""
     fuse = fuses_wgrad(weight, fuse_wgrad)
-    return _Fp8Linear.apply(x, weight, bias, GRAD_DTYPES[fp8_format], fuse)
+    record = torch.is_grad_enabled()
+    return _Fp8Linear.apply(x, weight, bias, GRAD_DTYPES[fp8_format], fuse, sites, record)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from mega.parallel import linear as linear_ops
+from mega.parallel.fp8.delayed import sites_of
 from mega.parallel.shard import ShardSpec, local_shard
 from mega.parallel.tensor.mappings import (
     copy_to_tensor_parallel,
@@ -80,7 +81,8 @@ class ColumnParallelLinear(_ParallelLinear):
         return cls(weight, bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_ops.linear(self.gather_input(x), self.weight, self.bias)  # [b, s, out/tp]
+        # [b, s, out/tp]
+        return linear_ops.linear(self.gather_input(x), self.weight, self.bias, sites_of(self))
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
         """The replicated input this rank's GEMM reads (``mega.parallel.linear.Linear``'s API)."""
@@ -107,7 +109,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, out], this rank's share of the sum
-        return self.reduce_output(linear_ops.linear(x, self.weight))
+        return self.reduce_output(linear_ops.linear(x, self.weight, None, sites_of(self)))
 
     def reduce_output(self, partial: torch.Tensor) -> torch.Tensor:
         """The output from this rank's partial product: summed over the group (reduce-scattered

@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import normal_
+from mega.parallel.fp8.delayed import sites_of
 from mega.parallel.fp8.mlp import fp8_gelu_mlp, fuses_gelu_mlp
 from mega.parallel.linear import Linear
 from mega.parallel.positions import at_positions
@@ -249,8 +250,9 @@ class MLP(nn.Module):
         if fuses_gelu_mlp(self.activation_name, fc1.weight, fc2.weight):
             # FP8: FC2's input and FC1's output gradient cast straight from the GEMMs' outputs
             partial = fp8_gelu_mlp(
-                fc1.gather_input(hidden), fc1.weight, fc1.bias, fc2.weight, fc2.bias is not None
-            )
+                fc1.gather_input(hidden), fc1.weight, fc1.bias, fc2.weight, fc2.bias is not None,
+                (sites_of(fc1), sites_of(fc2)),
+            )  # fmt: skip
             return fc2.reduce_output(partial)
         intermediate = fc1(hidden)  # [b, s, f] or [b, s, 2f]
         if self.swiglu:

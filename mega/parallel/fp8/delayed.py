@@ -1,0 +1,162 @@
+"""Delayed scaling (``--fp8-recipe delayed``, Transformer Engine's DelayedScaling): each FP8 cast
+uses a scale decided before it from the amaxes of earlier steps, so the cast needs no pass over
+its tensor first; the tensor's amax is recorded while it is cast, for the steps after.
+
+Each FP8 linear has three cast sites (its input, its weight, its output gradient) and two
+buffers: ``fp8_amax_history [history_len, 3]`` (row 0: this step's amax so far, the max over its
+micro-batches; rows 1..: the steps before) and ``fp8_scale [3]``. After every step
+(:meth:`DelayedScaling.update`) row 0 is max-reduced over the ranks that hold the same layers
+(data, context and tensor parallel: afterwards every rank has the amax of the whole tensor over
+the whole batch, whatever the layout), the scale becomes ``fmax / amax / 2^margin`` with
+``amax`` the newest row (``--fp8-amax-compute-algo most_recent``) or the history's max (``max``),
+and the history shifts by one row.
+
+The first step has no history: it casts with current scaling (each tensor's own amax, as
+``tensorwise``), which records the amaxes the second step starts from (Transformer Engine starts
+from scale 1 instead, where most gradients underflow). A compiled model compiles that step once
+more. The buffers are not in the model's state dict: checkpoints carry them next to it
+(:func:`scaling_state`, :func:`load_scaling_state`), so a resumed run casts as the uninterrupted
+one would.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from mega.parallel import comm
+from mega.parallel.fp8.scaling import AMAX_FLOOR, amax_of, cast_with_scale, scale_for, to_fp8
+
+INPUT, WEIGHT, GRAD = 0, 1, 2  # a linear's cast sites, the columns of its buffers
+SITES = 3
+
+
+class Sites(NamedTuple):
+    """One linear's delayed-scaling state as its casts use it."""
+
+    history: torch.Tensor  # [history_len, 3] float32
+    scale: torch.Tensor  # [3] float32
+    seeded: bool  # the history has a step in it: cast with ``scale`` (else current scaling)
+
+
+def sites_of(module: nn.Module) -> Sites | None:
+    """The delayed-scaling state of an FP8 linear, or None (current scaling, or not FP8)."""
+    history = getattr(module, "fp8_amax_history", None)
+    if history is None:
+        return None
+    return Sites(history, module.fp8_scale, module.fp8_seeded)
+
+
+def record_amax(sites: Sites, site: int, amax: torch.Tensor) -> None:
+    """Fold ``amax`` (a float32 scalar) into the step's row of the history."""
+    current = sites.history[0, site]
+    current.copy_(torch.maximum(current, amax.float()))
+
+
+def to_fp8_at(
+    tensor: torch.Tensor,
+    dtype: torch.dtype,
+    sites: Sites | None,
+    site: int,
+    record: bool,
+    columns_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tensor`` in ``dtype`` and its inverse scale, by the linear's recipe: current scaling
+    (``sites`` None), or ``site``'s delayed scale, recording ``tensor``'s amax when ``record``
+    (training; a seeding step always scales from the amax it records)."""
+    if sites is None:
+        return to_fp8(tensor, dtype, columns_first)
+    amax = amax_of(tensor, columns_first)
+    if record:
+        record_amax(sites, site, amax)
+    scale = sites.scale[site] if sites.seeded else scale_for(amax, dtype)
+    return cast_with_scale(tensor, scale, dtype), scale.reciprocal()
+
+
+def attach(model: nn.Module, history_len: int, device: torch.device) -> list[nn.Module]:
+    """Give every FP8 linear of ``model`` (a weight with ``fp8_format``) its buffers, in float32
+    on ``device`` (after the model's dtype cast, which would round them to bf16)."""
+    linears = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if getattr(weight, "fp8_format", None) is None or hasattr(module, "fp8_amax_history"):
+            continue
+        history = torch.zeros(history_len, SITES, dtype=torch.float32, device=device)
+        module.register_buffer("fp8_amax_history", history, persistent=False)
+        module.register_buffer("fp8_scale", torch.ones(SITES, device=device), persistent=False)
+        module.fp8_seeded = False
+        linears.append(module)
+    return linears
+
+
+class DelayedScaling:
+    """The delayed-scaling state of one rank's model: updated after every training step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        history_len: int,
+        compute_algo: str,
+        margin: float,
+        groups: list[Any],
+        device: torch.device,
+    ) -> None:
+        names = {module: path for path, module in model.named_modules()}
+        self.linears = attach(model, history_len, device)
+        self.paths = {names[m]: m for m in self.linears}  # the checkpoint's names
+        self.compute_algo, self.margin, self.groups = compute_algo, margin, groups
+        # the largest value of each site's format: E4M3 for inputs and weights, the gradient's
+        self.fmax = torch.tensor(
+            [[torch.finfo(d).max for d in _site_dtypes(m.weight.fp8_format)] for m in self.linears],
+            dtype=torch.float32,
+            device=device,
+        )
+
+    def update(self) -> None:
+        """The step is over: reduce its amaxes over the ranks, set the scales, shift the
+        histories (a handful of kernels and one small all-reduce per group, for all linears)."""
+        if not self.linears:
+            return
+        histories = torch.stack([m.fp8_amax_history for m in self.linears])  # [n, H, 3]
+        newest = histories[:, 0].contiguous()
+        for group in self.groups:
+            comm.all_reduce(newest, group, comm.MAX)
+        histories[:, 0] = newest
+        amax = newest if self.compute_algo == "most_recent" else histories.amax(dim=1)
+        scales = torch.stack([m.fp8_scale for m in self.linears])
+        # as scale_for: torch divides a number by a tensor as its reciprocal times the number
+        fresh = self.fmax * amax.clamp(min=AMAX_FLOOR).reciprocal()
+        if self.margin:
+            fresh = fresh / 2.0**self.margin
+        # a site that saw nothing yet (or an inf/nan amax) keeps its scale
+        scales = torch.where(torch.isfinite(amax) & (amax > 0), fresh, scales)
+        shifted = torch.roll(histories, 1, dims=1)
+        shifted[:, 0] = 0.0
+        torch._foreach_copy_([m.fp8_amax_history for m in self.linears], list(shifted.unbind(0)))
+        torch._foreach_copy_([m.fp8_scale for m in self.linears], list(scales.unbind(0)))
+        for m in self.linears:
+            m.fp8_seeded = True
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{"<module path>.amax_history": ..., "<module path>.scale": ...}`` (this rank's
+        linears; equal on every rank that holds them, after :meth:`update`)."""
+        out = {}
+        for path, m in self.paths.items():
+            out[f"{path}.amax_history"] = m.fp8_amax_history
+            out[f"{path}.scale"] = m.fp8_scale
+        return out
+
+    def loaded(self) -> None:
+        """The buffers were read from a checkpoint: linears with a history cast delayed."""
+        seeded = [bool(m.fp8_amax_history.abs().amax() > 0) for m in self.linears]
+        for m, s in zip(self.linears, seeded, strict=True):
+            m.fp8_seeded = s
+
+
+def _site_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
+
+    return E4M3, E4M3, GRAD_DTYPES[fp8_format]
