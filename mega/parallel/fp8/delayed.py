@@ -2,10 +2,16 @@
 uses a scale decided before it from the amaxes of earlier steps, so the cast needs no pass over
 its tensor first; the tensor's amax is recorded while it is cast, for the steps after.
 
-Each FP8 linear has three cast sites (its input, its weight, its output gradient) and two
+Each FP8 linear has three cast sites (its input, its weight, its output gradient) and three
 buffers: ``fp8_amax_history [history_len, 3]`` (row 0: this step's amax so far, the max over its
-micro-batches; rows 1..: the steps before) and ``fp8_scale [3]``. After every step
-(:meth:`DelayedScaling.update`) row 0 is max-reduced over the ranks that hold the same layers
+micro-batches; rows 1..: the steps before), ``fp8_scale [3]`` and its reciprocals
+``fp8_scale_inv_{input,weight,grad}``, what ``_scaled_mm`` takes: a scalar each (inductor's
+``_scaled_mm`` refuses a scale that is a view at an offset of a larger buffer). Inputs and output gradients record their
+amax as they are cast; the weights' amaxes are taken in the update, for all weights in one
+multi-tensor kernel (a weight is the same in every micro-batch of a step, and a reduction per
+weight per micro-batch was four more kernels per layer to launch: the 1.3B GPT's FP8 step is
+partly bound by the host launching them). After every step (:meth:`DelayedScaling.update`) row 0
+is max-reduced over the ranks that hold the same layers
 (data, context and tensor parallel: afterwards every rank has the amax of the whole tensor over
 the whole batch, whatever the layout), the scale becomes ``fmax / amax / 2^margin`` with
 ``amax`` the newest row (``--fp8-amax-compute-algo most_recent``) or the history's max (``max``),
@@ -27,10 +33,11 @@ import torch
 from torch import nn
 
 from mega.parallel import comm
-from mega.parallel.fp8.scaling import AMAX_FLOOR, amax_of, cast_with_scale, scale_for, to_fp8
+from mega.parallel.fp8.scaling import AMAX_FLOOR, amax_of, cast_with_scale, to_fp8
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # a linear's cast sites, the columns of its buffers
-SITES = 3
+SITE_NAMES = ("input", "weight", "grad")
+SITES = len(SITE_NAMES)
 
 
 class Sites(NamedTuple):
@@ -38,6 +45,7 @@ class Sites(NamedTuple):
 
     history: torch.Tensor  # [history_len, 3] float32
     scale: torch.Tensor  # [3] float32
+    inverse: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # float32 scalars, 1 / scale
     seeded: bool  # the history has a step in it: cast with ``scale`` (else current scaling)
 
 
@@ -46,7 +54,8 @@ def sites_of(module: nn.Module) -> Sites | None:
     history = getattr(module, "fp8_amax_history", None)
     if history is None:
         return None
-    return Sites(history, module.fp8_scale, module.fp8_seeded)
+    inverse = tuple(getattr(module, f"fp8_scale_inv_{name}") for name in SITE_NAMES)
+    return Sites(history, module.fp8_scale, inverse, module.fp8_seeded)
 
 
 def record_amax(sites: Sites, site: int, amax: torch.Tensor) -> None:
@@ -64,15 +73,17 @@ def to_fp8_at(
     columns_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor`` in ``dtype`` and its inverse scale, by the linear's recipe: current scaling
-    (``sites`` None), or ``site``'s delayed scale, recording ``tensor``'s amax when ``record``
-    (training; a seeding step always scales from the amax it records)."""
-    if sites is None:
-        return to_fp8(tensor, dtype, columns_first)
-    amax = amax_of(tensor, columns_first)
-    if record:
-        record_amax(sites, site, amax)
-    scale = sites.scale[site] if sites.seeded else scale_for(amax, dtype)
-    return cast_with_scale(tensor, scale, dtype), scale.reciprocal()
+    (``sites`` None, or a seeding step), or ``site``'s delayed scale. The input's and output
+    gradient's amax is recorded when ``record`` (training); the weight's is the update's."""
+    if sites is None or not sites.seeded:
+        data, inverse = to_fp8(tensor, dtype, columns_first)
+    else:
+        data, inverse = cast_with_scale(tensor, sites.scale[site], dtype), sites.inverse[site]
+    if sites is not None and record and site != WEIGHT:
+        # an input's rows are the tokens a norm (or the attention) just produced
+        rows_first = site == INPUT
+        record_amax(sites, site, amax_of(tensor, columns_first, rows_first))
+    return data, inverse
 
 
 def attach(model: nn.Module, history_len: int, device: torch.device) -> list[nn.Module]:
@@ -86,6 +97,9 @@ def attach(model: nn.Module, history_len: int, device: torch.device) -> list[nn.
         history = torch.zeros(history_len, SITES, dtype=torch.float32, device=device)
         module.register_buffer("fp8_amax_history", history, persistent=False)
         module.register_buffer("fp8_scale", torch.ones(SITES, device=device), persistent=False)
+        for name in SITE_NAMES:
+            inverse = torch.ones((), device=device)
+            module.register_buffer(f"fp8_scale_inv_{name}", inverse, persistent=False)
         module.fp8_seeded = False
         linears.append(module)
     return linears
@@ -122,6 +136,8 @@ class DelayedScaling:
             return
         histories = torch.stack([m.fp8_amax_history for m in self.linears])  # [n, H, 3]
         newest = histories[:, 0].contiguous()
+        weights = [m.weight.detach() for m in self.linears]
+        newest[:, WEIGHT] = torch.stack(torch._foreach_norm(weights, float("inf"))).float()
         for group in self.groups:
             comm.all_reduce(newest, group, comm.MAX)
         histories[:, 0] = newest
@@ -137,6 +153,7 @@ class DelayedScaling:
         shifted[:, 0] = 0.0
         torch._foreach_copy_([m.fp8_amax_history for m in self.linears], list(shifted.unbind(0)))
         torch._foreach_copy_([m.fp8_scale for m in self.linears], list(scales.unbind(0)))
+        self._set_inverses(scales)
         for m in self.linears:
             m.fp8_seeded = True
 
@@ -152,8 +169,14 @@ class DelayedScaling:
     def loaded(self) -> None:
         """The buffers were read from a checkpoint: linears with a history cast delayed."""
         seeded = [bool(m.fp8_amax_history.abs().amax() > 0) for m in self.linears]
+        self._set_inverses(torch.stack([m.fp8_scale for m in self.linears]))
         for m, s in zip(self.linears, seeded, strict=True):
             m.fp8_seeded = s
+
+    def _set_inverses(self, scales: torch.Tensor) -> None:
+        """Every linear's ``fp8_scale_inv_*`` from ``scales [linears, 3]``."""
+        buffers = [m.get_buffer(f"fp8_scale_inv_{n}") for m in self.linears for n in SITE_NAMES]
+        torch._foreach_copy_(buffers, list(scales.reciprocal().flatten().unbind(0)))
 
 
 def _site_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:

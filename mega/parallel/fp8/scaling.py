@@ -35,12 +35,17 @@ def to_fp8(
     return cast_with_scale(tensor, scale, dtype), scale.reciprocal()
 
 
-def amax_of(tensor: torch.Tensor, columns_first: bool = False) -> torch.Tensor:
+def amax_of(
+    tensor: torch.Tensor, columns_first: bool = False, rows_first: bool = False
+) -> torch.Tensor:
     """The absolute maximum of ``tensor`` (a scalar in its dtype); ``columns_first``: of each
-    column first (see :func:`to_fp8`)."""
+    column first (see :func:`to_fp8`); ``rows_first``: of each row first, the reduction a norm
+    before it makes, which the compiler can then do in the norm's kernel."""
     magnitude = tensor.detach().abs()
     if columns_first:
         magnitude = magnitude.amax(dim=0)
+    elif rows_first:
+        magnitude = magnitude.amax(dim=-1)
     return magnitude.amax()
 
 
