@@ -63,6 +63,18 @@ def test_a_gpu_run_in_fp8_is_planned_on_a_machine_without_a_gpu():
     assert "tokens/s" in result.output
 
 
+def test_a_delayed_fp8_run_is_planned_as_tensorwise(recwarn):
+    """Its compiled graph on meta would fail on the in-place amax records, and the planner would
+    count its layers as eager (warning so); the plan counts the tensorwise graph instead."""
+    fp8 = ["--device", "cuda", "--fp8-format", "hybrid", "--gpu", "h100"]
+    delayed = _plan(*fp8, "--fp8-recipe", "delayed")
+    assert delayed.exit_code == 0, delayed.output
+    assert not [w for w in recwarn if "could not be compiled on meta" in str(w.message)]
+    tensorwise = _plan(*fp8)
+    step = [line for line in delayed.output.splitlines() if line.startswith("step ")]
+    assert step and step == [ln for ln in tensorwise.output.splitlines() if ln.startswith("step ")]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
