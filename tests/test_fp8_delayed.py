@@ -62,6 +62,14 @@ def test_the_update_sets_scales_from_the_newest_or_the_largest_amax_and_shifts()
         assert layer.fp8_seeded
 
 
+def test_a_rank_without_fp8_linears_updates_and_loads_nothing():
+    """A pipeline stage whose layers all stay bf16 (--first-last-layers-bf16) has no sites."""
+    scaling = _scaling(nn.Sequential(Linear(32, 32)))
+    assert scaling.linears == [] and scaling.state() == {}
+    scaling.update()
+    scaling.loaded()
+
+
 def _linear_step(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, sites) -> tuple:
     x = x.clone().requires_grad_()
     out = fp8_linear(x, layer.weight, None, "hybrid", False, sites)

@@ -6,12 +6,12 @@ Each FP8 linear has three cast sites (its input, its weight, its output gradient
 buffers: ``fp8_amax_history [history_len, 3]`` (row 0: this step's amax so far, the max over its
 micro-batches; rows 1..: the steps before), ``fp8_scale [3]`` and its reciprocals
 ``fp8_scale_inv_{input,weight,grad}``, what ``_scaled_mm`` takes: a scalar each (inductor's
-``_scaled_mm`` refuses a scale that is a view at an offset of a larger buffer). Inputs and output gradients record their
-amax as they are cast; the weights' amaxes are taken in the update, for all weights in one
-multi-tensor kernel (a weight is the same in every micro-batch of a step, and a reduction per
-weight per micro-batch was four more kernels per layer to launch: the 1.3B GPT's FP8 step is
-partly bound by the host launching them). After every step (:meth:`DelayedScaling.update`) row 0
-is max-reduced over the ranks that hold the same layers
+``_scaled_mm`` refuses a scale that is a view at an offset of a larger buffer). Inputs and output
+gradients record their amax as they are cast; the weights' amaxes are taken in the update, for
+all weights in one multi-tensor kernel (a weight is the same in every micro-batch of a step, and a
+reduction per weight per micro-batch was four more kernels per layer to launch: the 1.3B GPT's
+FP8 step is partly bound by the host launching them). After every step
+(:meth:`DelayedScaling.update`) row 0 is max-reduced over the ranks that hold the same layers
 (data, context and tensor parallel: afterwards every rank has the amax of the whole tensor over
 the whole batch, whatever the layout), the scale becomes ``fmax / amax / 2^margin`` with
 ``amax`` the newest row (``--fp8-amax-compute-algo most_recent``) or the history's max (``max``),
@@ -20,9 +20,9 @@ and the history shifts by one row.
 The first step has no history: it casts with current scaling (each tensor's own amax, as
 ``tensorwise``), which records the amaxes the second step starts from (Transformer Engine starts
 from scale 1 instead, where most gradients underflow). A compiled model compiles that step once
-more. The buffers are not in the model's state dict: checkpoints carry them next to it
-(:func:`scaling_state`, :func:`load_scaling_state`), so a resumed run casts as the uninterrupted
-one would.
+more. The buffers are not in the model's state dict: checkpoints carry the histories and scales
+next to it (:meth:`DelayedScaling.state`, :meth:`DelayedScaling.loaded`; ``mega.core.checkpoint
+.state``), so a resumed run casts as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -33,7 +33,14 @@ import torch
 from torch import nn
 
 from mega.parallel import comm
-from mega.parallel.fp8.scaling import AMAX_FLOOR, amax_of, cast_with_scale, to_fp8
+from mega.parallel.fp8.scaling import (
+    AMAX_FLOOR,
+    E4M3,
+    GRAD_DTYPES,
+    amax_of,
+    cast_with_scale,
+    to_fp8,
+)
 
 INPUT, WEIGHT, GRAD = 0, 1, 2  # a linear's cast sites, the columns of its buffers
 SITE_NAMES = ("input", "weight", "grad")
@@ -123,11 +130,13 @@ class DelayedScaling:
         self.paths = {names[m]: m for m in self.linears}  # the checkpoint's names
         self.compute_algo, self.margin, self.groups = compute_algo, margin, groups
         # the largest value of each site's format: E4M3 for inputs and weights, the gradient's
+        formats = [(E4M3, E4M3, GRAD_DTYPES[m.weight.fp8_format]) for m in self.linears]
         self.fmax = torch.tensor(
-            [[torch.finfo(d).max for d in _site_dtypes(m.weight.fp8_format)] for m in self.linears],
-            dtype=torch.float32,
-            device=device,
+            [[torch.finfo(d).max for d in f] for f in formats], dtype=torch.float32, device=device
         )
+        self._inverses = [
+            m.get_buffer(f"fp8_scale_inv_{n}") for m in self.linears for n in SITE_NAMES
+        ]
 
     def update(self) -> None:
         """The step is over: reduce its amaxes over the ranks, set the scales, shift the
@@ -168,6 +177,8 @@ class DelayedScaling:
 
     def loaded(self) -> None:
         """The buffers were read from a checkpoint: linears with a history cast delayed."""
+        if not self.linears:
+            return
         seeded = [bool(m.fp8_amax_history.abs().amax() > 0) for m in self.linears]
         self._set_inverses(torch.stack([m.fp8_scale for m in self.linears]))
         for m, s in zip(self.linears, seeded, strict=True):
@@ -175,11 +186,4 @@ class DelayedScaling:
 
     def _set_inverses(self, scales: torch.Tensor) -> None:
         """Every linear's ``fp8_scale_inv_*`` from ``scales [linears, 3]``."""
-        buffers = [m.get_buffer(f"fp8_scale_inv_{n}") for m in self.linears for n in SITE_NAMES]
-        torch._foreach_copy_(buffers, list(scales.reciprocal().flatten().unbind(0)))
-
-
-def _site_dtypes(fp8_format: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
-
-    return E4M3, E4M3, GRAD_DTYPES[fp8_format]
+        torch._foreach_copy_(self._inverses, list(scales.reciprocal().flatten().unbind(0)))

@@ -8,12 +8,12 @@ from, so nothing in bf16 is written in between.
   ways (FC1's input- and weight-gradient GEMMs).
 
 Under delayed scaling the scale is known before the site runs: pass 1 casts too (``CAST``) and
-is the site's only pass. Each kernel serves both directions (``GRADIENT``). Rounding follows the eager ops they replace
-(``y + b`` and ``gelu`` round to the activations' dtype; the cast is ``clamp(x * scale)``; the
-scale is ``fmax * (1 / max(amax, floor))`` as torch computes ``fmax / amax``), so the scales are
-the reference's exactly and the FP8 values are too, except where Triton's erf differs from
-ATen's in the last bit (x < -3: one FP8 step; the GPU test bounds it). Only imported with a CUDA
-build of torch.
+is the site's only pass. Each kernel serves both directions (``GRADIENT``). Rounding follows the
+eager ops they replace (``y + b`` and ``gelu`` round to the activations' dtype; the cast is
+``clamp(x * scale)``; the scale is ``fmax * (1 / max(amax, floor))`` as torch computes
+``fmax / amax``), so the scales are the reference's exactly and the FP8 values are too, except
+where Triton's erf differs from ATen's in the last bit (x < -3: one FP8 step; the GPU test bounds
+it). Only imported with a CUDA build of torch.
 """
 
 from __future__ import annotations
