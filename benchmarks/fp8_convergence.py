@@ -3,17 +3,19 @@ same batches, once with ``--fp8-format``, the loss curves compared and plotted.
 
     python benchmarks/fp8_convergence.py prepare --out .scratch/fp8corpus    # any machine, offline
     python benchmarks/fp8_convergence.py train --corpus .scratch/fp8corpus   # one Hopper GPU
+        [--fp8 fp8="--fp8-format hybrid" --fp8 delayed="--fp8-format hybrid --fp8-recipe delayed"]
     python benchmarks/fp8_convergence.py report --curves RUNS/curves.json    # result + PNG
 
 ``prepare`` needs no network: the corpus is the Python standard library's own source (code,
 docstrings and comments of every module outside its tests: real text of ~4M GPT-2 tokens), one
 document per file; it trains a GPT-2 byte-level BPE tokenizer on it (the Hugging Face
 ``tokenizers`` library, 50,257 entries with ``<|endoftext|>``, GPT-2's file format) and runs
-``mega preprocess`` with it. ``train`` runs ``mega train`` twice (bf16, then FP8) with the flags
-below and collects both runs' iteration numbers into ``curves.json``. ``report`` compares the final
-losses (the mean of the last ``--final-window`` iterations: one step's loss depends on its batch,
-and both runs see the same batches) and writes ``benchmarks/results/fp8_convergence_<date>.json``
-and a PNG of both curves.
+``mega preprocess`` with it. ``train`` runs ``mega train`` in bf16, then once per ``--fp8
+NAME=FLAGS`` (default ``fp8="--fp8-format hybrid"``), with the flags below, and collects the runs'
+iteration numbers into ``curves.json``. ``report`` compares each FP8 run's final loss with bf16's
+(the mean of the last ``--final-window`` iterations: one step's loss depends on its batch, and all
+runs see the same batches) and writes ``benchmarks/results/<name>_<date>.json`` (``--name``,
+default ``fp8_convergence``) and a PNG of the curves.
 """
 
 from __future__ import annotations
@@ -84,11 +86,11 @@ def train_argv(corpus: Path, run_dir: Path, fp8_flags: str) -> list[str]:
     ]  # fmt: skip
 
 
-def train(corpus: Path, runs: Path, fp8_flags: str) -> None:
-    """Both runs, then ``curves.json``: each run's command and per-iteration numbers, one small
-    file to carry back from the GPU machine."""
+def train(corpus: Path, runs: Path, fp8_runs: dict[str, str]) -> None:
+    """bf16 then each FP8 run, then ``curves.json``: each run's command and per-iteration
+    numbers, one small file to carry back from the GPU machine."""
     runs_data = {}
-    for name, flags in (("bf16", ""), ("fp8", fp8_flags)):
+    for name, flags in {"bf16": "", **fp8_runs}.items():
         argv = train_argv(corpus, runs / name, flags)
         subprocess.run(argv, check=True)
         lines = (runs / name / "metrics.jsonl").read_text().splitlines()
@@ -104,7 +106,7 @@ def iteration_rows(rows: list[dict]) -> list[dict]:
     return [{k: r[k] for k in keys if k in r} for r in rows if "lm_loss" in r]
 
 
-def report(curves_path: Path, out: Path, window: int) -> None:
+def report(curves_path: Path, out: Path, window: int, name: str) -> None:
     saved = json.loads(curves_path.read_text())
     curves = saved["runs"]
     losses = {n: [r["lm_loss"] for r in c["iterations"]] for n, c in curves.items()}
@@ -113,7 +115,8 @@ def report(curves_path: Path, out: Path, window: int) -> None:
         n: _median([r.get("tokens_per_s") for r in c["iterations"]]) for n, c in curves.items()
     }
     date = datetime.date.today().isoformat()
-    png = out / f"fp8_convergence_{date}.png"
+    out.mkdir(parents=True, exist_ok=True)
+    png = out / f"{name}_{date}.png"
     plot(curves, png)
     result = {
         "date": date,
@@ -122,13 +125,17 @@ def report(curves_path: Path, out: Path, window: int) -> None:
         "curves_source": saved.get("source", "metrics.jsonl of each run"),
         "final_window": window,
         "final_loss": {n: round(v, 5) for n, v in final.items()},
-        "fp8_vs_bf16_final_loss_rel_diff": round((final["fp8"] - final["bf16"]) / final["bf16"], 5),
+        **{
+            f"{n}_vs_bf16_final_loss_rel_diff": round((final[n] - final["bf16"]) / final["bf16"], 5)
+            for n in final
+            if n != "bf16"
+        },
         "last_iteration_loss": {n: v[-1] for n, v in losses.items()},
         "median_tokens_per_s": speed,
         "losses": losses,
         "plot": png.name,
     }
-    path = out / f"fp8_convergence_{date}.json"
+    path = out / f"{name}_{date}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))
     print(f"wrote {path} and {png}")
@@ -166,18 +173,30 @@ def main() -> None:
     t = sub.add_parser("train")
     t.add_argument("--corpus", type=Path, required=True)
     t.add_argument("--runs", type=Path, default=Path(os.environ.get("OUT", ".")) / "fp8_runs")
-    t.add_argument("--fp8-flags", default="--fp8-format hybrid")
+    t.add_argument(
+        "--fp8",
+        action="append",
+        metavar="NAME=FLAGS",
+        help='an FP8 run and its mega train flags (repeatable); default fp8="--fp8-format hybrid"',
+    )
     r = sub.add_parser("report")
     r.add_argument("--curves", type=Path, required=True, help="train's curves.json")
     r.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     r.add_argument("--final-window", type=int, default=20)
+    r.add_argument("--name", default="fp8_convergence", help="the result files' name")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.out)
     elif args.command == "train":
-        train(args.corpus, args.runs, args.fp8_flags)
+        specs = args.fp8 or ["fp8=--fp8-format hybrid"]
+        if any("=" not in spec for spec in specs):
+            parser.error("--fp8 takes NAME=FLAGS")
+        fp8_runs = dict(spec.split("=", 1) for spec in specs)
+        if "bf16" in fp8_runs or any(not n for n in fp8_runs):
+            parser.error("--fp8 NAME=FLAGS: NAME must be given and must not be bf16")
+        train(args.corpus, args.runs, fp8_runs)
     else:
-        report(args.curves, args.out, args.final_window)
+        report(args.curves, args.out, args.final_window, args.name)
 
 
 if __name__ == "__main__":

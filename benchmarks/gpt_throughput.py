@@ -26,7 +26,9 @@ and the mean loss over the timed steps. For mega it also records the TFLOP/s tha
 iteration lines printed over the same steps. ``--profile`` adds a torch-profiler table of each
 system's kernels (3 steps after the timed ones), grouped into GEMM / attention / optimizer / other;
 with ``MEGA_BENCH_TRACE=DIR`` in the environment it also records the host's side and writes a
-Chrome trace per system into DIR (where the GPU waits for the host, and what the host did then).
+Chrome trace per system into DIR (where the GPU waits for the host, and what the host did then;
+``MEGA_BENCH_TRACE_HOST=0``: the GPU's side only, whose idle gaps the host's recording does not
+lengthen).
 
 Writes ``benchmarks/results/gpt_throughput_<date>.json`` (or ``--out``) with the command, device,
 versions and numbers.
@@ -193,11 +195,13 @@ class StepClock:
         if not self.profile_steps:
             return
         # MEGA_BENCH_TRACE=DIR: also the host's side, as a Chrome trace per system in DIR (where
-        # the GPU waits for the host: gaps between kernels, and what Python did then)
+        # the GPU waits for the host: gaps between kernels, and what Python did then);
+        # MEGA_BENCH_TRACE_HOST=0 leaves the host out (recording it slows the host, so the GPU's
+        # idle gaps measured with it are longer than without)
         trace = os.environ.get("MEGA_BENCH_TRACE")
         if iteration == self.last_timed:
             activities = [torch.profiler.ProfilerActivity.CUDA]
-            if trace:
+            if trace and os.environ.get("MEGA_BENCH_TRACE_HOST", "1") != "0":
                 activities.append(torch.profiler.ProfilerActivity.CPU)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
