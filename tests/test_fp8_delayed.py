@@ -47,17 +47,14 @@ def test_the_update_sets_scales_from_the_newest_or_the_largest_amax_and_shifts()
         assert layer.fp8_scale[INPUT] == fmax / expected_input_amax / 2
         inverses = [layer.fp8_scale_inv_input, layer.fp8_scale_inv_weight, layer.fp8_scale_inv_grad]
         assert torch.equal(torch.stack(inverses), layer.fp8_scale.reciprocal())
-        # the weight's newest amax is the update's own, of the weight as it is
-        weight_amax = layer.weight.abs().max()
-        if algo == "max":  # the rows before hold 1.0
-            weight_amax = weight_amax.clamp(min=1.0)
-        assert layer.fp8_scale[WEIGHT] == fmax / weight_amax / 2
+        # the weight's scale comes from its recorded amax (4.0, the largest under max too),
+        # not from the weight as it is
+        assert layer.fp8_scale[WEIGHT] == fmax / 4.0 / 2
         # a site that recorded nothing this step keeps its scale under most_recent
         grad_scale = 0.5 if algo == "most_recent" else torch.finfo(E5M2).max / 1.0 / 2
         assert layer.fp8_scale[GRAD] == grad_scale
         # one row down: this step's amaxes are history now, the oldest row is gone
-        weight_amax = float(layer.weight.abs().max())
-        expected = torch.tensor([[0.0] * 3, [2.0, weight_amax, 0.0], [8.0, 1.0, 0.0]])
+        expected = torch.tensor([[0.0] * 3, [2.0, 4.0, 0.0], [8.0, 1.0, 0.0]])
         assert torch.equal(layer.fp8_amax_history, expected)
         assert layer.fp8_seeded
 
@@ -91,13 +88,15 @@ def test_a_delayed_linear_casts_as_current_scaling_did_on_the_step_it_recorded()
     seeding = _linear_step(layer, x, grad, sites_of(layer))
     recorded = layer.fp8_amax_history[0].clone()
     assert torch.equal(recorded[INPUT], x.float().abs().max())
-    assert recorded[WEIGHT] == 0  # the update takes the weight's
+    assert torch.equal(recorded[WEIGHT], layer.weight.float().abs().max())
     assert torch.equal(recorded[GRAD], grad.float().abs().max())
     scaling.update()
     layer.weight.grad = None
     delayed = _linear_step(layer, x, grad, sites_of(layer))
     for a, b, c in zip(current, seeding, delayed, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+    # the delayed casts (the weight's fused one too) recorded the same amaxes again
+    assert torch.equal(layer.fp8_amax_history[0], recorded)
     before = layer.fp8_amax_history.clone()
     with torch.no_grad():  # evaluation casts with the scales but records nothing
         fp8_linear(4 * x, layer.weight, None, "hybrid", False, sites_of(layer))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from mega.parallel.fp8.delayed import GRAD, INPUT, WEIGHT, Sites, to_fp8_at
+from mega.parallel.fp8.delayed import GRAD, INPUT, Sites, to_fp8_at, weight_to_fp8_at
 from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
 from mega.parallel.weight_grad import fused_weight_grad
 
@@ -135,12 +135,12 @@ class _Fp8Linear(torch.autograd.Function):
     ) -> torch.Tensor:
         x_2d = x.reshape(-1, x.shape[-1])  # [tokens, in]
         x_fp8, x_inverse = to_fp8_at(x_2d, E4M3, sites, INPUT, record)
-        # [out, in]: its .t() is column-major
-        w_fp8, w_inverse = to_fp8_at(weight, E4M3, sites, WEIGHT, record)
+        # [out, in]: its .t() is column-major; w_grad_side: what the input gradient reads
+        w_fp8, w_grad_side, w_inverse = weight_to_fp8_at(weight, sites, record)
         out = forward_fp8(x_fp8, w_fp8, x_inverse, w_inverse, x.dtype)
         if bias is not None:
             out = out + bias
-        ctx.save_for_backward(x_fp8, x_inverse, w_fp8, w_inverse, weight)
+        ctx.save_for_backward(x_fp8, x_inverse, w_grad_side, w_inverse, weight)
         ctx.has_bias, ctx.grad_dtype, ctx.fuse_wgrad = bias is not None, grad_dtype, fuse_wgrad
         ctx.sites = sites  # not saved for backward: the casts write its history in place
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from mega.parallel.fp8.delayed import GRAD, INPUT, WEIGHT, Sites, record_amax, to_fp8_at
+from mega.parallel.fp8.delayed import GRAD, INPUT, Sites, record_amax, to_fp8_at, weight_to_fp8_at
 from mega.parallel.fp8.gelu_cast import gelu_grad_to_fp8, gelu_to_fp8
 from mega.parallel.fp8.linear import forward_fp8, fuses_wgrad, input_grad_fp8, weight_grad_fp8
 from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
@@ -46,15 +46,16 @@ class _Fp8GeluMlp(torch.autograd.Function):
         fc1, fc2 = sites
         x_2d = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
         x_fp8, x_inverse = to_fp8_at(x_2d, E4M3, fc1, INPUT, record)
-        w1_fp8, w1_inverse = to_fp8_at(fc1_weight, E4M3, fc1, WEIGHT, record)
+        w1_fp8, w1_grad_side, w1_inverse = weight_to_fp8_at(fc1_weight, fc1, record)
         y = forward_fp8(x_fp8, w1_fp8, x_inverse, w1_inverse, x.dtype)  # [tokens, ffn]
         h_fp8, h_scale, h_inverse, h_amax = gelu_to_fp8(y, fc1_bias, E4M3, _given_scale(fc2, INPUT))
         _record(fc2, INPUT, h_amax, record)
-        w2_fp8, w2_inverse = to_fp8_at(fc2_weight, E4M3, fc2, WEIGHT, record)
+        w2_fp8, w2_grad_side, w2_inverse = weight_to_fp8_at(fc2_weight, fc2, record)
         out = forward_fp8(h_fp8, w2_fp8, h_inverse, w2_inverse, x.dtype)  # [tokens, hidden]
+        # the weights as the input-gradient GEMMs read them (column-major from a delayed cast)
         ctx.save_for_backward(
-            x_fp8, x_inverse, w1_fp8, w1_inverse, y, fc1_bias, h_scale, h_inverse, w2_fp8,
-            w2_inverse, fc1_weight, fc2_weight,
+            x_fp8, x_inverse, w1_grad_side, w1_inverse, y, fc1_bias, h_scale, h_inverse,
+            w2_grad_side, w2_inverse, fc1_weight, fc2_weight,
         )  # fmt: skip
         ctx.grad_dtype, ctx.fuse_wgrad = grad_dtype, fuse_wgrad
         ctx.fc2_bias_follows = fc2_bias_follows

@@ -1,0 +1,36 @@
+"""A weight's cast under delayed scaling, where its scale is known before the cast: one pass that
+writes the FP8 weight both ways and takes its amax (``mega.parallel.fp8.weight_kernels``, Triton,
+on a GPU). Against the compiled graph's three passes (the cast, a transposed copy in the
+backward, the amax in the update), it reads the weight once instead of three times. Elsewhere
+(the CPU, no Triton) the eager ops it fuses run, which are the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mega.parallel.fp8.gelu_cast import KERNELS as GELU_KERNELS
+from mega.parallel.fp8.scaling import E4M3, cast_with_scale
+
+if GELU_KERNELS is not None:  # Triton is there: the weight kernel imports too
+    from mega.parallel.fp8 import weight_kernels as KERNELS
+else:
+    KERNELS = None
+
+
+def weight_to_fp8_reference(
+    weight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` in E4M3 with ``scale``: (data, data transposed, amax as a 1-element tensor)."""
+    data = cast_with_scale(weight, scale, E4M3)
+    return data, data.t().contiguous(), weight.detach().abs().amax().float().reshape(1)
+
+
+def weight_to_fp8(
+    weight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A ``[out, in]`` weight in E4M3 with a given ``scale``: (data, data transposed ``[in,
+    out]``, partial amaxes whose max is the weight's amax)."""
+    if weight.is_cuda and KERNELS is not None:
+        return torch.ops.mega.weight_to_fp8(weight, scale)
+    return weight_to_fp8_reference(weight, scale)
