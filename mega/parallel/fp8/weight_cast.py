@@ -32,5 +32,6 @@ def weight_to_fp8(
     """A ``[out, in]`` weight in E4M3 with a given ``scale``: (data, data transposed ``[in,
     out]``, partial amaxes whose max is the weight's amax)."""
     if weight.is_cuda and KERNELS is not None:
-        return torch.ops.mega.weight_to_fp8(weight, scale)
+        # the kernel indexes a row-major weight (a parameter is; a model's transposed view is not)
+        return torch.ops.mega.weight_to_fp8(weight.contiguous(), scale)
     return weight_to_fp8_reference(weight, scale)
