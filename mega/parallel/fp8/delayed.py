@@ -9,7 +9,7 @@ micro-batches; rows 1..: the steps before), ``fp8_scale [3]`` and its reciprocal
 ``_scaled_mm`` refuses a scale that is a view at an offset of a larger buffer). Every cast records
 its tensor's amax as it casts; a weight's cast (:func:`weight_to_fp8_at`) is one pass on a GPU
 that also writes the transposed copy the input-gradient GEMM reads and the amax, where it was
-three (the cast, the copy in the backward, a multi-tensor amax of all weights in the update:
+three (the cast, the cast again in the backward, a multi-tensor amax of all weights in the update:
 measured on one H100, 2.4 ms of the 2.7B GPT's 228 ms step for the amax alone). After every step
 (:meth:`DelayedScaling.update`) row 0 is max-reduced over the ranks that hold the same layers
 (data, context and tensor parallel: afterwards every rank has the amax of the whole tensor over

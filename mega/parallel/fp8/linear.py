@@ -147,7 +147,7 @@ class _Fp8Linear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
-        x_fp8, x_inverse, w_fp8, w_inverse, weight = ctx.saved_tensors
+        x_fp8, x_inverse, w_grad_side, w_inverse, weight = ctx.saved_tensors
         needs_input, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         # with a bias, its gradient and the amax are one pass over the output gradient
@@ -156,7 +156,7 @@ class _Fp8Linear(torch.autograd.Function):
         )
         grad_input = grad_weight = grad_bias = None
         if needs_input:
-            grad_input = input_grad_fp8(g_fp8, w_fp8, g_inverse, w_inverse, grad_output.dtype)
+            grad_input = input_grad_fp8(g_fp8, w_grad_side, g_inverse, w_inverse, grad_output.dtype)
             grad_input = grad_input.view(*grad_output.shape[:-1], grad_input.shape[-1])
         if needs_weight:
             grad_weight = weight_grad_fp8(

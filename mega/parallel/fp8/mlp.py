@@ -65,8 +65,8 @@ class _Fp8GeluMlp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (
-            x_fp8, x_inverse, w1_fp8, w1_inverse, y, fc1_bias, h_scale, h_inverse, w2_fp8,
-            w2_inverse, fc1_weight, fc2_weight,
+            x_fp8, x_inverse, w1_grad_side, w1_inverse, y, fc1_bias, h_scale, h_inverse,
+            w2_grad_side, w2_inverse, fc1_weight, fc2_weight,
         ) = ctx.saved_tensors  # fmt: skip
         needs_x, needs_w1, needs_b1, needs_w2 = ctx.needs_input_grad[:4]
         dtype = grad_output.dtype
@@ -76,7 +76,7 @@ class _Fp8GeluMlp(torch.autograd.Function):
         g_fp8, g_inverse = to_fp8_at(
             grad_2d, ctx.grad_dtype, fc2, GRAD, True, columns_first=ctx.fc2_bias_follows
         )
-        grad_h = input_grad_fp8(g_fp8, w2_fp8, g_inverse, w2_inverse, dtype)  # [tokens, ffn]
+        grad_h = input_grad_fp8(g_fp8, w2_grad_side, g_inverse, w2_inverse, dtype)  # [tokens, ffn]
         grad_y, grad_y_t, grad_y_inverse, grad_b1, h_t, grad_y_amax = gelu_grad_to_fp8(
             grad_h, y, fc1_bias, h_scale, ctx.grad_dtype, _given_scale(fc1, GRAD)
         )
@@ -87,7 +87,7 @@ class _Fp8GeluMlp(torch.autograd.Function):
                 g_fp8.t().contiguous(), h_t.t(), g_inverse, h_inverse, fc2_weight, ctx.fuse_wgrad[1]
             )
         if needs_x:
-            grad_x = input_grad_fp8(grad_y, w1_fp8, grad_y_inverse, w1_inverse, dtype)
+            grad_x = input_grad_fp8(grad_y, w1_grad_side, grad_y_inverse, w1_inverse, dtype)
             grad_x = grad_x.view(*grad_output.shape[:-1], grad_x.shape[-1])
         if needs_w1:
             grad_w1 = weight_grad_fp8(

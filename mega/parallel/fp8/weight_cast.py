@@ -1,7 +1,9 @@
 """A weight's cast under delayed scaling, where its scale is known before the cast: one pass that
 writes the FP8 weight both ways and takes its amax (``mega.parallel.fp8.weight_kernels``, Triton,
-on a GPU). Against the compiled graph's three passes (the cast, a transposed copy in the
-backward, the amax in the update), it reads the weight once instead of three times. Elsewhere
+on a GPU). Against the compiled graph's three passes (the cast; the cast again, transposed, in
+the backward, which the compiler recomputes rather than keep; the amax in the update), it reads
+the weight once instead of three times, and keeps the transposed copy for the backward (one byte
+per weight). Elsewhere
 (the CPU, no Triton) the eager ops it fuses run, which are the reference.
 """
 

@@ -1,7 +1,7 @@
 """The Triton kernel of a delayed-scaled weight cast (``mega.parallel.fp8.weight_cast``): one pass
 over the bf16 weight writes its FP8 copy both ways (row-major for the forward GEMM, transposed
 for the input-gradient GEMM) and each tile's amax (the weight's amax, for the history), where
-the compiled graph made three passes: the cast in the forward, a transposed copy of it in the
+the compiled graph made three: the cast in the forward, the cast again and transposed in the
 backward, the amax in the update. Only imported with a CUDA build of torch.
 """
 
