@@ -22,6 +22,15 @@ def group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` (picklable) on every rank of the job; ``value`` itself without one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce(tensor: torch.Tensor, group: Any, op: Any = None, async_op: bool = False) -> Any:
     """In-place SUM (or ``op``) over ``group``; a no-op when ``group`` is None."""
     if group is None:

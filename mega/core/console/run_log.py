@@ -45,11 +45,13 @@ class RunLog:
         # rank 0 on a GPU: the planner counting this run (mega.core.plan.check), until it reports
         self.plan_check: Any = None
         self._peak_gib: float | None = None  # the largest rank's peak at the last line
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         c = config
-        self.run_dir = Path(
-            c.logging.run_dir or c.checkpoint.save or f"runs/{c.model_name}-{stamp}"
-        )
+        run_dir = c.logging.run_dir or c.checkpoint.save
+        if not run_dir:
+            # one directory for the whole job: each rank's clock could name another second
+            # (rank 0 creates it; a rank that wrote into its own name found no directory there)
+            run_dir = f"runs/{c.model_name}-{comm.from_rank0(time.strftime('%Y%m%d-%H%M%S'))}"
+        self.run_dir = Path(run_dir)
 
     def open(self, plugins: Any, iteration: int = 0) -> None:
         """Write the resolved config and plugin versions; open the metrics sinks (rank 0).
