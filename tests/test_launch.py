@@ -337,3 +337,14 @@ def test_threads_are_shared_out_among_workers(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert launch.threads_per_worker(4) == 4
     assert launch.threads_per_worker(32) == 1
+
+
+def test_free_ports_lie_outside_the_range_outgoing_connections_take():
+    """A test's rendezvous port must not be one the kernel may hand to a neighbour's outgoing
+    connection between the pick and the launcher's bind (CI failed once on exactly that)."""
+    from mega.testing.ranks import _ephemeral_ports
+
+    low, high = _ephemeral_ports()
+    ports = [free_port() for _ in range(50)]
+    assert not any(low <= p <= high for p in ports)
+    assert len(set(ports)) > 40  # random picks, not one port handed to everyone

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import random
 import socket
 import time
 import traceback
@@ -29,10 +30,36 @@ class RankFailed(AssertionError):
     """A rank raised, died or timed out."""
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel picks outgoing connections' local ports from (Linux's default)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nobody listens on, chosen outside the ephemeral range.
+
+    Asking the kernel for port 0 returns an ephemeral port, which is free only until the kernel
+    hands it to someone's outgoing connection: a test beside this one (``pytest -n``) connects
+    gloo pairs and store clients all the time, and took the port between this check and the
+    launcher's bind once (CI: "cannot start the rendezvous ... the port is in use"). Outside the
+    ephemeral range only an explicit bind takes a port; a random pick makes two tests choosing
+    the same one unlikely."""
+    low, high = _ephemeral_ports()
+    lowest, highest = (10000, low - 1) if low - 10000 >= 4096 else (high + 1, 65535)
+    pick = random.SystemRandom()
+    for _ in range(200):
+        port = pick.randint(lowest, highest)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {lowest}-{highest} after 200 tries")
 
 
 def _child(fn, rank, world_size, port, results, args, env) -> None:
