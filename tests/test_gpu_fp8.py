@@ -136,15 +136,16 @@ def fp8_code_steps(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
 def test_the_gelu_cast_kernels_match_the_reference(fp8_format, rows, cols, bias, delayed):
     """The Triton passes (``mega.parallel.fp8.gelu_kernels``) against the eager ops they replace,
     on shapes that are and are not multiples of their tiles. The scales are equal (the same
-    amax, the same divisions). An FP8 value may be the neighbouring one: Triton's erf differs
-    from ATen's in the last bit where ``1 + erf(x / sqrt(2))`` cancels (x < -3), so a bf16 GeLU
-    there can round the other way (measured on an H100: 52,154 of [8192, 8192] GeLU values one
-    bf16 ulp apart, all at x < -3; checked: only there), and so can a GeLU gradient (265 to 315
-    of the [8192, 8192] FP8 output gradients in two runs; checked: under 1e-3 of them). A wrong
-    formula, scale or layout moves elements everywhere, and by more than one step. The bias
-    gradient sums the rows in another order in fp32, then rounds to bf16: within one bf16 ulp.
-    ``delayed``: the scales are given (below the amaxes' own, so the largest values saturate) and
-    each site is the one-pass kernel; the amaxes it records are the reference's."""
+    amax, the same divisions). An FP8 value may be the neighbouring one: the kernels' Φ
+    (``mega.parallel.fp8.normal_tail``) is not ATen's ``0.5 * (1 + erf(x / sqrt(2)))``, which
+    cancels for x < -3 (there, emulated on the CPU against float64, over a quarter of the bf16
+    GeLU values differ by one ulp, the kernels' always the nearer; up to 6e-4 of the FP8
+    gradients move one step); elsewhere the two agree to a float32 ulp or so and a value moves
+    only at a rounding boundary (emulated: 2 of 8.4M). A wrong formula, scale or layout moves
+    elements everywhere, and by more than one step. The bias gradient sums the rows in another
+    order in fp32, then rounds to bf16: within one bf16 ulp. ``delayed``: the scales are given
+    (below the amaxes' own, so the largest values saturate) and each site is the one-pass
+    kernel; the amaxes it records are the reference's."""
     from mega.parallel.fp8 import gelu_cast
     from mega.parallel.fp8.scaling import E4M3, GRAD_DTYPES
 
@@ -174,16 +175,14 @@ def test_the_gelu_cast_kernels_match_the_reference(fp8_format, rows, cols, bias,
     x = y if b is None else y + b
     for name, got, want, where in [
         ("h", data, expected[0], x), ("h transposed", backward[0][4], backward[1][4], x.t()),
-        ("grad", backward[0][0], backward[1][0], None),
-        ("grad transposed", backward[0][1], backward[1][1], None),
+        ("grad", backward[0][0], backward[1][0], x),
+        ("grad transposed", backward[0][1], backward[1][1], x.t()),
     ]:  # fmt: skip
         assert got.shape == want.shape and got.dtype == want.dtype, name
         steps = fp8_code_steps(got, want)
         assert steps.max() <= 1, name
-        if where is not None:
-            assert (where[steps.bool()] < -3).all(), name
-        else:
-            assert steps.bool().float().mean() < 1e-3, (name, steps.bool().sum())
+        moved_where_exact = steps.bool() & (where >= -3)
+        assert moved_where_exact.float().mean() < 1e-4, (name, moved_where_exact.sum())
     torch.testing.assert_close(backward[0][3], backward[1][3], rtol=2.0**-7, atol=1e-4)
 
 

@@ -11,9 +11,10 @@ Under delayed scaling the scale is known before the site runs: pass 1 casts too 
 is the site's only pass. Each kernel serves both directions (``GRADIENT``). Rounding follows the
 eager ops they replace (``y + b`` and ``gelu`` round to the activations' dtype; the cast is
 ``clamp(x * scale)``; the scale is ``fmax * (1 / max(amax, floor))`` as torch computes
-``fmax / amax``), so the scales are the reference's exactly and the FP8 values are too, except
-where Triton's erf differs from ATen's in the last bit (x < -3: one FP8 step; the GPU test bounds
-it). Only imported with a CUDA build of torch.
+``fmax / amax``). GeLU's gate Φ is ``normal_tail``'s one-polynomial formula, not the library
+erf: the scales come out the reference's and the FP8 values too, but for a rare one step away
+(mostly at x < -3, where the eager ``1 + erf`` cancels; the GPU test bounds it). Only imported
+with a CUDA build of torch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton
 import triton.language as tl
 from torch.library import wrap_triton
 
+from mega.parallel.fp8.normal_tail import TAIL, TAIL_END
 from mega.parallel.fp8.scaling import AMAX_FLOOR, E4M3
 
 BLOCK_ROWS = 64
@@ -51,18 +53,34 @@ def _preactivation(y_ptr, bias_ptr, rows, cols, mask, n, HAS_BIAS: tl.constexpr)
     return y.to(tl.float32)
 
 
+# as mega.parallel.fp8.normal_tail.normal_cdf, whose docstring says why and how accurate
+_TAIL, _TAIL_TERMS, _TAIL_END = tl.constexpr(TAIL), tl.constexpr(len(TAIL)), tl.constexpr(TAIL_END)
+
+
+@triton.jit
+def _cdf(x):
+    """Φ(x), the standard normal CDF of float32 ``x`` (GeLU's gate): one polynomial, one exp2."""
+    u = tl.abs(x)
+    p = _TAIL[0] * u + _TAIL[1]
+    for i in tl.static_range(2, _TAIL_TERMS):
+        p = p * u + _TAIL[i]
+    tail = tl.where(u < _TAIL_END, tl.exp2(p * u - 1.0), 0.0)
+    return tl.where(x > 0, 1.0 - tail, tail)
+
+
 @triton.jit
 def _gelu(x, dtype: tl.constexpr):
     """Exact (erf) GeLU of float32 ``x``, rounded to ``dtype`` and back."""
-    return (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(dtype).to(tl.float32)
+    return (x * _cdf(x)).to(dtype).to(tl.float32)
 
 
 @triton.jit
 def _gelu_grad(dh, x, dtype: tl.constexpr):
-    """``dh * gelu'(x)`` (ATen's formula), rounded to ``dtype`` and back."""
-    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    """``dh * gelu'(x)`` = ``dh * (Φ(x) + x φ(x))``, rounded to ``dtype`` and back. The density
+    φ(x) is ATen's ``exp(-x²/2) / √(2π)``: ``tl.exp`` keeps subnormal results (the exp2 that
+    folds the constant in flushes them), so where x < -13 the gradient's sign is ATen's."""
     pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
-    return (dh * (cdf + x * pdf)).to(dtype).to(tl.float32)
+    return (dh * (_cdf(x) + x * pdf)).to(dtype).to(tl.float32)
 
 
 @triton.jit
