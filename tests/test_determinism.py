@@ -70,3 +70,28 @@ def test_a_resume_on_another_thread_count_says_so(tmp_path):
         " float sums split differently over threads, so the losses will differ in the last digits"
         in done.stderr
     )
+
+
+def test_a_cpu_run_settles_mkl_vector_math_before_its_first_step(tmp_path, monkeypatch):
+    """MKL's vector math picks each function's kernel on its first call, unsafely when that call
+    runs on several threads (``mega.core.training.cpu_math``): the run makes the first calls on
+    one thread, before the optimizer's first ``sqrt``. The race itself needs a loaded machine
+    and many runs to show (about one set in twenty of the side-by-side runs above, before)."""
+    import mega.core.training.engine as engine_module
+    from mega.core.config.resolve import resolve_config
+    from mega.core.console.display import Display
+    from mega.core.plugins.manager import make_plugins
+    from mega.core.training.cpu_math import warm_up_vector_math
+    from mega.parallel.data.optimizer import MixedPrecisionAdamW
+
+    events = []
+    step = MixedPrecisionAdamW.step
+    monkeypatch.setattr(engine_module, "warm_up_vector_math", lambda: events.append("warm"))
+    monkeypatch.setattr(
+        MixedPrecisionAdamW, "step", lambda *a, **k: (events.append("step"), step(*a, **k))[1]
+    )
+    plugins = make_plugins()
+    args = [*FLAGS, "--train-iters", "2", "--run-dir", str(tmp_path)]
+    engine_module.Engine(resolve_config(args, plugins), plugins, Display(enabled=False)).train()
+    assert events == ["warm", "step", "step"]
+    warm_up_vector_math()  # the real one runs every function it names

@@ -94,6 +94,10 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
             ) from None
     else:
         load_sharded(sharded_state(model, vocab_rows=rows), find_checkpoint(load))
+    if torch.device(device).type == "cpu":
+        from mega.core.training.cpu_math import warm_up_vector_math
+
+        warm_up_vector_math()  # before the first multi-threaded softmax (see cpu_math)
     return model.to(torch.device(device)).eval()
 
 

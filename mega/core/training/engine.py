@@ -33,6 +33,7 @@ from mega.core.plan.check import start_plan_check
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
+from mega.core.training.cpu_math import warm_up_vector_math
 from mega.core.training.exit_conditions import ExitConditions
 from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
@@ -80,6 +81,8 @@ class Engine:
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
         self.device, self.topology = join_job(cfg)
+        if self.device.type == "cpu":
+            warm_up_vector_math()  # before any multi-threaded first call (see cpu_math)
         plan_check = start_plan_check(cfg, self.device) if self.topology.is_rank0 else None
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
             self.display = Display(enabled=False, rank=self.topology.rank)
