@@ -36,9 +36,9 @@ def test_the_cdf_is_exactly_0_and_1_where_float32_erf_is_1_and_symmetric_before(
 def test_bf16_gelu_in_float32_is_the_correctly_rounded_one_but_at_rounding_boundaries():
     """Every bf16 input from -TAIL_END to 8: ``x * Φ(x)`` in float32, rounded to bf16, is the
     rounded exact GeLU unless the exact value lies within 1e-5 of a rounding boundary (relative;
-    the float32 formula's error is under 3.5e-6). And where it differs from ATen's float32 GeLU
-    it is never the farther from the exact value: ATen's ``1 + erf(x / √2)`` cancels for x < 0.
-    Below -TAIL_END both are 0."""
+    the float32 formula's error is under 3.5e-6, whatever the CPU's float32 exp2 rounds). ATen's
+    float32 GeLU is not, away from those boundaries, for some x < 0 (its ``1 + erf(x / √2)``
+    cancels) and for no x > 0. Below -TAIL_END both are 0."""
     codes = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     every = codes.view(torch.bfloat16)
     every = every[every.float().isfinite()]
@@ -59,7 +59,5 @@ def test_bf16_gelu_in_float32_is_the_correctly_rounded_one_but_at_rounding_bound
     near_boundary = (exact - boundary).abs() <= 1e-5 * exact.abs()
     wrong = (ours != rounded) & ~near_boundary
     assert not wrong.any(), x[wrong][:5]
-    aten = torch.nn.functional.gelu(x.float()).bfloat16()
-    differ = ours != aten
-    assert differ.any()  # the comparison below has something to compare
-    assert ((ours.double() - exact).abs() <= (aten.double() - exact).abs())[differ].all()
+    aten_wrong = (torch.nn.functional.gelu(x.float()).bfloat16() != rounded) & ~near_boundary
+    assert aten_wrong.any() and (x[aten_wrong] < 0).all()  # 45 inputs, in [-5.53, -3.14]

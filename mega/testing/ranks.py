@@ -21,6 +21,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ class RankFailed(AssertionError):
 def _ephemeral_ports() -> tuple[int, int]:
     """The range the kernel picks outgoing connections' local ports from (Linux's default)."""
     try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
@@ -47,11 +48,11 @@ def free_port() -> int:
     gloo pairs and store clients all the time, and took the port between this check and the
     launcher's bind once (CI: "cannot start the rendezvous ... the port is in use"). Outside the
     ephemeral range only an explicit bind takes a port; a random pick makes two tests choosing
-    the same one unlikely."""
+    the same one unlikely. (With no room outside the range: the kernel's pick.)"""
     low, high = _ephemeral_ports()
-    lowest, highest = (10000, low - 1) if low - 10000 >= 4096 else (high + 1, 65535)
+    lowest, highest = max((10000, low - 1), (high + 1, 65535), key=lambda r: r[1] - r[0])
     pick = random.SystemRandom()
-    for _ in range(200):
+    for _ in range(200 if highest - lowest >= 1024 else 0):
         port = pick.randint(lowest, highest)
         with socket.socket() as sock:
             try:
@@ -59,7 +60,9 @@ def free_port() -> int:
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port in {lowest}-{highest} after 200 tries")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _child(fn, rank, world_size, port, results, args, env) -> None:

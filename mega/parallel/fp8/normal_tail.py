@@ -3,16 +3,17 @@ polynomial and one exp2 for every input.
 
 The library erf that GeLU is usually written with evaluates one of two polynomials per element,
 choosing its coefficients element by element; in the fused GeLU sites that choosing was a third
-of the instructions, and the sites were instruction-bound (on an H100: 49 and 84 SASS
-instructions per element, forward and backward, against 34 and 68 with this).
+of the instructions, and the sites were instruction-bound on an H100 (compiled for sm_90: 49
+and 84 SASS instructions per element, forward and backward, against 34 and 68 with this).
 
 For u >= 0 the tail Φ(-u) = erfc(u / √2) / 2 is 2^q(u) with q(u) = -1 + u * p(u), ``TAIL`` the
 coefficients of p (degree 10, highest power first): a Chebyshev fit of
 (log2(erfc(u / √2) / 2) + 1) / u on [0, TAIL_END]. The fit's relative error in the tail is 2e-8
 for u < 2, 6e-8 up to 4 and 7.4e-7 up to TAIL_END; evaluated in float32 it is 5e-7, 1.3e-6 and
-3.4e-6 (a float32 q near -20 carries that much). The eager ``0.5 * (1 + erf(x / √2))`` is no
-closer for x < 0, where the sum cancels: against float64, this formula is the nearer one at
-every bf16 GeLU value where the two differ. From TAIL_END float32's erf(u / √2) is 1, so the tail
+3.4e-6 (a float32 q near -20 carries that much): rounded to bf16, ``x * Φ(x)`` is the correctly
+rounded GeLU of every bf16 input away from rounding boundaries, which the eager float32
+``0.5 * x * (1 + erf(x / √2))`` is not at 45 inputs in [-5.53, -3.14], where the sum cancels
+(tests/test_fp8_gelu_tail.py). From TAIL_END float32's erf(u / √2) is 1, so the tail
 is 0 there, as in the eager GeLU.
 """
 

@@ -3,8 +3,8 @@ writes the FP8 weight both ways and takes its amax (``mega.parallel.fp8.weight_k
 on a GPU). Against the compiled graph's three passes (the cast; the cast again, transposed, in
 the backward, which the compiler recomputes rather than keep; the amax in the update), it reads
 the weight once instead of three times, and keeps the transposed copy for the backward (one byte
-per weight). Elsewhere
-(the CPU, no Triton) the eager ops it fuses run, which are the reference.
+per weight). Elsewhere (the CPU, no Triton) the eager ops it fuses run, which are the
+reference.
 """
 
 from __future__ import annotations
