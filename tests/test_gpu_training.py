@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -86,6 +87,13 @@ def test_compile_is_on_by_default_on_cuda(tmp_path: Path):
 def test_a_gpu_run_sets_its_planned_peak_memory_against_the_measured(tmp_path: Path):
     """Every GPU run checks the planner: rank 0 plans the run beside it, and a line once the
     plan is in (or at the end) sets the planned peak against the measured one."""
+    # the measured peak is the process's (as Megatron's line): start it at this run, not at the
+    # larger models of the GPU tests before it in this pytest process (0.81 GiB measured against
+    # 0.50 planned after tests/test_gpu_fp8.py)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    left_by_earlier_tests = torch.cuda.memory_allocated() / 2**30
     plugins = make_plugins()
     args = [
         "--model", "gpt", "--num-layers", "4", "--hidden-size", "512", "--num-attention-heads",
@@ -99,4 +107,5 @@ def test_a_gpu_run_sets_its_planned_peak_memory_against_the_measured(tmp_path: P
     planned = [r for r in records if "planned_memory_gb" in r]
     assert len(planned) == 1
     # the recorded layouts are within 10%; this small model's allocator rounding weighs more
-    assert planned[0]["planned_memory_gb"] == pytest.approx(planned[0]["max_memory_gb"], rel=0.25)
+    measured = planned[0]["max_memory_gb"] - left_by_earlier_tests
+    assert planned[0]["planned_memory_gb"] == pytest.approx(measured, rel=0.25)
