@@ -47,20 +47,21 @@ MODELS = {"bert": BERT, "t5": T5, "bert-post": BERT_POST, "t5-hf": T5_HF}
 
 
 def relu_kinks(args: list[str]) -> ReluKinks | None:
-    """A ReLU model's kink allowance (parallel_runs.ReluKinks), from its own flags: the fewest
-    tokens an MLP sees per step (T5's decoder: global batch x decoder positions) give the largest
-    share one token can have."""
-    if "--relu" not in args:
+    """A ReLU model's kink allowance (parallel_runs.ReluKinks), from its resolved flags: the
+    fewest tokens an MLP sees per step (T5's decoder: global batch x decoder positions) give the
+    largest share one token can have."""
+    config = resolve_config(args, make_plugins())
+    if not getattr(config.model, "relu", False):
         return None
-
-    def flag(name: str) -> str:
-        return args[len(args) - 1 - args[::-1].index(name) + 1]  # the last one given wins
-
-    positions = min(int(flag("--seq-length")), int(flag("--decoder-seq-length")))
+    training = config.training
+    positions = min(
+        training.seq_length,
+        getattr(config.model, "decoder_seq_length", None) or training.seq_length,
+    )
     return ReluKinks(
-        lr=float(flag("--lr")),
-        iterations=int(flag("--train-iters")),
-        tokens=int(flag("--global-batch-size")) * positions,
+        lr=config.optimizer.lr,
+        iterations=training.train_iters,
+        tokens=training.global_batch_size * positions,
     )
 
 
@@ -118,8 +119,8 @@ def test_references_train_every_loss_part(single):
 )  # fmt: skip
 def test_layout_matches_one_process(single, tmp_path: Path, model, flags):
     """Measured (10 steps): losses <= 1.3e-7 (lm) and 1.8e-6 (sop) relative, parameters <= 5.3e-6
-    apart, but for the rows a ReLU kink flips (t5-hf: parallel_runs.ReluKinks). Grad norms up to 9.0e-5 relative (t5-dp2-distopt, iteration 3; limit 1e-4), though
-    every gradient of iteration 1 matches to 3e-7: torch's fp32 CPU norm of one large tensor is
+    apart, but for the rows a ReLU kink flips (t5-hf: parallel_runs.ReluKinks). Grad norms up to
+    9.0e-5 relative (t5-dp2-distopt, iteration 3; limit 1e-4), though every gradient of iteration 1 matches to 3e-7: torch's fp32 CPU norm of one large tensor is
     accumulated without pairwise summation, and the 4224 x 64 word-embedding gradient's norm is
     then 4e-5 off in the one-process run (the sharded runs take norms of smaller pieces)."""
     args = MODELS[model]

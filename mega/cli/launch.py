@@ -17,8 +17,9 @@ Forking is safe only while the parent has not initialised CUDA, and it never doe
 torch but runs nothing on a device, and the ``torch.cuda.is_available()`` in elastic's own
 LaunchConfig (which would initialise the driver) asks NVML instead, through torch's documented
 fork-safe check ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. If something did initialise CUDA in the
-parent (a plugin at import, say), or tensorstore was used here (it aborts forked children that
-use it: ``mega.parallel.fork_safety``), spawn is chosen instead. ``MEGA_START_METHOD=spawn``
+parent (a plugin at import, say), tensorstore was used here (it aborts forked children that
+use it), or other threads run here (a forked child has only the forking one:
+``mega.parallel.fork_safety``), spawn is chosen instead. ``MEGA_START_METHOD=spawn``
 forces it.
 
 A failure on one rank ends the job: elastic notices the worker's exit within ``MONITOR_INTERVAL``
