@@ -67,6 +67,12 @@ def convert_command(
         f"converted {src} ({report.source_format}) -> {dst} ({report.target_format}):"
         f" {report.tensors} tensors, {report.bytes / 1e9:.2f} GB in {report.seconds:.1f} s"
     )
+    by_reason: dict[str, list[str]] = {}
+    for name, reason in report.ignored.items():  # what the reader set aside, on purpose
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+        click.echo(f"not converted: {names[0]}{more} ({reason})")
     if report.target_format == "mega":
         click.echo(f"train from it: mega train --load {dst} --finetune --use-checkpoint-args ...")
 

@@ -5,6 +5,12 @@ SRC's format is the one whose ``detect`` accepts it (or the one named); its read
 renamed to DST only when complete, so a failure or a crash never leaves a DST that looks whole.
 ``read_options`` are hints for the reader (``true_vocab_size``), passed as keyword arguments of
 its ``read``; one the reader does not take is an error, not silently dropped.
+
+No source tensor is left out without a word: a reader returns the checkpoint's tensors as a
+``SourceTensors`` (``ModelWeights.source``) that recorded which it took and which it set aside
+with a reason. Before anything is written, a tensor neither taken nor set aside is a one-line
+error naming it; after writing, so is one that was taken but never read (a reader or writer
+that dropped it). A reader that gives no account is refused, so a new one cannot forget it.
 """
 
 from __future__ import annotations
@@ -13,11 +19,11 @@ import inspect
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mega.core.convert.weights import LazyTensor, ModelWeights
+from mega.core.convert.weights import LazyTensor, ModelWeights, SourceTensors
 from mega.core.errors import MegaUsageError
 
 
@@ -28,6 +34,7 @@ class ConversionReport:
     tensors: int
     bytes: int
     seconds: float
+    ignored: dict[str, str] = field(default_factory=dict)  # source tensor -> why it is not used
 
 
 def source_format(src: Path, converters: Any, named: str | None) -> Any:
@@ -69,10 +76,39 @@ def _counted(weights: ModelWeights, progress: Callable[[str, int], None]) -> Mod
 
         return LazyTensor(t.shape, t.dtype, load)
 
-    tensors = {name: wrap(name, t) for name, t in weights.tensors.items()}
-    return ModelWeights(
-        weights.model, weights.seq_length, weights.vocab_size, tensors, weights.tokenizer
-    )
+    return replace(weights, tensors={name: wrap(name, t) for name, t in weights.tensors.items()})
+
+
+def _listed(names: list[str], most: int = 4) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def _accounted(reader: str, weights: ModelWeights) -> SourceTensors:
+    """The reader's account of the source tensors; a tensor it neither used nor set aside by
+    name is a one-line error (converting would drop it silently)."""
+    source = weights.source
+    if not isinstance(source, SourceTensors):
+        raise MegaUsageError(
+            f"the {reader} format's reader gives no account of the tensors it read"
+            " (ModelWeights.source), so mega cannot tell that none is left out"
+        )
+    unused = source.unaccounted()
+    if unused:
+        raise MegaUsageError(
+            f"{source.where}: the {reader} reader does not use {len(unused)} of its tensors"
+            f" ({_listed(unused)}); converting would drop them silently"
+        )
+    return source
+
+
+def _all_written(source: SourceTensors, writer: str) -> None:
+    dropped = source.never_loaded()
+    if dropped:
+        raise MegaUsageError(
+            f"{source.where}: {len(dropped)} tensors taken from it were never written by the"
+            f" {writer} writer ({_listed(dropped)})"
+        )
 
 
 def convert(
@@ -99,6 +135,7 @@ def convert(
         raise MegaUsageError(f"--to {target.name}: mega can only read this format")
     started = time.perf_counter()
     weights = _read(reader, src, read_options or {})
+    source = _accounted(reader.name, weights)
     if start is not None:
         start(weights)
     if progress is not None:
@@ -108,6 +145,7 @@ def convert(
     try:
         tmp.mkdir()
         target.write(tmp, weights)
+        _all_written(source, target.name)
         tmp.rename(dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -118,4 +156,5 @@ def convert(
         len(weights.tensors),
         sum(t.nbytes for t in weights.tensors.values()),
         time.perf_counter() - started,
+        dict(source.ignored),
     )

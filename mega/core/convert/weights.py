@@ -5,11 +5,15 @@ Every converter reads into, or writes from, the same middle form: the architectu
 with), and the tensors under mega's global parameter names (``decoder.layers.0.mlp.linear_fc1
 .weight``), vocabulary-sized ones without padding rows. A tensor is only a shape, a dtype and a
 function that loads it: converting holds one tensor (and its source's) in memory at a time.
+
+A reader hands out its checkpoint's tensors through ``SourceTensors``, which records which it
+took and which it set aside (with the reason), so that the driver (``mega.core.convert.convert``)
+can refuse a conversion that would leave a source tensor out without a word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,18 +40,72 @@ class LazyTensor:
         return n
 
 
+class SourceTensors(Mapping[str, LazyTensor]):
+    """A checkpoint's tensors as its reader finds them (``name -> LazyTensor``), keeping account.
+
+    Taking a tensor (``source[name]``, ``.get``) records it as used, and its ``load`` as written
+    once the writer reads it; ``in``, ``len`` and iterating over the names record nothing.
+    ``ignore(names, reason)`` sets a tensor aside on purpose (a non-persistent buffer, a tied
+    copy). The driver refuses a conversion that leaves a tensor neither taken nor ignored
+    (``unaccounted``), or that takes one the writer then never reads (``never_loaded``).
+    ``where`` (the checkpoint's path) starts the driver's error messages."""
+
+    def __init__(self, tensors: Mapping[str, LazyTensor], where: str) -> None:
+        self._tensors = dict(tensors)
+        self.where = where
+        self.taken: set[str] = set()
+        self.loaded: set[str] = set()
+        self.ignored: dict[str, str] = {}
+
+    def __getitem__(self, name: str) -> LazyTensor:
+        t = self._tensors[name]
+        self.taken.add(name)
+
+        def load() -> torch.Tensor:
+            self.loaded.add(name)
+            return t.load()
+
+        return LazyTensor(t.shape, t.dtype, load)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def ignore(self, names: str | Iterable[str], reason: str) -> None:
+        """Set ``names`` aside for ``reason`` (those present; absent ones are no matter)."""
+        for name in [names] if isinstance(names, str) else names:
+            if name in self._tensors:
+                self.ignored[name] = reason
+
+    def unaccounted(self) -> list[str]:
+        """The tensors neither taken nor ignored, in the checkpoint's order."""
+        return [n for n in self._tensors if n not in self.taken and n not in self.ignored]
+
+    def never_loaded(self) -> list[str]:
+        """The tensors taken but not read (after writing: taken by the reader, then dropped)."""
+        return [n for n in self._tensors if n in self.taken and n not in self.loaded]
+
+
 @dataclass
 class ModelWeights:
     """``model``: mega's model section (``{"name": "gpt", "num_layers": ...}``); ``seq_length``;
     ``vocab_size``: the real vocabulary (rows of the embedding); ``tokenizer``: the data
     tokenizer's flags (``{"tokenizer_type": ..., "tokenizer_model": ...}``), or empty;
-    ``tensors``: name -> LazyTensor, in the order they are written."""
+    ``tensors``: name -> LazyTensor, in the order they are written; ``source``: the
+    checkpoint's own tensors, as the reader took them from it (a reader for
+    ``convert-checkpoint`` must give it: the driver checks that every one was used)."""
 
     model: dict[str, Any]
     seq_length: int | None
     vocab_size: int
     tensors: dict[str, LazyTensor]
     tokenizer: dict[str, Any] = field(default_factory=dict)
+    source: SourceTensors | None = None
 
     def config(self) -> dict[str, Any]:
         """The checkpoint config that ``mega train --use-checkpoint-args`` reads."""
@@ -60,11 +118,15 @@ class ModelWeights:
 
     @classmethod
     def from_run_config(
-        cls, config: dict[str, Any], tensors: dict[str, LazyTensor], where: str
+        cls, config: dict[str, Any], stored: dict[str, LazyTensor], where: str
     ) -> ModelWeights:
         """A mega checkpoint's weights: ``config`` is the run's saved config (as
-        ``--use-checkpoint-args`` reads it); the vocabulary is the word embeddings' rows."""
+        ``--use-checkpoint-args`` reads it), ``stored`` its tensors under mega's names (every
+        one taken); the vocabulary is the word embeddings' rows."""
         from mega.core.errors import MegaUsageError
+
+        source = SourceTensors(stored, where)
+        tensors = {name: source[name] for name in source}
 
         if not config.get("model"):
             raise MegaUsageError(f"{where}: the checkpoint holds no model config")
@@ -79,4 +141,5 @@ class ModelWeights:
             vocab_size=tensors[WORD_EMBEDDINGS].shape[0],
             tensors=tensors,
             tokenizer=tokenizer,
+            source=source,
         )

@@ -4,16 +4,24 @@ Hugging Face's BERT is the original, post-norm one: a layer norm on the embeddin
 each residual sum. It converts to mega's ``--bert-post-layernorm`` BERT (Megatron's own BERT is
 pre-norm, which no weight mapping turns into post-norm). Separate query, key and value become
 mega's grouped QKV rows (one group per head); the masked-LM head, pooler and sentence-order
-head map one to one.
+head map one to one. mega's BERT (as Megatron's) always ties the masked-LM output layer to the
+word embeddings: an untied ``cls.predictions.decoder.weight`` is refused by name.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mega.core.convert.weights import LazyTensor
+from mega.core.convert.weights import LazyTensor, SourceTensors
 from mega.core.errors import MegaUsageError
-from mega.plugins.convert.hf_layouts import _lazy, _need, merge_qkv, split_qkv
+from mega.plugins.convert.hf_layouts import (
+    _lazy,
+    _need,
+    merge_qkv,
+    refuse_fields,
+    split_qkv,
+    tied_output,
+)
 from mega.plugins.models.bert.config import BertConfig
 
 BERT = "BertForPreTraining"
@@ -39,22 +47,31 @@ EMBEDDINGS = (
     ("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
 )
 OUTPUT_BIAS = ("output_layer.bias", "cls.predictions.bias")
+DECODER = "cls.predictions.decoder"  # the masked-LM output layer: weight tied, bias = OUTPUT_BIAS
+# BertConfig fields that change the function computed, and what mega's BERT computes. Not here:
+# dropouts, chunk_size_feed_forward (the same function in chunks), pad_token_id (an embedding
+# row's gradient only); sizes, layer_norm_eps and tie_word_embeddings are read.
+BERT_FIELDS = (
+    ("hidden_act", "gelu", ("gelu",)),
+    ("position_embedding_type", "absolute", ("absolute",)),
+    ("type_vocab_size", 2, (2,)),
+    ("is_decoder", False, (False,)),  # True: causal attention
+    ("add_cross_attention", False, (False,)),
+    ("pruned_heads", {}, ({},)),
+)
+BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")  # old files
 
 
-def _checked_config(cfg: dict[str, Any], where: str) -> None:
-    checks = {
-        "hidden_act": (cfg.get("hidden_act", "gelu"), "gelu"),
-        "position_embedding_type": (cfg.get("position_embedding_type", "absolute"), "absolute"),
-        "type_vocab_size": (cfg.get("type_vocab_size", 2), 2),
-    }
-    for name, (value, supported) in checks.items():
-        if value != supported:
-            raise MegaUsageError(f"{where}: {name} {value!r} is not supported (only {supported!r})")
-
-
-def bert_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``BertForPreTraining``."""
-    _checked_config(cfg, where)
+def bert_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``BertForPreTraining`` (tied output only)."""
+    refuse_fields(cfg, BERT_FIELDS, where)
+    word = EMBEDDINGS[0][1]
+    if not tied_output(cfg, hf, f"{DECODER}.weight", word, default=True):
+        raise MegaUsageError(
+            f"{where}: {DECODER}.weight is untied from the word embeddings"
+            " (tie_word_embeddings false); mega's BERT always ties its output layer"
+        )
+    hf.ignore(BUFFERS, "a buffer of position or token type ids, not a weight")
     h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     model = {
         "name": "bert",
@@ -93,8 +110,9 @@ def bert_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> 
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _lazy(shape, q.dtype, qkv)
         _copy_modules(out, get, [(dst + m, src + n) for m, n in LAYER_MODULES])
     _copy_modules(out, get, HEAD_MODULES)
-    bias = OUTPUT_BIAS[1] if OUTPUT_BIAS[1] in hf else "cls.predictions.decoder.bias"
+    bias = OUTPUT_BIAS[1] if OUTPUT_BIAS[1] in hf else f"{DECODER}.bias"
     out[OUTPUT_BIAS[0]] = get(bias)
+    hf.ignore(f"{DECODER}.bias", f"the same parameter as {OUTPUT_BIAS[1]} in transformers")
     return model, out
 
 

@@ -6,6 +6,11 @@ grouped per key/value head ``[np/ng query heads, key, value]``; SwiGLU's gate an
 projections are one ``linear_fc1`` of ``[gate; up]`` rows. GPT-2's ``Conv1D`` stores every
 weight transposed (``[in, out]``) and its ``c_attn`` as ``[q | k | v]`` columns. The vocabulary
 is never padded here: mega stores it without padding rows, as Hugging Face does.
+
+Every reader takes its tensors from a ``SourceTensors`` and sets aside by name, with the reason,
+what it does not use (non-persistent buffers older transformers saved, tied copies); the driver
+refuses a conversion that leaves any other tensor out. A config field that changes the function
+the model computes is in its family's table of supported values (``refuse_fields``), or read.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mega.core.convert.weights import LazyTensor
+from mega.core.convert.weights import LazyTensor, SourceTensors
 from mega.core.errors import MegaUsageError
 
 GPT2 = "GPT2LMHeadModel"
@@ -55,25 +60,60 @@ def _transposed(t: LazyTensor) -> LazyTensor:
     return _lazy(t.shape[::-1], t.dtype, lambda: t.load().t().contiguous())
 
 
-def _need(tensors: dict[str, LazyTensor], name: str, where: str) -> LazyTensor:
+def _need(tensors: SourceTensors, name: str, where: str) -> LazyTensor:
     if name not in tensors:
         raise MegaUsageError(f"{where}: no tensor {name}")
     return tensors[name]
 
 
+def refuse_fields(cfg: dict[str, Any], table: Any, where: str) -> None:
+    """``table``: ``(config field, its default, the values mega computes the same function
+    for)``; a value outside them is a one-line error naming the field."""
+    for name, default, supported in table:
+        value = cfg.get(name)
+        value = default if value is None else value
+        if value not in supported:
+            only = " or ".join(repr(v) for v in supported)
+            raise MegaUsageError(f"{where}: {name} {value!r} is not supported (only {only})")
+
+
+def tied_output(
+    cfg: dict[str, Any], hf: SourceTensors, output: str, embedding: str, default: bool
+) -> bool:
+    """Whether the HF model ties its output layer ``output`` to ``embedding``
+    (``tie_word_embeddings``); a tied copy of it in the files is set aside, as transformers
+    does not read it either."""
+    value = cfg.get("tie_word_embeddings")
+    tied = default if value is None else bool(value)
+    if tied:
+        hf.ignore(output, f"tie_word_embeddings is true: transformers uses {embedding}")
+    return tied
+
+
 # ----------------------------------------------------------------------------- GPT-2
 
-GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}
+GPT2_GELUS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu": False}  # -> --openai-gelu
+# GPT2Config fields that change the function computed, and what mega's GPT computes. Not here:
+# reorder_and_upcast_attn (float32 scores for fp16 training: the same function), dropouts,
+# summary_* (GPT2DoubleHeadsModel's head); n_inner, layer_norm_epsilon, n_positions and
+# tie_word_embeddings are read.
+GPT2_FIELDS = (
+    ("activation_function", "gelu_new", tuple(GPT2_GELUS)),
+    ("scale_attn_weights", True, (True,)),  # False: scores not divided by sqrt(head dim)
+    ("scale_attn_by_inverse_layer_idx", False, (False,)),
+    ("add_cross_attention", False, (False,)),
+    ("pruned_heads", {}, ({},)),
+)
+GPT2_BUFFERS = ("attn.bias", "attn.masked_bias")  # the causal mask, saved by old transformers
 
 
-def gpt2_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``GPT2LMHeadModel``."""
-    act = cfg.get("activation_function", "gelu_new")
-    if act not in GPT2_GELUS:
-        raise MegaUsageError(f"{where}: activation_function {act!r} is not supported")
-    if cfg.get("scale_attn_by_inverse_layer_idx"):
-        raise MegaUsageError(f"{where}: scale_attn_by_inverse_layer_idx is not supported")
+def gpt2_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``GPT2LMHeadModel``, tied or untied."""
+    refuse_fields(cfg, GPT2_FIELDS, where)
+    act = cfg.get("activation_function") or "gelu_new"
     h, layers, heads = cfg["n_embd"], cfg["n_layer"], cfg["n_head"]
+    p = "transformer." if "transformer.wte.weight" in hf else ""
+    tied = tied_output(cfg, hf, "lm_head.weight", p + "wte.weight", default=True)
     model = {
         "name": "gpt",
         "num_layers": layers,
@@ -86,12 +126,11 @@ def gpt2_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> 
         "norm_epsilon": cfg.get("layer_norm_epsilon", 1e-5),
         "swiglu": False,
         "openai_gelu": GPT2_GELUS[act],
-        "untie_embeddings_and_output_weights": False,
+        "untie_embeddings_and_output_weights": not tied,
         "hidden_dropout": cfg.get("resid_pdrop", 0.1),
         "attention_dropout": cfg.get("attn_pdrop", 0.1),
         "add_bias_linear": True,
     }
-    p = "transformer." if "transformer.wte.weight" in hf else ""
 
     def get(name: str) -> LazyTensor:
         return _need(hf, p + name, where)
@@ -102,6 +141,7 @@ def gpt2_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> 
     }
     for i in range(layers):
         src, dst = f"h.{i}.", f"decoder.layers.{i}."
+        hf.ignore([f"{p}{src}{b}" for b in GPT2_BUFFERS], "the causal mask: a buffer, not a weight")
         for hf_norm, mega_norm in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
             for kind in ("weight", "bias"):
                 out[f"{dst}{mega_norm}.{kind}"] = get(f"{src}{hf_norm}.{kind}")
@@ -126,14 +166,17 @@ def gpt2_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> 
             out[f"{dst}{mega_name}.bias"] = get(f"{src}{hf_name}.bias")
     out["decoder.final_layernorm.weight"] = get("ln_f.weight")
     out["decoder.final_layernorm.bias"] = get("ln_f.bias")
+    if not tied:
+        out["output_layer.weight"] = _need(hf, "lm_head.weight", where)
     return model, out
 
 
 def mega_to_gpt2(
     model: dict[str, Any], mega: dict[str, LazyTensor], vocab: int
 ) -> tuple[dict, dict]:
-    """(config.json, HF tensors) of a ``GPT2LMHeadModel`` from a mega GPT."""
+    """(config.json, HF tensors) of a ``GPT2LMHeadModel`` from a mega GPT, tied or untied."""
     h, layers, heads = model["hidden_size"], model["num_layers"], model["num_attention_heads"]
+    untied = bool(model.get("untie_embeddings_and_output_weights"))
     positions = mega["embedding.position_embeddings.weight"].shape[0]
     config = {
         "architectures": [GPT2],
@@ -151,7 +194,7 @@ def mega_to_gpt2(
         "embd_pdrop": model.get("hidden_dropout", 0.1),
         "attn_pdrop": model.get("attention_dropout", 0.1),
         "initializer_range": model.get("init_method_std", 0.02),
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not untied,
     }
     d = h // heads
     out = {
@@ -183,6 +226,8 @@ def mega_to_gpt2(
             out[f"{dst}{hf_name}.bias"] = mega[f"{src}{mega_name}.bias"]
     out["transformer.ln_f.weight"] = mega["decoder.final_layernorm.weight"]
     out["transformer.ln_f.bias"] = mega["decoder.final_layernorm.bias"]
+    if untied:
+        out["lm_head.weight"] = mega["output_layer.weight"]
     return config, out
 
 
@@ -244,11 +289,19 @@ def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def llama_tensors_to_mega(
-    cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str, mlp: Any
+    cfg: dict[str, Any], hf: SourceTensors, where: str, mlp: Any
 ) -> dict[str, LazyTensor]:
     """mega tensors of a Llama-style model: embeddings, attention, norms, output layer; each
     layer's MLP from ``mlp(get, hf_prefix, mega_prefix) -> {mega name: tensor}``."""
     h, heads, groups, _ = _llama_shape(cfg)
+    tied = tied_output(cfg, hf, "lm_head.weight", "model.embed_tokens.weight", default=False)
+    hf.ignore(
+        [
+            f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
+            for i in range(cfg["num_hidden_layers"])
+        ],
+        "rope's frequencies (from rope_theta): a buffer old transformers saved, not a weight",
+    )
 
     def get(name: str) -> LazyTensor:
         return _need(hf, name, where)
@@ -268,7 +321,7 @@ def llama_tensors_to_mega(
         out[f"{dst}pre_mlp_layernorm.weight"] = get(f"{src}post_attention_layernorm.weight")
         out.update(mlp(get, src, dst))
     out["decoder.final_layernorm.weight"] = get("model.norm.weight")
-    if not cfg.get("tie_word_embeddings", False):
+    if not tied:
         out["output_layer.weight"] = get("lm_head.weight")
     return out
 
@@ -285,7 +338,7 @@ def gate_or_up(fc1: LazyTensor, index: int) -> LazyTensor:
     return _lazy(shape, fc1.dtype, lambda: fc1.load().chunk(2, dim=0)[index].contiguous())
 
 
-def llama_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
+def llama_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
     """(mega model section, mega tensors) of a ``LlamaForCausalLM``."""
 
     def mlp(get: Any, src: str, dst: str) -> dict[str, LazyTensor]:
@@ -388,11 +441,6 @@ def hf_architecture(model: dict[str, Any]) -> str:
     if rope and rms and swiglu and not bias:
         return LLAMA
     if not rope and not rms and not swiglu and bias:
-        if model.get("untie_embeddings_and_output_weights"):
-            raise MegaUsageError(
-                f"{GPT2} ties its output layer to the embeddings; this model has"
-                " --untie-embeddings-and-output-weights"
-            )
         return GPT2
     raise MegaUsageError(
         "this model is neither GPT-2-like (learned positions, LayerNorm, GeLU, biases) nor"

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mega.core.convert.weights import LazyTensor
+from mega.core.convert.weights import LazyTensor, SourceTensors
 from mega.core.errors import MegaUsageError
 from mega.plugins.convert.hf_layouts import (
     MIXTRAL,
@@ -58,9 +58,7 @@ class _LastStack:
         return _lazy(stacked.shape[1:], stacked.dtype, load)
 
 
-def mixtral_to_mega(
-    cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str
-) -> tuple[dict, dict]:
+def mixtral_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
     """(mega model section, mega tensors) of a ``MixtralForCausalLM``."""
     if cfg.get("router_jitter_noise"):
         raise MegaUsageError(

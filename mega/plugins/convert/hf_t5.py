@@ -20,9 +20,16 @@ from typing import Any
 
 import torch
 
-from mega.core.convert.weights import LazyTensor
+from mega.core.convert.weights import LazyTensor, SourceTensors
 from mega.core.errors import MegaUsageError
-from mega.plugins.convert.hf_layouts import _lazy, _need, merge_qkv, split_qkv
+from mega.plugins.convert.hf_layouts import (
+    _lazy,
+    _need,
+    merge_qkv,
+    refuse_fields,
+    split_qkv,
+    tied_output,
+)
 from mega.plugins.models.t5.config import T5Config
 
 T5 = "T5ForConditionalGeneration"
@@ -39,13 +46,26 @@ def _kv_rows(k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
     return torch.stack((k.view(heads, -1, k.shape[-1]), v.view(heads, -1, v.shape[-1])), dim=1)
 
 
-def t5_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``T5ForConditionalGeneration``."""
-    proj = cfg.get("feed_forward_proj", "relu")
-    if proj != "relu":
-        raise MegaUsageError(f"{where}: feed_forward_proj {proj!r} is not supported (only 'relu')")
-    if not cfg.get("tie_word_embeddings", True):
-        raise MegaUsageError(f"{where}: tie_word_embeddings is false; mega's T5 ties its output")
+# T5Config fields that change the function computed, and what mega's T5 computes (the sizes,
+# relative_attention_*, layer_norm_epsilon and tie_word_embeddings are read; dropout is not math)
+T5_FIELDS = (
+    ("feed_forward_proj", "relu", ("relu",)),  # gated-gelu: T5 v1.1, Flan-T5
+    ("is_decoder", False, (False,)),  # a decoder-only T5 is another model
+)
+WORD_COPIES = ("shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+
+
+def t5_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``T5ForConditionalGeneration`` (tied output)."""
+    refuse_fields(cfg, T5_FIELDS, where)
+    word = next((name for name in WORD_COPIES if name in hf), WORD_COPIES[0])
+    if not tied_output(cfg, hf, "lm_head.weight", word, default=True):
+        raise MegaUsageError(
+            f"{where}: lm_head.weight is untied from the embeddings (tie_word_embeddings"
+            " false); mega's T5 ties its output"
+        )
+    # transformers ties both stacks' embed_tokens to shared.weight, whatever the files hold
+    hf.ignore([n for n in WORD_COPIES if n != word], f"transformers ties it to {word}")
     h, heads, d = cfg["d_model"], cfg["num_heads"], cfg["d_kv"]
     encoder_layers = cfg["num_layers"]
     decoder_layers = cfg.get("num_decoder_layers") or encoder_layers
@@ -74,7 +94,6 @@ def t5_to_mega(cfg: dict[str, Any], hf: dict[str, LazyTensor], where: str) -> tu
         return _need(hf, name, where)
 
     query_scale = math.sqrt(d)  # module docstring
-    word = "shared.weight" if "shared.weight" in hf else "encoder.embed_tokens.weight"
     out = {"embedding.word_embeddings.weight": get(word)}
     for stack in ("encoder", "decoder"):
         out[f"{stack}_relative_pos_emb.relative_attention_bias.weight"] = get(

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
-from mega.core.convert.weights import ModelWeights
+from mega.core.convert.weights import ModelWeights, SourceTensors
 from mega.core.errors import MegaUsageError
 
 # torch (through hf_layouts and safetensors_files) is imported when a conversion runs, not
@@ -57,7 +57,8 @@ def read(path: Path) -> ModelWeights:
             f"{path}: architecture {architecture} is not supported"
             f" (convert-checkpoint reads {', '.join(readers)})"
         )
-    model, tensors = readers[architecture](config, read_lazy(path), str(path))
+    source = SourceTensors(read_lazy(path), str(path))  # which tensors the reader takes
+    model, tensors = readers[architecture](config, source, str(path))
     tokenizer: dict[str, Any] = {}
     if (path / "tokenizer.json").is_file():
         tokenizer = {
@@ -71,6 +72,7 @@ def read(path: Path) -> ModelWeights:
         vocab_size=tensors["embedding.word_embeddings.weight"].shape[0],
         tensors=tensors,
         tokenizer=tokenizer,
+        source=source,
     )
 
 

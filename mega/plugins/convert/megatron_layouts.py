@@ -12,7 +12,7 @@ from __future__ import annotations
 from argparse import Namespace
 from typing import Any
 
-from mega.core.convert.weights import LazyTensor
+from mega.core.convert.weights import LazyTensor, SourceTensors
 from mega.core.errors import MegaUsageError
 
 # a Megatron flag that changes the function computed, and is not in mega's GPT:
@@ -195,18 +195,20 @@ def _rows(t: LazyTensor, rows: int) -> LazyTensor:
 
 
 def to_mega(
-    tensors: dict[str, LazyTensor], model: dict[str, Any], vocab: int, where: str
+    tensors: SourceTensors, model: dict[str, Any], vocab: int, where: str
 ) -> dict[str, LazyTensor]:
     """Megatron's tensors -> mega's, checked against the config: a missing, unexpected or
     misshapen tensor is a one-line error naming it."""
     shapes = expected_shapes(model, vocab)
     renamed: dict[str, LazyTensor] = {}
-    for name, t in tensors.items():
+    for name in tensors:
         if name == "output_layer.weight" and "output_layer.weight" not in shapes:
-            continue  # tied: the last pipeline stage's copy of the word embeddings
+            tensors.ignore(name, "tied: the last pipeline stage's copy of the word embeddings")
+            continue
         mega = _mega_name(name)
         if mega not in shapes:
             raise MegaUsageError(f"{where}: {name} has no place in mega's GPT for these args")
+        t = tensors[name]
         renamed[mega] = _rows(t, vocab) if mega in VOCAB_ROWS else t
     out = {}
     for name, shape in shapes.items():

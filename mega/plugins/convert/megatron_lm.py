@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
-from mega.core.convert.weights import ModelWeights
+from mega.core.convert.weights import ModelWeights, SourceTensors
 from mega.core.errors import MegaUsageError
 
 # torch (through megatron_files) is imported when a conversion runs, not when `mega --help`
@@ -70,12 +70,14 @@ def read(path: Path, true_vocab_size: int | None = None) -> ModelWeights:
     if embedding is None:
         raise MegaUsageError(f"{where}: no tensor embedding.word_embeddings.weight")
     vocab = layouts.true_vocab_size(args, true_vocab_size, embedding.shape[0], where)
+    source = SourceTensors(tensors, where)  # objects (_extra_state) are not among them
     return ModelWeights(
         model=model,
         seq_length=getattr(args, "seq_length", None),
         vocab_size=vocab,
-        tensors=layouts.to_mega(tensors, model, vocab, where),
+        tensors=layouts.to_mega(source, model, vocab, where),
         tokenizer=layouts.tokenizer_flags(args),
+        source=source,
     )
 
 
