@@ -175,29 +175,26 @@ def test_fused_attention_on_the_cpu_is_a_usage_error(tmp_path: Path):
     assert "--attention-backend fused" in proc.stderr and "CUDA" in proc.stderr
 
 
-def test_compile_with_tensor_parallelism_is_refused():
-    """Compiled layers with tensor-parallel collectives inside trained differently from eager on
-    4 H200 (loss off by 3e-3 from step 3): refused until that is understood."""
-    from mega.core.errors import MegaUsageError
-
-    args = [*RUN, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2", "--compile"]
-    with pytest.raises(MegaUsageError, match="--compile with --tensor-model-parallel-size 2"):
-        resolve_config(args, make_plugins())
-
-
-def test_compile_with_expert_parallelism_is_refused_and_off_by_default():
-    """Compiled MoE layers with expert-parallel collectives had a first gradient norm 18% off
-    eager on 2 H200, eager being one GPU's exactly: refused, and not the default on a GPU."""
-    from mega.core.errors import MegaUsageError
+def test_compile_is_on_by_default_on_gpus_but_under_context_parallelism():
+    """Tensor- and expert-parallel layers compile (functional collectives); a compiled context-
+    parallel ring was slower than eager on 2 H100, so CP compiles only when asked."""
     from mega.core.training.build import compiles_layers
     from mega.parallel.topology import Topology
 
-    args = ["--model", "moe", *RUN[2:], "--num-experts", "4", "--nproc-per-node", "2"]
-    with pytest.raises(MegaUsageError, match="--compile with --expert-model-parallel-size 2"):
-        resolve_config([*args, "--expert-model-parallel-size", "2", "--compile"], make_plugins())
     cuda = torch.device("cuda")
-    assert not compiles_layers(None, cuda, Topology(world_size=2, expert_model_parallel_size=2))
-    assert compiles_layers(None, cuda, Topology(world_size=2))
+    for sizes in ({}, {"tensor_model_parallel_size": 2}, {"expert_model_parallel_size": 2}):
+        assert compiles_layers(None, cuda, Topology(world_size=2, **sizes)), sizes
+    assert not compiles_layers(None, cuda, Topology(world_size=2, context_parallel_size=2))
+    assert compiles_layers(True, cuda, Topology(world_size=2, context_parallel_size=2))
+    assert not compiles_layers(None, torch.device("cpu"), Topology(world_size=2))
+    for flags in (["--tensor-model-parallel-size", "2"], ["--expert-model-parallel-size", "2"]):
+        model = (
+            ["--model", "moe", *RUN[2:], "--num-experts", "4"] if "--expert" in flags[0] else RUN
+        )
+        config = resolve_config(
+            [*model, *flags, "--nproc-per-node", "2", "--compile"], make_plugins()
+        )
+        assert config.training.compile
 
 
 def test_a_finished_engine_frees_its_parameters(tmp_path: Path):

@@ -33,6 +33,12 @@ LAYOUTS = {
         4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"],
     ),
+    # compiled: the all-to-all is a functional collective inside the compiled MoE layer
+    "ep2-alltoall-compile": (
+        2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+            "--compile"],
+    ),
+    "ep2-allgather-compile": (2, ["--expert-model-parallel-size", "2", "--compile"]),
     "cp2": (2, ["--context-parallel-size", "2"]),
     "cp2-ep2-alltoall": (
         4, ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",

@@ -58,12 +58,18 @@ FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "unif
         (4, [*TP2, "--sequence-parallel", "--use-distributed-optimizer", "--overlap-grad-reduce"]),
         (2, [*TP2, *FULL_RECOMPUTE, "--recompute-num-layers", "1"]),
         (2, [*TP2, "--sequence-parallel", "--recompute-granularity", "selective"]),
+        (2, [*TP2, "--compile"]),
+        (2, [*TP2, "--sequence-parallel", "--compile"]),
+        (2, [*TP2, *FULL_RECOMPUTE, "--recompute-num-layers", "1", "--compile"]),
     ],
     ids=["tp2", "tp2-sp", "tp2-dp2-distopt", "tp2-sp-dp2-distopt-overlap", "tp2-full-recompute",
-         "tp2-sp-selective-recompute"],
+         "tp2-sp-selective-recompute", "tp2-compile", "tp2-sp-compile",
+         "tp2-full-recompute-compile"],
 )  # fmt: skip
 def test_tensor_parallel_matches_one_process(single, tmp_path: Path, world_size, flags):
     """The byte tokenizer's 257 ids pad to 384 rows at TP=1 and 512 at TP=2: the padding is masked
-    out of the softmax, so the runs still agree."""
+    out of the softmax, so the runs still agree. The compiled layouts trace the functional
+    collectives into the layers' graphs (on gloo the old in-place ones traced correctly too: only
+    tests/test_gpu_compiled_parallel.py tells them apart)."""
     results = layout_run([*EQUIVALENCE, *flags], world_size, str(tmp_path))
     assert_same_training(single, results[0])

@@ -59,9 +59,18 @@ MEMORY_MISSES: set[str] = set()
 SPEED_MISSES = {"1p3b-2gpu-tp2-sp-again"}
 
 
+# Every record here was made when --compile defaulted to off with tensor parallelism (it was
+# refused there): a record that names neither gets --no-compile, what it ran with.
+TP_RAN_EAGER = "--tensor-model-parallel-size"
+
+
 def train_flags(command: str) -> str:
-    """The model and layout flags of a recorded ``python -m mega train`` command."""
+    """The model and layout flags of a recorded ``python -m mega train`` command, with
+    ``--no-compile`` where it ran eager by the default of its day (TP_RAN_EAGER)."""
     words = shlex.split(command)[3:]
+    tp = int(words[words.index(TP_RAN_EAGER) + 1]) if TP_RAN_EAGER in words else 1
+    if tp > 1 and "--compile" not in words and "--no-compile" not in words:
+        words.append("--no-compile")
     dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval"}
     kept, skip = [], False
     for word in words:

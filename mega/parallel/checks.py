@@ -24,22 +24,6 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             " over tensor-parallel ranks in mega (only 1 is supported)"
         )
     tp = p.tensor_model_parallel_size
-    if tp > 1 and config.training.compile:
-        # Measured on 4 H200 (torch 2.11): compiled layers with the tensor-parallel collectives
-        # inside trained differently from eager from step 3 on, and 30% slower.
-        errors.append(
-            f"--compile with --tensor-model-parallel-size {tp}: not supported yet (compiled "
-            "layers mishandle the tensor-parallel collectives); leave --compile off"
-        )
-    ep = p.expert_model_parallel_size
-    if ep > 1 and config.training.compile:
-        # Measured on 2 H200 (torch 2.11, tests/test_gpu_moe_parallel.py's MoE): EP=2 compiled
-        # had a first gradient norm 18% below one GPU's (1.174 against 1.432); eager EP=2 was
-        # one GPU's exactly (1.4323), and compiled one-GPU MoE layers agree with eager.
-        errors.append(
-            f"--compile with --expert-model-parallel-size {ep}: not supported yet (compiled MoE "
-            "layers mishandle the expert-parallel collectives on GPUs); leave --compile off"
-        )
     features = plan_features(p)
     plan = None
     if config.model_name in plugins.models:

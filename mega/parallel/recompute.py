@@ -50,7 +50,8 @@ def _tracker_contexts(tracker: Any) -> Callable[[], tuple[Any, Any]]:
 def _checkpointed(forward: Callable[..., Any], tracker: Any) -> Callable[..., Any]:
     # Without a tracker, checkpoint's own context: torch.compile accepts no other (it traces
     # checkpoint as a graph region, and the recompute's dropout masks are its business then).
-    # There is a tracker only under tensor parallelism, which --compile is refused with.
+    # There is a tracker only under tensor parallelism; compiled, full recompute keeps its
+    # checkpoint outside the compiled layer (checkpoint_outside), where the context is eager.
     extra = {} if tracker is None else {"context_fn": _tracker_contexts(tracker)}
 
     @functools.wraps(forward)

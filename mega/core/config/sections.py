@@ -58,8 +58,8 @@ class TrainingConfig:
     compile: bool | None = option(
         None,
         "torch.compile each transformer layer and the output head (fuses norms, element-wise "
-        "ops and the loss). Default: on with CUDA without tensor, context or expert parallelism "
-        "(tensor and expert: not supported with them yet), off on the CPU.",
+        "ops and the loss). Default: on with CUDA except under context parallelism, off on the "
+        "CPU.",
     )
     gradient_accumulation_fusion: bool = option(
         True,

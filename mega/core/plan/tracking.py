@@ -204,6 +204,10 @@ class StepTracker(TorchDispatchMode):
             work.ops += 1
             return
         name = func.name()
+        namespace, _, op = name.partition("::")
+        if namespace == "_c10d_functional":
+            self._functional_collective(op, args, out, work)
+            return
         if name.startswith("c10d::"):
             kind = _collective_kind(name)
             group = next((g for g in map(_group, args) if g is not None), None)
@@ -217,6 +221,32 @@ class StepTracker(TorchDispatchMode):
         work.ops += 1
         work.memory_bytes += sum(nbytes(t) for t in _tensors((args, kwargs)))
         work.memory_bytes += sum(nbytes(t) for t in _tensors(out))
+
+    def _functional_collective(self, op: str, args: tuple, out: Any, work: Work) -> None:
+        """A functional collective (``mega.parallel.functional_comm``): its group is named by a
+        string, its result is a new tensor; ``wait_tensor`` moves nothing."""
+        kind = _FUNCTIONAL_KINDS.get(op)
+        if kind is None:
+            return
+        if op == "all_reduce":  # c10d's functional all-reduce clones its input, then reduces it
+            work.ops += 1
+            work.memory_bytes += 2 * nbytes(args[0])
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(args[-1])
+        dim = self.group_names.get(group.group_name)
+        if dim is not None:
+            # the full-size side, as for the c10d ops: all-gather's output, the others' input
+            payload = max(nbytes(args[0]), sum(map(nbytes, _tensors(out))))
+            work.collectives[dim, kind, group.size()] += payload
+
+
+# torch.ops._c10d_functional's collectives, by the kinds the time model knows
+_FUNCTIONAL_KINDS = {
+    "all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
+    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "alltoall",
+    "broadcast": "broadcast",
+}  # fmt: skip
 
 
 def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> float:

@@ -293,18 +293,13 @@ def delayed_fp8_scaling(
 
 def compiles_layers(flag: bool | None, device: torch.device, topology: Topology) -> bool:
     """Whether ``--compile`` (``flag``; None when not given) compiles the layers on ``device``.
-    Its default: on a GPU without tensor, context or expert parallelism, where it was
-    measured to win (1.3B GPT on one H100: 55.7k against 50.8k tokens/s). With context
-    parallelism it trains like eager on the CPU, but is not yet measured on GPUs: asked for
-    only. With tensor or expert parallelism it is refused (``mega.parallel.checks``)."""
+    Its default: on a GPU, except with context parallelism, where the compiled ring was slower
+    than eager on 2 H100 (19.7k against 20.8k tokens/s per GPU at 16k) and is asked for only.
+    Tensor and expert parallelism compile: their collectives are functional ones
+    (``mega.parallel.functional_comm``), which torch.compile traces correctly."""
     if flag is not None:
         return flag
-    single = (
-        topology.tensor_model_parallel_size == 1
-        and topology.context_parallel_size == 1
-        and topology.expert_model_parallel_size == 1
-    )
-    return device.type == "cuda" and single
+    return device.type == "cuda" and topology.context_parallel_size == 1
 
 
 def microbatch_preparation(model_step: Any, topology: Topology) -> Any:

@@ -17,8 +17,8 @@ them cannot be one graph. The head (logits and cross-entropy) is compiled on its
 float32 log-softmax is fused and the float32 logits are never written out. Everything else
 (embedding, pipeline sends) stays eager. ``Module.compile`` keeps parameter names, so
 checkpoints, the gradient buffer and the optimizer see the same model either way.
-Tensor-parallel layers hold collectives, which compiled layers mishandled (measured on 4 H200,
-torch 2.11): ``--compile`` is refused with TP > 1.
+Tensor- and expert-parallel layers hold collectives; they are functional collectives
+(``mega.parallel.functional_comm``), which compile into the layers' graphs.
 
 A layer that full recompute checkpoints is compiled inside its checkpoint, not around it
 (``mega.parallel.recompute.checkpoint_outside`` says what compiling around it kept), and on its
@@ -60,8 +60,7 @@ def compile_model(
     """Compile the units of each pipeline chunk (``chunks``; ``[model]`` without pipelining), or
     the whole model if there is no plan; returns how many modules were compiled. Each chunk is
     compiled, not the rank model: a chunk's stack is its own shallow copy of the model's (it holds
-    only the chunk's layers), so compiling the rank model's would not reach what runs. Not for
-    tensor-parallel models: their layers hold collectives (refused when the config is resolved)."""
+    only the chunk's layers), so compiling the rank model's would not reach what runs."""
     if plan is None or not plan.layers:
         model.compile()
         return 1

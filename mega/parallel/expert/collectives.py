@@ -7,6 +7,8 @@
 | ``exchange_rows`` | all-to-all with uneven row counts      | the reverse all-to-all          |
 
 The first two are the tensor-parallel mappings' along dim 0 (:mod:`mega.parallel.tensor.mappings`).
+All three are functional collectives (:mod:`mega.parallel.functional_comm`): compiled MoE layers
+trace them correctly.
 """
 
 from __future__ import annotations
@@ -14,26 +16,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.tensor.mappings import gather_along, reduce_scatter_along
-
-
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
 
 
 class _ExchangeRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group: Any):
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        return _all_to_all(x, send, recv, group)
+        return all_to_all_rows(x, send, recv, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+        return all_to_all_rows(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
 def gather_rows(x: torch.Tensor, group: Any) -> torch.Tensor:

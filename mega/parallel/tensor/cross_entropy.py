@@ -17,9 +17,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mega.parallel.comm import all_reduce
+from mega.parallel.functional_comm import all_reduced
+
+
+def _reduced(x: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
+    return x if group is None else all_reduced(x, group, op)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -29,7 +32,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         # logits [N, V/tp] float32, target [N] int64 (global ids)
         logits_max = logits.max(dim=-1).values
-        all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+        logits_max = _reduced(logits_max, group, "max")
         shifted = logits - logits_max.unsqueeze(-1)
 
         local_vocab = logits.shape[-1]
@@ -37,11 +40,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - vocab_start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
-        all_reduce(target_logit, group)
+        target_logit = _reduced(target_logit, group)
 
         exp = shifted.exp_()  # shifted is our own temporary: reuse its memory
         sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group)
+        sum_exp = _reduced(sum_exp, group)
         loss = sum_exp.log() - target_logit
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -22,8 +22,10 @@ which tokens a rank holds does not change the result; a block of the flat tokens
 both sides of a collective, where a slice along dim 1 costs a strided copy before each gather and
 reduce-scatter and after each (every consumer of the gathered ``[s, b, h]`` view copies it again):
 35% of a 1.3B GPT's TP2 step on one H200. The collectives work on dim 0; ``group`` None means a
-group of one: every function is then the identity. Results never alias the inputs: an all-reduce
-works on a copy, because the incoming tensor may be shared with another autograd branch.
+group of one: every function is then the identity. The collectives are the functional ones
+(:mod:`mega.parallel.functional_comm`), which ``torch.compile`` traces correctly, so tensor-
+parallel layers compile; their results never alias the inputs (the incoming tensor may be shared
+with another autograd branch).
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mega.parallel.comm import all_gather_into, all_reduce, group_size, reduce_scatter_into
+from mega.parallel.comm import group_size
+from mega.parallel.functional_comm import all_gathered, all_reduced, reduce_scattered
 
 
 def _rank(group: Any) -> int:
@@ -42,9 +45,9 @@ def _rank(group: Any) -> int:
 
 
 def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    all_reduce(out, group)
-    return out
+    return (
+        x.clone(memory_format=torch.contiguous_format) if group is None else all_reduced(x, group)
+    )
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -52,9 +55,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return x
-    moved = (x if dim == 0 else x.movedim(dim, 0)).contiguous()  # eager: every view costs
-    out = moved.new_empty((size * moved.shape[0], *moved.shape[1:]))
-    all_gather_into(out, moved, group)
+    out = all_gathered(x if dim == 0 else x.movedim(dim, 0), group)
     return out if dim == 0 else out.movedim(0, dim)
 
 
@@ -65,9 +66,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         return x
     if x.shape[dim] % size:
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split over {size} ranks")
-    moved = (x if dim == 0 else x.movedim(dim, 0)).contiguous()
-    out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    reduce_scatter_into(out, moved, group)
+    out = reduce_scattered(x if dim == 0 else x.movedim(dim, 0), group)
     return out if dim == 0 else out.movedim(0, dim)
 
 

@@ -37,6 +37,7 @@ from torch import nn
 
 from mega.parallel.expert.aux_loss import attach
 from mega.parallel.expert.local import local_mixture
+from mega.parallel.functional_comm import all_reduced
 from mega.plugins.models.gpt.config import GPTConfig
 
 
@@ -115,8 +116,7 @@ class Router(nn.Module):
 
     def _summed(self, counts: torch.Tensor) -> torch.Tensor:
         if self.token_group is not None:
-            counts = counts.clone()
-            torch.distributed.all_reduce(counts, group=self.token_group)
+            counts = all_reduced(counts, self.token_group)
         return counts
 
     def forward(self, hidden: torch.Tensor) -> Routing:
