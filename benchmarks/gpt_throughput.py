@@ -229,6 +229,8 @@ CATEGORIES = (
     ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas")),
     # mega's compiled flat AdamW is a Triton kernel named after its ops (beta**step, sqrt, ...)
     ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm", "pow_rsub_sqrt")),
+    # NCCL's kernels run on their own streams: their time overlaps compute where it is hidden
+    ("communication", ("nccl",)),
 )
 
 

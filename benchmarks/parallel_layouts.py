@@ -217,6 +217,26 @@ def write_result(rows: list[dict], args: argparse.Namespace, out: Path) -> Path:
     return write_json(out, args.name, {"results": rows})
 
 
+def commit() -> str | None:
+    """The commit measured: ``MEGA_BENCH_COMMIT`` (a copy of the tree without its .git, as on a
+    lent GPU machine), else ``git rev-parse HEAD`` with ``+dirty`` when the tree has changes."""
+    if os.environ.get("MEGA_BENCH_COMMIT"):
+        return os.environ["MEGA_BENCH_COMMIT"]
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def write_json(out: Path, name: str, fields: dict) -> Path:
     """``out/<name>_<date>.json``: the date, command, device, versions, then ``fields``."""
     import torch
@@ -226,6 +246,7 @@ def write_json(out: Path, name: str, fields: dict) -> Path:
     date = datetime.date.today().isoformat()
     result = {
         "date": date,
+        "commit": commit(),
         "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "gpus": torch.cuda.device_count(),

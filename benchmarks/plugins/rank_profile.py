@@ -1,0 +1,73 @@
+"""A plugin that profiles two steps of every rank of a multi-GPU ``mega train``: load it with
+``MEGA_PLUGINS_DIR=benchmarks/plugins MEGA_RANK_PROFILE=DIR`` (``MEGA_RANK_PROFILE_AT=N``: after
+iteration N, default 10).
+
+Each rank writes ``DIR/<layout>/kernels_rank<R>.txt`` (``<layout>`` from the run's sizes, e.g.
+``tp2-dp1-sp``): device time per step by category (GEMM, attention,
+optimizer, communication: NCCL's kernels, on their own streams, so their time overlaps compute
+where it is hidden; other), the busy time of the compute stream(s) against the step's span, and
+the most expensive kernels (``gpt_throughput.kernel_table``). With ``MEGA_RANK_PROFILE_TRACE=1``
+rank 0 also writes a Chrome trace, ``trace_rank0.json``, with the host's side (where the GPU
+waits for the host).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from mega import hookimpl
+
+STEPS = 2
+
+
+class _RankProfile:
+    def __init__(self) -> None:
+        self.at = int(os.environ.get("MEGA_RANK_PROFILE_AT", "10"))
+        self.profiler: Any = None
+        self.started = 0.0
+
+    def step_end(self, engine: Any, iteration: int, metrics: dict[str, float]) -> None:
+        import torch
+
+        out = os.environ.get("MEGA_RANK_PROFILE")
+        if not out or not torch.cuda.is_available():
+            return
+        if iteration == self.at:
+            torch.cuda.synchronize()
+            activities = [torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.start()
+            self.started = time.perf_counter()
+        elif iteration == self.at + STEPS and self.profiler is not None:
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - self.started) * 1e3 / STEPS
+            self.profiler.stop()
+            sys.path.insert(0, str(Path(__file__).parents[1]))  # benchmarks/: gpt_throughput
+            from gpt_throughput import kernel_table
+
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            p = engine.config.parallel
+            sizes = {"tp": p.tensor_model_parallel_size, "pp": p.pipeline_model_parallel_size}
+            sizes |= {"cp": p.context_parallel_size, "ep": p.expert_model_parallel_size}
+            layout = "-".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "single"
+            layout += "-sp" if p.sequence_parallel else ""
+            out = Path(out, f"{layout}-world{engine.topology.world_size}")
+            out.mkdir(parents=True, exist_ok=True)
+            table = kernel_table(self.profiler, STEPS)
+            head = f"rank {rank}: {wall_ms:.1f} ms per step (host clock, profiled)\n"
+            Path(out, f"kernels_rank{rank}.txt").write_text(head + table + "\n")
+            if rank == 0 and os.environ.get("MEGA_RANK_PROFILE_TRACE") == "1":
+                self.profiler.export_chrome_trace(str(Path(out, "trace_rank0.json")))
+            self.profiler = None
+
+
+_profile = _RankProfile()
+
+
+@hookimpl
+def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
+    _profile.step_end(engine, iteration, metrics)
