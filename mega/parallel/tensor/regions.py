@@ -23,8 +23,26 @@ def _check_parameter_free(module: nn.Module) -> None:
         )
 
 
+def draws_random(module: nn.Module) -> bool:
+    """Whether ``module``'s forward may draw random numbers now. A dropout (``nn.Dropout``'s
+    ``p``, or a module's ``dropout_p``, as the core attention's) draws only in training with a
+    probability above 0; a module that is neither may draw anything, so it counts as drawing."""
+    if isinstance(module, nn.modules.dropout._DropoutNd):
+        return module.training and module.p > 0
+    if isinstance(getattr(module, "dropout_p", None), float | int):
+        return module.training and module.dropout_p > 0
+    return True
+
+
 class RunUnderRNG(nn.Module):
-    """``module``'s forward under ``tracker.fork()``: its dropout differs on each TP rank."""
+    """``module``'s forward under ``tracker.fork()``: its dropout differs on each TP rank.
+
+    The fork swaps generator states (``torch.get_rng_state``), which torch.compile does not
+    trace: every fork inside a compiled layer breaks its graph there, and dynamo ran some
+    frames wholly eager ("Failed to handle graph break gracefully", TORCH_LOGS=graph_breaks,
+    compiled TP2 + SP on CPU ranks). Under sequence parallelism every dropout of a layer is
+    wrapped. A module that draws nothing now (dropout 0, or evaluation) runs without the fork:
+    the stream would not have moved, so the numbers are the same, and the layer is one graph."""
 
     def __init__(self, module: nn.Module, tracker: TensorParallelRNG) -> None:
         super().__init__()
@@ -33,6 +51,8 @@ class RunUnderRNG(nn.Module):
         self.tracker = tracker
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not draws_random(self.module):
+            return self.module(*args, **kwargs)
         with self.tracker.fork():
             return self.module(*args, **kwargs)
 
@@ -51,6 +71,8 @@ class ScatterToSequence(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = scatter_to_sequence(hidden, self.group)
+        if not draws_random(self.module):  # see RunUnderRNG
+            return self.module(hidden)
         with self.tracker.fork():
             return self.module(hidden)
 
