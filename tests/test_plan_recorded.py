@@ -64,14 +64,16 @@ SPEED_MISSES = {"1p3b-2gpu-tp2-sp-again"}
 TP_RAN_EAGER = "--tensor-model-parallel-size"
 
 
-def train_flags(command: str) -> str:
+def train_flags(command: str, tp_ran_eager: bool = True) -> str:
     """The model and layout flags of a recorded ``python -m mega train`` command, with
-    ``--no-compile`` where it ran eager by the default of its day (TP_RAN_EAGER)."""
+    ``--no-compile`` where it ran eager by the default of its day (``tp_ran_eager``:
+    TP_RAN_EAGER)."""
     words = shlex.split(command)[3:]
     tp = int(words[words.index(TP_RAN_EAGER) + 1]) if TP_RAN_EAGER in words else 1
-    if tp > 1 and "--compile" not in words and "--no-compile" not in words:
+    given = "--compile" in words or "--no-compile" in words
+    if tp_ran_eager and tp > 1 and not given:
         words.append("--no-compile")
-    dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval"}
+    dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval", "--master-port"}
     kept, skip = [], False
     for word in words:
         if skip:
@@ -163,3 +165,43 @@ def test_one_h100_bf16_and_fp8_runs_within_10_percent_memory_and_20_percent_spee
         row["peak_memory_gib"], rel=0.10
     )
     assert plan.tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.20)
+
+
+# 2 H100 (NVLink), 2026-11-27, compiled TP layouts (functional collectives, no RNG-fork graph
+# breaks): the planner counts each collective at the rate it runs alone
+# (benchmarks/results/collectives_2gpu_*: a 32 MiB all-reduce 0.20 ms, all-gather 0.14 ms),
+# but in the step the profiled NCCL kernels took 0.62 ms (all-reduce) and 0.37 ms (all-gather)
+# each, and TP2 + SP ran slower than TP2: planned 1.24x (TP2) and 1.80x (TP2 + SP) the measured
+# tokens/s. Not explained yet (rank skew, SM sharing with the GEMMs, or the exposed waits): a
+# strict xfail until the planner or the layouts move.
+MULTI_H100_FILES = ("layouts_1p3b_2gpu_compiled_rngfix_2026-11-27.json",)
+MULTI_H100_SPEED_MISSES = {"tp2dp1", "tp2dp1-sp"}
+
+
+def _multi_h100_runs(misses: set[str]):
+    params = []
+    for name in MULTI_H100_FILES:
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            layout = run["layout"]
+            mark = pytest.mark.xfail(strict=True, reason="known miss") if layout in misses else ()
+            params.append(pytest.param(run, id=f"1p3b-2gpu-h100-{layout}", marks=mark))
+    return params
+
+
+def _plan_h100(run: dict):
+    flags = train_flags(run["command"], tp_ran_eager=False)  # compiled by default since
+    argv = [*shlex.split(flags), "--nproc-per-node", str(run["world_size"])]
+    plugins = make_plugins()
+    config = resolve_config([*argv, "--device", "cuda"], plugins, this_machine=False)
+    return plan_run(config, plugins, BUILT_IN["h100"])
+
+
+@pytest.mark.parametrize("run", _multi_h100_runs(MULTI_H100_SPEED_MISSES))
+def test_two_h100_compiled_layouts_speed_within_20_percent(run):
+    assert _plan_h100(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
+
+
+@pytest.mark.parametrize("run", _multi_h100_runs(set()))
+def test_two_h100_compiled_layouts_memory_within_10_percent(run):
+    peak = max(stage.profile.peak_bytes for stage in _plan_h100(run).stages) / GIB
+    assert peak == pytest.approx(run["max_memory_gb_per_gpu"], rel=0.10)
