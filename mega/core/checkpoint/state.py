@@ -60,9 +60,32 @@ def training_state(engine: Any) -> dict[str, Any]:
         "model": model_without_padding(engine.model.state_dict(), engine.vocab_rows),
         "vocab_unpadded": True,  # older torch checkpoints kept the padding rows
         "optimizer": engine.optimizer.state_dict(),
-        "rng": capture_rng_state(),
+        **rank_rng_state(engine),
         **fp8_scaling_state(engine),
     }
+
+
+def rank_rng_state(engine: Any) -> dict[str, Any]:
+    """This rank's random streams: the default generators (``rng``) and, under tensor
+    parallelism, the TP RNG tracker's model-parallel stream (``tensor_parallel_rng``: attention
+    dropout on this rank's heads, and every dropout on this rank's tokens under sequence
+    parallelism), which differs on every TP rank."""
+    state = {"rng": capture_rng_state()}
+    tracker = getattr(engine.model, "tensor_parallel_rng", None)
+    if tracker is not None:
+        state["tensor_parallel_rng"] = tracker.get_state()
+    return state
+
+
+def restore_rank_rng(engine: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`rank_rng_state` captured (a checkpoint from before the tracker was
+    saved leaves it as seeded: dropout on sharded activations then differs from the
+    uninterrupted run)."""
+    if state.get("rng") is not None:
+        restore_rng_state(state["rng"])
+    tracker = getattr(engine.model, "tensor_parallel_rng", None)
+    if tracker is not None and state.get("tensor_parallel_rng") is not None:
+        tracker.set_state(state["tensor_parallel_rng"])
 
 
 def fp8_scaling_state(engine: Any) -> dict[str, Any]:
@@ -204,8 +227,8 @@ def restore_training_state(
     threads = _thread_warning(state.get("cpu_threads"), cpu_threads(engine.device))
     if threads:
         engine.display.warn(threads)
-    if ckpt.load_rng and state.get("rng") is not None:
-        restore_rng_state(state["rng"])
+    if ckpt.load_rng:
+        restore_rank_rng(engine, state)
     engine.interval = IntervalStats.from_state_dict(state["interval"])
     engine.iteration = int(state["iteration"])
     engine.consumed_samples = int(state["consumed_samples"])
@@ -217,17 +240,20 @@ def restore_training_state(
     )
 
 
-def _rank_rng(engine: Any, state: dict[str, Any], ranks: list[dict[str, Any]]) -> Any:
-    """This rank's RNG state from a sharded checkpoint: only at the layout that wrote it (at
-    another, ranks draw from freshly seeded generators; it matters only with dropout)."""
+def _rank_rng(engine: Any, state: dict[str, Any], ranks: list[dict[str, Any]]) -> dict:
+    """This rank's random states from a sharded checkpoint (:func:`rank_rng_state`'s keys): only
+    at the layout that wrote it. At another, a rank has no counterpart whose streams it could
+    continue (the TP tracker's stream is per TP rank, seeded ``seed + 2718 + tp_rank``), so every
+    rank keeps its freshly seeded generators; it matters only with dropout."""
     if state.get("layout") == layout_of(engine):
-        return ranks[engine.topology.rank].get("rng")
+        mine = ranks[engine.topology.rank]
+        return {key: mine.get(key) for key in ("rng", "tensor_parallel_rng")}
     if engine.config.checkpoint.load_rng and not engine.config.checkpoint.finetune:
         engine.display.print(
             " note: the checkpoint was written at another parallel layout; random states are"
             " seeded afresh (dropout masks differ from an uninterrupted run)"
         )
-    return None
+    return {"rng": None, "tensor_parallel_rng": None}
 
 
 def save_run(engine: Any) -> Path:
@@ -244,7 +270,7 @@ def save_run(engine: Any) -> Path:
             iteration,
             sharded_tensors(engine),
             common_state(engine),
-            {"rng": capture_rng_state()},
+            rank_rng_state(engine),
             backend,
             host_copy=_host_copy(engine) if cfg.async_save else None,
             after=lambda: write_tracker(cfg.save, iteration),
@@ -329,7 +355,7 @@ def load_run(engine: Any, path: str) -> None:
         tensors = sharded_tensors(engine, for_load=True, with_optimizer=with_optimizer)
         load_sharded(directory, marker, tensors, backend, metadata)
         state = dict(metadata["common"])
-        state["rng"] = _rank_rng(engine, state, metadata["ranks"])
+        state.update(_rank_rng(engine, state, metadata["ranks"]))
         restore_training_state(engine, directory, state, tensors_loaded=True)
     else:
         if engine.topology.world_size > 1:

@@ -12,7 +12,10 @@ Two random streams exist on every rank:
 ``fork()`` swaps the tracker's state into the default CPU generator (and the current CUDA
 device's, when CUDA is in use) and swaps it back on exit, keeping how far it advanced. Activation
 recompute saves ``get_state()`` before a forward and ``set_state()``s it before the recompute, so
-the recomputed dropout masks are bit-identical.
+the recomputed dropout masks are bit-identical. A checkpoint stores each rank's ``get_state()``
+with its default generators' states, and a resume at the same parallel layout ``set_state()``s it,
+so the losses after the resume are the uninterrupted run's; at another layout (another TP size,
+another rank order) a rank's stream has no counterpart to continue and stays freshly seeded.
 """
 
 from __future__ import annotations
