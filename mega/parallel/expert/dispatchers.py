@@ -47,9 +47,17 @@ class AllGatherDispatcher:
 
 
 class AllToAllDispatcher:
+    """Runs eager inside a compiled MoE layer (``torch.compiler.disable``): every step of it
+    depends on the routing (``nonzero``, ``bincount``, the counts as host integers for the
+    all-to-all's splits), so traced it broke the layer's graph at each of them and recompiled
+    whenever the counts changed (guards on their values; seen on CPU ranks with
+    TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager anyway. The
+    router before it and the shared expert after it still compile."""
+
     def __init__(self, group: Any) -> None:
         self.group = group
 
+    @torch.compiler.disable
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         n, local = group_size(self.group), experts.count
         total = n * local
