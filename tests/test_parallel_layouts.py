@@ -73,3 +73,32 @@ def test_tensor_parallel_matches_one_process(single, tmp_path: Path, world_size,
     tests/test_gpu_compiled_parallel.py tells them apart)."""
     results = layout_run([*EQUIVALENCE, *flags], world_size, str(tmp_path))
     assert_same_training(single, results[0])
+
+
+# Qwen's and Llama 3's attention options (issue 48): the QKV bias is split with the QKV rows,
+# the per-head q/k norms are replicated and see only each rank's heads, so their gradients must
+# be summed over TP with or without SP (a missing sum leaves them O(lr) apart)
+QWEN_LIKE = [
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--add-qkv-bias",
+    "--qk-layernorm", "--use-rope-scaling", "--rope-scaling-factor", "4",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_qwen_like(tmp_path_factory) -> dict:
+    return layout_run([*EQUIVALENCE, *QWEN_LIKE], 1, str(tmp_path_factory.mktemp("qwen")))[0]
+
+
+@pytest.mark.parametrize(
+    ("world_size", "flags"),
+    [(2, TP2), (2, [*TP2, "--sequence-parallel"])],
+    ids=["tp2", "tp2-sp"],
+)
+def test_qkv_bias_and_qk_layernorm_match_one_process(
+    single_qwen_like, tmp_path: Path, world_size, flags
+):
+    results = layout_run([*EQUIVALENCE, *QWEN_LIKE, *flags], world_size, str(tmp_path))
+    params = single_qwen_like["params"]
+    assert "decoder.layers.0.self_attention.linear_qkv.bias" in params
+    assert "decoder.layers.0.self_attention.k_layernorm.weight" in params
+    assert_same_training(single_qwen_like, results[0])

@@ -61,6 +61,10 @@ class ParallelPlan:
     moe_layers: str = ""
     # the registered token dispatcher that expert parallelism gives them
     moe_dispatcher: str = "allgather"
+    # modules (with *) whose replicated parameters act on TP-sharded activations (per-head q/k
+    # norms after the column-parallel QKV): each rank's gradient is a partial sum over TP, with
+    # or without sequence parallelism (marked ``param.sequence_parallel``: summed over TP)
+    tensor_parallel_partial_grads: tuple[str, ...] = ()
     # modules whose forward must run under the tensor-parallel RNG (different on each TP rank):
     # dropout inside TP-sharded regions, e.g. attention-probability dropout in the core attention
     tensor_parallel_rng: tuple[str, ...] = ()

@@ -17,7 +17,9 @@ What each plan style becomes (module paths may contain ``*`` for one path compon
 | VOCAB_BIAS         | module with ``bias [V]`` only | the same module, ``bias [V/tp]``          |
 | HEAD_COLUMNS       | ``nn.Embedding [n, heads]`` | the same module, ``weight [n, heads/tp]``   |
 
-Then ``tensor_parallel_rng`` modules run under the TP RNG; under SP, dropouts inside
+The parameters of ``tensor_parallel_partial_grads`` modules stay replicated and are marked
+``param.sequence_parallel = True`` at any SP setting (each rank's gradient covers its own heads
+only). Then ``tensor_parallel_rng`` modules run under the TP RNG; under SP, dropouts inside
 ``sequence_parallel_region`` do too, that region's replicated parameters get
 ``param.sequence_parallel = True`` (their gradients are partial sums over TP: the gradient code
 all-reduces them over the TP group) and its ``sequence_shards`` attributes are set to the TP size.
@@ -110,6 +112,11 @@ def apply_tensor_parallel(
             )  # fmt: skip
             if new is not None:
                 _replace(model, path, new)
+
+    for pattern in plan.tensor_parallel_partial_grads:
+        for path in matching_paths(model, pattern):
+            for param in model.get_submodule(path).parameters():
+                param.sequence_parallel = True  # the gradient code sums these over TP
 
     for pattern in plan.tensor_parallel_rng:
         for path in matching_paths(model, pattern):

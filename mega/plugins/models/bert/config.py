@@ -48,6 +48,15 @@ def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
         problems.append(
             f"--num-experts: the {model} model has no mixture-of-experts layers (use gpt or moe)"
         )
+    gpt_only = (
+        ("--add-qkv-bias", cfg.add_qkv_bias),
+        ("--qk-layernorm", cfg.qk_layernorm),
+        ("--use-rope-scaling", cfg.use_rope_scaling),
+        ("--rotary-seq-len-interpolation-factor", cfg.rotary_seq_len_interpolation_factor),
+    )
+    for flag, value in gpt_only:
+        if value:
+            problems.append(f"{flag}: a GPT (decoder) option; the {model} model has none")
     if cfg.untie_embeddings_and_output_weights:  # Megatron's pretrain scripts tie them
         problems.append(
             f"--untie-embeddings-and-output-weights: the {model} model's output layer always"

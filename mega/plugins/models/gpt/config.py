@@ -58,6 +58,20 @@ class GPTConfig:
         "learned_absolute", "Position embedding type.", choices=POSITION_EMBEDDING_TYPES
     )
     rotary_base: int = option(10000, "Base of the rotary position embedding frequencies.")
+    use_rope_scaling: bool = option(
+        False,
+        "Llama 3.x's RoPE frequency scaling (Hugging Face's rope_type 'llama3'): wavelengths"
+        " over 8192 positions divided by --rope-scaling-factor, under 2048 kept, blended"
+        " between (Megatron's fixed low/high frequency factors 1 and 4, original context 8192).",
+    )
+    rope_scaling_factor: float = option(
+        8.0, "--use-rope-scaling's factor (Llama 3.1: 8, Llama 3.2: 32)."
+    )
+    rotary_seq_len_interpolation_factor: float | None = option(
+        None,
+        "Linear RoPE scaling (Hugging Face's rope_type 'linear'): positions divided by this"
+        " factor.",
+    )
     normalization: str = option("LayerNorm", "Normalization layer type.", choices=NORMALIZATIONS)
     norm_epsilon: float = option(1e-5, "Epsilon of the normalization layers.")
     swiglu: bool = option(False, "Use the gated SwiGLU MLP instead of GeLU.")
@@ -84,6 +98,14 @@ class GPTConfig:
         "Disable the biases of the linear layers.",
         flag="--disable-bias-linear",
         store=False,
+    )
+    add_qkv_bias: bool = option(
+        False, "Give the QKV projection biases, even with --disable-bias-linear (Qwen2's)."
+    )
+    qk_layernorm: bool = option(
+        False,
+        "Normalise each query and key head over the head dim (--normalization; one weight of"
+        " head-dim size for the queries, one for the keys) before RoPE (Qwen3's).",
     )
 
     # ---- mixture of experts (Megatron's --num-experts family; mega.plugins.models.gpt.moe) ----
@@ -254,7 +276,26 @@ class GPTConfig:
             problems.append(f"rope needs an even head dim (--kv-channels), got {head_dim}")
         if self.openai_gelu and self.swiglu:
             problems.append("--openai-gelu and --swiglu: SwiGLU uses no GeLU; give one of them")
-        return problems + self._moe_problems()
+        return problems + self._rope_scaling_problems() + self._moe_problems()
+
+    def _rope_scaling_problems(self) -> list[str]:
+        problems: list[str] = []
+        interpolation = self.rotary_seq_len_interpolation_factor
+        scalings = [flag for flag, on in (
+            ("--use-rope-scaling", self.use_rope_scaling),
+            ("--rotary-seq-len-interpolation-factor", interpolation is not None),
+        ) if on]  # fmt: skip
+        if scalings and self.position_embedding_type != "rope":
+            problems.append(f"{scalings[0]} needs --position-embedding-type rope")
+        if len(scalings) == 2:
+            problems.append(f"{' and '.join(scalings)}: give one RoPE scaling")
+        if interpolation is not None and interpolation <= 0:
+            problems.append(
+                f"--rotary-seq-len-interpolation-factor ({interpolation}) must be positive"
+            )
+        if self.use_rope_scaling and self.rope_scaling_factor <= 0:
+            problems.append(f"--rope-scaling-factor ({self.rope_scaling_factor}) must be positive")
+        return problems
 
     def _moe_problems(self) -> list[str]:
         problems: list[str] = []

@@ -37,20 +37,46 @@ def _norm(cfg: GPTConfig, size: int) -> nn.Module:
     return nn.LayerNorm(size, eps=cfg.norm_epsilon)
 
 
+# Llama 3's RoPE scaling constants, fixed in Megatron (and in every Llama 3.1/3.2 checkpoint)
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+
+
+def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Llama 3's frequency scaling (Megatron's ``_apply_scaling``, transformers' ``llama3``):
+    wavelengths longer than the original context / low factor are divided by ``factor``,
+    those shorter than it / high factor kept, the band between blended smoothly."""
+    low, high, context = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) * ~(wavelen > context / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 def rotary_cos_sin(
     seq_length: int,
     dim: int,
     base: float,
     device: torch.device | None = None,
     position_ids: torch.Tensor | None = None,
+    *,
+    llama3_factor: float | None = None,
+    interpolation: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin in float32 for Megatron's non-interleaved (rotate-half) RoPE: ``[s, d]`` for
-    positions 0..s-1, or ``[b, s, d]`` for explicit ``position_ids [b, s]``."""
+    positions 0..s-1, or ``[b, s, d]`` for explicit ``position_ids [b, s]``. ``llama3_factor``:
+    --use-rope-scaling's frequencies; ``interpolation``: positions divided by it (linear
+    scaling, --rotary-seq-len-interpolation-factor)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if llama3_factor is not None:
+        inv_freq = llama3_scaled(inv_freq, llama3_factor)
     if position_ids is None:
         positions = torch.arange(seq_length, dtype=torch.float32, device=device)
     else:
         positions = position_ids.to(torch.float32)
+    if interpolation is not None:
+        positions = positions * (1 / interpolation)  # as Megatron: seq *= 1 / factor
     freqs = positions[..., None] * inv_freq  # [s, d/2] or [b, s, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]: both halves share a frequency
     return angles.cos(), angles.sin()
@@ -196,7 +222,12 @@ class SelfAttention(nn.Module):
         bias = cfg.add_bias_linear
         # Rows grouped like Megatron: for each group [np/ng query heads, 1 key head, 1 value head].
         qkv_rows = groups * (self.heads_per_group + 2) * self.head_dim
-        self.linear_qkv = Linear(cfg.hidden_size, qkv_rows, bias=bias)
+        self.linear_qkv = Linear(cfg.hidden_size, qkv_rows, bias=bias or cfg.add_qkv_bias)
+        # --qk-layernorm: per-head norms over d, shared by the heads (Megatron's names). Under
+        # tensor parallelism each rank normalises its own heads: the weights are replicated and
+        # their gradients partial sums over TP (plan.py)
+        self.q_layernorm = _norm(cfg, self.head_dim) if cfg.qk_layernorm else None
+        self.k_layernorm = _norm(cfg, self.head_dim) if cfg.qk_layernorm else None
         self.core_attention = CoreAttention(cfg.attention_dropout, cfg.attention_backend, causal)
         self.linear_proj = Linear(heads * self.head_dim, cfg.hidden_size, bias=bias)
 
@@ -217,6 +248,8 @@ class SelfAttention(nn.Module):
         qkv = qkv.view(b, s, -1, per_group + 2, d)  # [b, s, ng, np/ng+2, d]
         query = qkv[:, :, :, :per_group].reshape(b, s, -1, d)  # [b, s, np, d], group-major heads
         key, value = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]  # [b, s, ng, d]
+        if self.q_layernorm is not None:
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         if kv_cache is not None:  # the mask then covers [new positions, all positions]
@@ -316,6 +349,8 @@ class TransformerBlock(nn.Module):
         self.rope = cfg.position_embedding_type == "rope"
         self.head_dim = cfg.resolved_kv_channels()
         self.rotary_base = cfg.rotary_base
+        self.llama3_factor = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
+        self.interpolation = cfg.rotary_seq_len_interpolation_factor
         self.sequence_shards = 1
 
     def forward(
@@ -329,8 +364,9 @@ class TransformerBlock(nn.Module):
         if self.rope:
             seq_length = hidden.shape[1] * self.sequence_shards  # explicit position_ids are full
             rotary = rotary_cos_sin(
-                seq_length, self.head_dim, self.rotary_base, hidden.device, position_ids
-            )
+                seq_length, self.head_dim, self.rotary_base, hidden.device, position_ids,
+                llama3_factor=self.llama3_factor, interpolation=self.interpolation,
+            )  # fmt: skip
         for layer in self.layers:
             if kv_cache is None:  # the call parallel plugins and compile see
                 hidden = layer(hidden, rotary, attention_mask)

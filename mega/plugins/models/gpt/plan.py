@@ -1,6 +1,8 @@
 """The GPT's ParallelPlan: where tensor/sequence parallelism cuts ``model.py``. No torch.
 
-Megatron's placement: QKV and FC1 column-parallel, proj and FC2 row-parallel; word embeddings
+Megatron's placement: QKV (its bias too, --add-qkv-bias) and FC1 column-parallel, proj and FC2
+row-parallel; --qk-layernorm's per-head norms replicated, their gradients summed over TP (each
+rank normalises its own heads, as Megatron's finalize_model_grads does); word embeddings
 vocab-parallel; the untied output layer column-parallel over the vocabulary (the head reads its
 weight, never calls it); the loss vocab-parallel. QKV rows are grouped per query group
 (``[np/ng q, k, v]`` per group), so a contiguous split keeps whole groups on each rank. SwiGLU's
@@ -65,6 +67,11 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         vocab_parameters=VOCAB_PARAMETERS,
         moe_layers=f"{LAYERS}.*.mlp" if cfg.num_experts else "",
         moe_dispatcher=cfg.moe_token_dispatcher_type,
+        # --qk-layernorm's weights see only this rank's heads: partial gradients at any SP
+        tensor_parallel_partial_grads=(
+            f"{LAYERS}.*.self_attention.q_layernorm",
+            f"{LAYERS}.*.self_attention.k_layernorm",
+        ),
         tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
         sequence_parallel_region=("decoder",),
         problems=partial(tensor_parallel_problems, cfg),
