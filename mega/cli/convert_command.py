@@ -3,9 +3,9 @@
 Formats are plugins (``register_checkpoint_converters``): built in, ``mega`` (the sharded zarr
 checkpoint of ``mega train --save``), ``mega-torch`` (its one-file ``--ckpt-format torch``
 checkpoint), ``hf`` (Hugging Face ``config.json`` + safetensors of ``GPT2LMHeadModel``,
-``LlamaForCausalLM`` and ``MixtralForCausalLM``) and ``megatron`` (Megatron-LM GPT checkpoints,
-read only). SRC's format is detected; ``--to`` defaults to ``hf`` from a mega checkpoint and to
-``mega`` otherwise. One tensor is in memory at a time.
+``LlamaForCausalLM`` and ``MixtralForCausalLM``) and ``megatron`` (Megatron-LM GPT checkpoints:
+both of its formats read, ``torch_dist`` written). SRC's format is detected; ``--to`` defaults to
+``hf`` from a mega checkpoint and to ``mega`` otherwise. One tensor is in memory at a time.
 """
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ from mega import hookimpl
 @click.argument("src", type=click.Path(path_type=Path))
 @click.argument("dst", type=click.Path(path_type=Path))
 @click.option(
-    "--to", "to", default=None, help="Target format (see `mega plugins`): mega, mega-torch, hf."
+    "--to",
+    "to",
+    default=None,
+    help="Target format (see `mega plugins`): mega, mega-torch, hf, megatron.",
 )
 @click.option("--from", "source", default=None, help="SRC's format, if detection is not enough.")
 @click.option(
@@ -36,8 +39,8 @@ from mega import hookimpl
 def convert_command(
     src: Path, dst: Path, to: str | None, source: str | None, true_vocab_size: int | None
 ) -> None:
-    """Convert the checkpoint SRC into the new directory DST (mega <-> Hugging Face; Megatron-LM
-    -> mega)."""
+    """Convert the checkpoint SRC into the new directory DST (mega <-> Hugging Face; mega <->
+    Megatron-LM)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
     from mega.core.convert.convert import convert
@@ -75,6 +78,12 @@ def convert_command(
         click.echo(f"not converted: {names[0]}{more} ({reason})")
     if report.target_format == "mega":
         click.echo(f"train from it: mega train --load {dst} --finetune --use-checkpoint-args ...")
+    if report.target_format == "megatron":  # a release checkpoint: no optimizer or RNG state
+        click.echo(
+            f"load it in Megatron-LM: --load {dst} --ckpt-format torch_dist --use-checkpoint-args"
+            " (which also sets TP=PP=1; at TP=k give the model's flags instead, with"
+            " --make-vocab-size-divisible-by 128/k: its vocabulary is padded to a multiple of 128)"
+        )
 
 
 @hookimpl

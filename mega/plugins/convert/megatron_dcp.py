@@ -5,26 +5,44 @@ mcore stacks a decoder's (homogeneous) layers on a leading axis (``decoder.layer
 .linear_fc2.weight`` is ``[num_layers, h, ffn]``) and stores SwiGLU's ``linear_fc1`` already as
 the global ``[gate(all); up(all)]`` (a ShardedTensorFactory cuts each rank's ``[gate_r; up_r]``
 in two). Each layer is read on its own: only the DCP chunks that overlap it, with no process
-group.
+group. Written the same way, by one process with no process group: each layer of a stacked key
+is one DCP chunk, loaded when DCP's writer comes to it.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
 from torch.distributed.checkpoint import load as dcp_load
+from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mega.core.convert.weights import LazyTensor
@@ -111,3 +129,89 @@ def dcp_tensors(directory: Path, layers: int) -> dict[str, LazyTensor]:
         for i in range(layers):
             out[f"decoder.layers.{i}.{stacked.group(1)}"] = dcp_tensor(directory, metadata, key, i)
     return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a torch_dist tensor: ``key``'s box at ``offsets`` (of the global ``size``),
+    or a whole tensor (``layer`` None); ``load`` gives its values, shaped like the box without
+    the stacked axis."""
+
+    key: str
+    size: tuple[int, ...]
+    dtype: torch.dtype
+    layer: int | None
+    load: Callable[[], torch.Tensor]
+
+
+class _ChunkPlanner(DefaultSavePlanner):
+    """Plans the write of ``Chunk``s and ``objects`` (key -> a pickled object, as mcore stores
+    its ShardedObjects) without holding their values: ``resolve_data`` loads each when DCP's
+    writer comes to it, one at a time."""
+
+    def __init__(self, chunks: list[Chunk], objects: dict[str, Any]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {(c.key, self._offsets(c)): c for c in chunks}
+        self.objects = objects
+
+    @staticmethod
+    def _offsets(chunk: Chunk) -> tuple[int, ...]:
+        return (
+            ((chunk.layer,) + (0,) * (len(chunk.size) - 1))
+            if chunk.layer is not None
+            else ((0,) * len(chunk.size))
+        )
+
+    def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator=False):
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for (key, offsets), c in self.chunks.items():
+            sizes = (1, *c.size[1:]) if c.layer is not None else c.size
+            items.append(
+                WriteItem(
+                    index=MetadataIndex(key, torch.Size(offsets)),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                        properties=TensorProperties(dtype=c.dtype),
+                        size=torch.Size(c.size),
+                    ),
+                )
+            )
+        for key in self.objects:
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        index = write_item.index
+        if write_item.type == WriteItemType.BYTE_IO:
+            data = io.BytesIO()
+            torch.save(self.objects[index.fqn], data)
+            return data
+        chunk = self.chunks[(index.fqn, tuple(index.offset))]
+        values = chunk.load()
+        if chunk.layer is not None:
+            values = values.unsqueeze(0)
+        expected = (1, *chunk.size[1:]) if chunk.layer is not None else chunk.size
+        if tuple(values.shape) != tuple(expected) or values.dtype != chunk.dtype:
+            raise MegaUsageError(
+                f"{chunk.key}: loaded {list(values.shape)} {values.dtype}, expected"
+                f" {list(expected)} {chunk.dtype}"
+            )
+        return values.contiguous()
+
+
+def write_dcp(directory: Path, chunks: list[Chunk], objects: dict[str, Any]) -> None:
+    """A torch_dist checkpoint's DCP files (``.metadata``, ``__0_0.distcp``) in ``directory``,
+    written by this one process: each chunk is loaded when it is written, so one tensor (one
+    layer of a stacked key) is in memory at a time."""
+    writer = FileSystemWriter(str(directory), single_file_per_rank=True, thread_count=1)
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp_save({}, storage_writer=writer, planner=_ChunkPlanner(chunks, objects), no_dist=True)

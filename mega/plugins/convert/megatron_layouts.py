@@ -9,6 +9,7 @@ names too), and the vocabulary's padding rows are dropped.
 
 from __future__ import annotations
 
+import re
 from argparse import Namespace
 from typing import Any
 
@@ -219,3 +220,159 @@ def to_mega(
             raise MegaUsageError(f"{where}: {name} has shape {list(found)}, args say {list(shape)}")
         out[name] = renamed[name]
     return out
+
+
+# ----------------------------------------------------------------------------- mega -> Megatron
+
+# mega's GPT fields that Megatron-LM's args say as they are (the same flag, the same meaning);
+# what is derived (FFN width, query groups, head dim) is written resolved
+WRITTEN_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+    "group_query_attention", "num_query_groups", "kv_channels", "max_position_embeddings",
+    "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+    "untie_embeddings_and_output_weights", "add_bias_linear", "hidden_dropout",
+    "attention_dropout", "init_method_std",
+)  # fmt: skip
+# Megatron-LM's padding of the vocabulary (its --make-vocab-size-divisible-by default, at TP=1)
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+
+def _refusal(cfg: Any, where: str) -> str | None:
+    """Why ``cfg`` cannot be written as Megatron-LM args (a one-line reason naming the flag), or
+    None: a field outside ``WRITTEN_FIELDS`` must keep its default, unless it leaves the
+    function as it is (``CHANGEABLE_ON_LOAD``) or only MoE reads it and there are no experts."""
+    import dataclasses
+
+    if cfg.num_experts:
+        return f"{where}: --num-experts {cfg.num_experts}: MoE GPTs are not written to Megatron-LM"
+    if cfg.openai_gelu and not cfg.swiglu:
+        # megatron-core has no such switch: Megatron-LM's --openai-gelu reaches only its legacy
+        # models, and an mcore GPT would run the exact (erf) GeLU on these weights
+        return (
+            f"{where}: --openai-gelu (GPT-2's tanh GeLU): Megatron-LM's mcore GPT cannot be told"
+            " it (it runs the exact GeLU whatever --openai-gelu says)"
+        )
+    for f in dataclasses.fields(cfg):
+        if f.name in WRITTEN_FIELDS or f.name in cfg.CHANGEABLE_ON_LOAD:
+            continue
+        if f.name.startswith("moe_"):  # read only by expert layers, and there are none
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        value = getattr(cfg, f.name)
+        if value != default:
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            return (
+                f"{where}: {flag} ({f.name}={value!r}) has no counterpart in the Megatron-LM args"
+                " this converter writes; refused rather than written as another model"
+            )
+    return None
+
+
+def megatron_args(
+    model: dict[str, Any],
+    vocab: int,
+    padded_vocab: int,
+    seq_length: int | None,
+    tokenizer: dict[str, Any],
+    dtype: Any,
+    where: str,
+) -> Namespace:
+    """The ``args`` Megatron-LM saves with a checkpoint (``--use-checkpoint-args`` builds the
+    model from them, and ``model_section`` reads them back) for mega's GPT ``model`` section;
+    a one-line error naming the first field Megatron's GPT cannot be told this way."""
+    import torch
+
+    from mega.plugins.models.gpt import GPTConfig
+
+    if model.get("name") != "gpt":
+        raise MegaUsageError(
+            f"{where}: a {model.get('name')!r} model; only GPT models are written to Megatron-LM"
+        )
+    try:
+        cfg = GPTConfig(**{k: v for k, v in model.items() if k != "name"})
+    except TypeError as exc:  # a field this mega's GPT does not have
+        raise MegaUsageError(f"{where}: the model config is not this mega's GPT ({exc})") from None
+    refused = _refusal(cfg, where)
+    if refused:
+        raise MegaUsageError(refused)
+    rope = cfg.position_embedding_type == "rope"
+    positions = cfg.resolved_max_position_embeddings(seq_length or 0) or None
+    kind = tokenizer.get("tokenizer_type")
+    flags = dict(tokenizer_flags(Namespace(**tokenizer))) if kind in TOKENIZER_FLAGS else {}
+    flags.pop("tokenizer_type", None)
+    # Megatron's NullTokenizer appends EOD to its --vocab-size: the vocabulary is one more
+    vocab_flag = vocab - 1 if kind == "NullTokenizer" else vocab
+    flags.pop("vocab_size", None)
+    groups = cfg.resolved_num_query_groups()
+    return Namespace(
+        # the architecture (what Megatron-LM's load_args_from_checkpoint takes from here)
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.resolved_ffn_hidden_size(),
+        num_attention_heads=cfg.num_attention_heads,
+        group_query_attention=groups != cfg.num_attention_heads,
+        num_query_groups=groups,
+        kv_channels=cfg.resolved_kv_channels(),
+        max_position_embeddings=positions,
+        position_embedding_type=cfg.position_embedding_type,
+        add_position_embedding=not rope,
+        use_rotary_position_embeddings=rope,
+        rotary_base=cfg.rotary_base,
+        rotary_percent=1.0,
+        rotary_interleaved=False,
+        normalization=cfg.normalization,
+        norm_epsilon=cfg.norm_epsilon,
+        apply_layernorm_1p=False,
+        apply_residual_connection_post_layernorm=False,
+        apply_query_key_layer_scaling=False,
+        qk_layernorm=False,
+        swiglu=cfg.swiglu,
+        openai_gelu=False,
+        squared_relu=False,
+        untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        add_bias_linear=cfg.add_bias_linear,
+        add_qkv_bias=False,  # Megatron gives linear_qkv a bias with add_bias_linear anyway
+        num_experts=None,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        # the vocabulary: padded as Megatron pads it at TP=1 (the padding rows are zeros)
+        vocab_size=vocab_flag,
+        padded_vocab_size=padded_vocab,
+        make_vocab_size_divisible_by=MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+        tokenizer_type=kind if kind in TOKENIZER_FLAGS else None,
+        **{"vocab_file": None, "merge_file": None, "tokenizer_model": None, **flags},
+        seq_length=seq_length,
+        encoder_seq_length=seq_length,
+        # the layout it was written at: torch_dist tensors are global, any TP/PP loads them
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        params_dtype=dtype,
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+        ckpt_format="torch_dist",
+        use_mcore_models=True,
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+    )
+
+
+def megatron_key(name: str, num_layers: int) -> tuple[str, int | None]:
+    """mega's tensor name -> (its torch_dist key, the layer it is in the stacked key, or None):
+    ``decoder.layers.3.input_layernorm.weight`` -> (``decoder.layers.self_attention.linear_qkv
+    .layer_norm_weight``, 3)."""
+    m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", name)
+    if not m:
+        return name, None
+    rest = m.group(2)
+    for megatron, mega in NORM_NAMES.items():
+        if rest == mega:
+            rest = megatron
+            break
+    layer = int(m.group(1))
+    if not 0 <= layer < num_layers:
+        raise MegaUsageError(f"{name}: layer {layer} of a {num_layers}-layer model")
+    return f"decoder.layers.{rest}", layer
