@@ -305,3 +305,36 @@ def test_a_bert_model_is_refused(converted, tmp_path):
     weights.model["name"] = "bert"
     with pytest.raises(MegaUsageError, match="only GPT models are written to Megatron-LM"):
         _converters().get("megatron").write(tmp_path, weights)
+
+
+def test_writing_holds_one_tensor_at_a_time(tmp_path):
+    """Every tensor is loaded when DCP's writer reaches it and let go after: at most two are
+    alive at once (the one being written and the one before it, until replaced; with torch
+    2.13's serial writer, one)."""
+    import gc
+    import weakref
+
+    from mega.plugins.convert.megatron_layouts import expected_shapes
+
+    fields = {**MODELS["llama"][0], "num_layers": 4}
+    alive, most = set(), [0]
+
+    def tracked(name: str, shape: tuple[int, ...]) -> LazyTensor:
+        def load() -> torch.Tensor:
+            gc.collect()
+            values = torch.randn(shape)
+            alive.add(name)
+            weakref.finalize(values, alive.discard, name)
+            most[0] = max(most[0], len(alive))
+            return values
+
+        return LazyTensor(shape, torch.float32, load)
+
+    shapes = expected_shapes({"name": "gpt", **fields}, VOCAB)
+    config = {"model": {"name": "gpt", **fields}, "training": {"seq_length": SEQ}}
+    stored = {name: tracked(name, shape) for name, shape in shapes.items()}
+    weights = ModelWeights.from_run_config(config, stored, "synthetic")
+    _converters().get("megatron").write(tmp_path, weights)
+    assert weights.source.never_loaded() == [] and len(shapes) == 4 * 6 + 3
+    print(f"at most {most[0]} tensors alive at once")
+    assert most[0] <= 2, f"{most[0]} tensors were alive at once"
