@@ -242,18 +242,55 @@ def _llama_shape(cfg: dict[str, Any]) -> tuple[int, int, int, int]:
     return h, heads, groups, head_dim
 
 
-def _rope_theta(cfg: dict[str, Any], where: str) -> int:
-    """RoPE's base from ``rope_theta`` (transformers 4) or ``rope_parameters`` (5); scaled RoPE
-    variants are refused."""
+# rope_scaling's llama3 constants that mega's --use-rope-scaling fixes (as Megatron does)
+LLAMA3_FIXED = (
+    ("low_freq_factor", 1.0),
+    ("high_freq_factor", 4.0),
+    ("original_max_position_embeddings", 8192),
+)
+
+
+def rope_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
+    """mega's RoPE fields from ``rope_theta`` and ``rope_scaling`` (transformers 4) or
+    ``rope_parameters`` (5): default, ``linear`` and ``llama3``; any other type is refused."""
     parameters = cfg.get("rope_parameters") or {}
-    if cfg.get("rope_scaling"):
-        raise MegaUsageError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported")
-    if parameters.get("rope_type", "default") != "default":
-        raise MegaUsageError(f"{where}: rope_type {parameters['rope_type']!r} is not supported")
+    scaling = cfg.get("rope_scaling") or parameters
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
     theta = cfg.get("rope_theta") or parameters.get("rope_theta") or 10000.0
     if float(theta) != int(theta):
         raise MegaUsageError(f"{where}: rope_theta {theta} is not a whole number")
-    return int(theta)
+    fields: dict[str, Any] = {"rotary_base": int(theta)}
+    if kind == "linear":
+        fields["rotary_seq_len_interpolation_factor"] = float(scaling["factor"])
+    elif kind == "llama3":
+        for name, fixed in LLAMA3_FIXED:
+            if float(scaling.get(name, fixed)) != fixed:
+                raise MegaUsageError(
+                    f"{where}: rope_scaling {name} {scaling[name]} is not supported (mega's"
+                    f" --use-rope-scaling fixes it at {fixed}, as Megatron)"
+                )
+        fields.update(use_rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    elif kind != "default":
+        raise MegaUsageError(
+            f"{where}: rope_scaling type {kind!r} is not supported (only linear and llama3)"
+        )
+    return fields
+
+
+def rope_scaling_config(model: dict[str, Any]) -> dict[str, Any] | None:
+    """``rope_scaling`` of ``config.json`` for a mega model (inverse of :func:`rope_fields`)."""
+    if model.get("use_rope_scaling"):
+        return {
+            "rope_type": "llama3",
+            "factor": float(model.get("rope_scaling_factor", 8.0)),
+            **dict(LLAMA3_FIXED),
+        }
+    if model.get("rotary_seq_len_interpolation_factor") is not None:
+        return {
+            "rope_type": "linear",
+            "factor": float(model["rotary_seq_len_interpolation_factor"]),
+        }
+    return None
 
 
 def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
@@ -272,7 +309,7 @@ def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "group_query_attention": groups != heads,
         "ffn_hidden_size": cfg["intermediate_size"],
         "position_embedding_type": "rope",
-        "rotary_base": _rope_theta(cfg, where),
+        **rope_fields(cfg, where),
         "normalization": "RMSNorm",
         "norm_epsilon": cfg.get("rms_norm_eps", 1e-6),
         "swiglu": True,
@@ -280,7 +317,10 @@ def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
         "hidden_dropout": 0.0,
         "attention_dropout": cfg.get("attention_dropout", 0.0),
         "add_bias_linear": False,
+        "init_method_std": cfg.get("initializer_range", 0.02),
     }
+    if cfg.get("max_position_embeddings"):  # rope has no table: the length it was made for
+        model["max_position_embeddings"] = cfg["max_position_embeddings"]
     if groups != heads:
         model["num_query_groups"] = groups
     if head_dim != h // heads:
@@ -366,6 +406,7 @@ def llama_config(model: dict[str, Any], vocab: int, ffn: int) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": model.get("norm_epsilon", 1e-5),
         "rope_theta": float(model.get("rotary_base", 10000)),
+        "rope_scaling": rope_scaling_config(model),
         "max_position_embeddings": model.get("max_position_embeddings") or 4096,
         "attention_dropout": model.get("attention_dropout", 0.0),
         "initializer_range": model.get("init_method_std", 0.02),
