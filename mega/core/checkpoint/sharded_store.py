@@ -16,8 +16,10 @@ flight when the step returns) and a background thread writes them while training
 step 4 runs at the next save or at the end of training. The collectives all stay on the main
 thread, so the background thread never races training's own communication.
 
-Load: every rank reads the metadata (checked against the marker) and fills its own tensors'
-pieces from the arrays, whatever layout wrote them.
+Load: every rank reads the metadata (checked against the marker), the ranks agree that every
+stored tensor belongs to one of their parameters and every parameter is stored (strict loading,
+``mega.core.checkpoint.strict``), and each fills its own tensors' pieces from the arrays,
+whatever layout wrote them.
 """
 
 from __future__ import annotations
@@ -256,33 +258,55 @@ def read_metadata(directory: Path, marker: dict[str, Any]) -> dict[str, Any]:
 
 
 def resolve_keys(
-    directory: Path, metadata: dict[str, Any], tensors: list[ShardedTensor]
-) -> list[ShardedTensor]:
-    """The tensors to read, each with the key it is stored under (its own or its fallback);
-    optional ones that are not stored are left out, a required missing one is an error."""
+    metadata: dict[str, Any], tensors: list[ShardedTensor]
+) -> tuple[list[ShardedTensor], list[str], list[str]]:
+    """(the tensors to read, each with the key it is stored under: its own or its fallback;
+    the keys of required tensors that are not stored; one line per tensor stored with another
+    shape). Optional tensors that are not stored are left out."""
     stored = metadata["tensors"]
-    chosen, missing = [], []
+    chosen, missing, reshaped = [], [], []
     for t in tensors:
         key = t.key if t.key in stored else t.fallback if t.fallback in stored else None
         if key is None:
-            if not t.optional:
-                missing.append(t.key)
+            if not t.optional:  # named as the model's tensor (an fp32 run reads masters first)
+                missing.append(t.fallback or t.key)
             continue
         shape = tuple(stored[key]["shape"])
         if shape != tuple(t.global_shape):
-            raise MegaUsageError(
-                f"--load {directory}: does not match this model ({key} is {list(shape)} there,"
-                f" {list(t.global_shape)} here)"
-            )
+            reshaped.append(f"{key} is {list(shape)} there, {list(t.global_shape)} here")
+            continue
         if key != t.key:
             t = ShardedTensor(key, t.global_shape, t.dtype, t.pieces, t.write, t.chunks)
         chosen.append(t)
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise MegaUsageError(
-            f"--load {directory}: does not match this model (no {missing[0]}{more} there)"
-        )
-    return chosen
+    return chosen, missing, reshaped
+
+
+def check_coverage(
+    directory: Path,
+    metadata: dict[str, Any],
+    tensors: list[ShardedTensor],
+    missing: list[str],
+    reshaped: list[str],
+    hint: str = "",
+) -> None:
+    """Strict loading (``mega.core.checkpoint.strict``): raise on every rank alike, before any
+    read, if a stored tensor has another shape, a required tensor is not stored, or a stored
+    tensor belongs to no parameter of the model on any rank (a collective: under pipeline
+    parallelism each rank holds some of the parameters)."""
+    from mega.core.checkpoint.strict import mismatch, parameter_of, unexpected_keys
+
+    parameters = {parameter_of(k) for t in tensors for k in (t.key, t.fallback) if k}
+    local_extra = unexpected_keys(metadata["tensors"], parameters)
+    gathered = _all_gather((local_extra, missing, reshaped))
+    # stored for no rank's parameters: in every rank's list of keys it has no parameter for
+    everyone = [set(theirs) for theirs, _, _ in gathered]
+    extra = [k for k in local_extra if all(k in theirs for theirs in everyone)]
+    all_missing = list(dict.fromkeys(k for _, theirs, _ in gathered for k in theirs))
+    all_missing.sort(key=lambda key: not key.startswith("model/"))
+    all_reshaped = [line for _, _, theirs in gathered for line in theirs]
+    problem = all_reshaped[0] if all_reshaped else mismatch(extra, all_missing)
+    if problem:
+        raise MegaUsageError(f"--load {directory}: does not match this model: {problem}{hint}")
 
 
 def load_sharded(
@@ -291,12 +315,16 @@ def load_sharded(
     tensors: list[ShardedTensor],
     backend: Any,
     metadata: dict[str, Any] | None = None,
+    hint: str = "",
 ) -> dict[str, Any]:
     """Fill ``tensors`` from the checkpoint in ``directory``; returns its metadata (read here
-    unless given)."""
+    unless given). Strict: a checkpoint tensor the model does not have, or the reverse, is a
+    ``MegaUsageError`` naming them, followed by ``hint`` (:func:`check_coverage`; a collective
+    when torch.distributed is initialised: every rank calls it)."""
     if metadata is None:
         metadata = read_metadata(directory, marker)
-    chosen = resolve_keys(directory, metadata, tensors)
+    chosen, missing, reshaped = resolve_keys(metadata, tensors)
+    check_coverage(directory, metadata, tensors, missing, reshaped, hint)
     try:
         backend.read(directory, [t for t in chosen if t.pieces])
     except OSError as exc:

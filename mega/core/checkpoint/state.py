@@ -24,6 +24,7 @@ from mega.core.checkpoint.store import (
     save_checkpoint,
     write_tracker,
 )
+from mega.core.checkpoint.strict import mismatch, model_flag_changes
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
 from mega.core.errors import MegaUsageError, first_line
@@ -198,6 +199,7 @@ def restore_training_state(
     load_optim = ckpt.load_optim and not ckpt.finetune
     try:
         if not tensors_loaded:
+            _check_model_keys(engine, directory, state)
             engine.model.load_state_dict(
                 model_with_padding(engine.model, engine.vocab_rows, state["model"])
             )
@@ -238,6 +240,23 @@ def restore_training_state(
     engine.scheduler_steps = int(
         state.get("scheduler_steps", engine.iteration - engine.skipped_total)
     )
+
+
+def model_flags_hint(engine: Any, saved_config: Any) -> str:
+    """What to add to a mismatch error: the model flags that differ from the checkpoint's."""
+    return model_flag_changes(saved_config, resolved_as_dict(engine.config))
+
+
+def _check_model_keys(engine: Any, directory: Path, state: dict[str, Any]) -> None:
+    """Strict loading of a whole-state checkpoint: its model tensors are the model's, by name."""
+    saved = state.get("model")
+    if not isinstance(saved, dict):
+        return  # load_state_dict reports it
+    names = engine.model.state_dict().keys()
+    problem = mismatch([k for k in saved if k not in names], [k for k in names if k not in saved])
+    if problem:
+        hint = model_flags_hint(engine, state.get("config"))
+        raise MegaUsageError(f"--load {directory}: does not match this model: {problem}{hint}")
 
 
 def _rank_rng(engine: Any, state: dict[str, Any], ranks: list[dict[str, Any]]) -> dict:
@@ -353,7 +372,8 @@ def load_run(engine: Any, path: str) -> None:
         if problem:  # named before any tensor is read (their keys differ by kind)
             raise MegaUsageError(f"--load {directory}: {problem}")
         tensors = sharded_tensors(engine, for_load=True, with_optimizer=with_optimizer)
-        load_sharded(directory, marker, tensors, backend, metadata)
+        hint = model_flags_hint(engine, metadata["common"].get("config"))
+        load_sharded(directory, marker, tensors, backend, metadata, hint)
         state = dict(metadata["common"])
         state.update(_rank_rng(engine, state, metadata["ranks"]))
         restore_training_state(engine, directory, state, tensors_loaded=True)
