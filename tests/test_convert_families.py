@@ -1,5 +1,5 @@
 """``mega convert-checkpoint`` for the families people fine-tune now (issue 48, item 2): Llama
-with rope_scaling ``llama3`` and ``linear``. Each a tiny random transformers model saved with
+with rope_scaling ``llama3`` and ``linear``, Mistral. Each a tiny random transformers model saved with
 ``save_pretrained``: mega's logits within 1e-5 of transformers' (float32), 20 greedy tokens of
 ``mega generate`` equal to transformers' ``generate``, HF -> mega -> HF bit-identical tensors and
 the same config fields; what mega cannot compute is a one-line refusal naming the field."""
@@ -46,7 +46,14 @@ def _llama_linear(**extra):
     return transformers.LlamaConfig(**{**SHAPE, **fields, **extra}), transformers.LlamaForCausalLM
 
 
-FAMILIES = {"llama3-rope": _llama3, "llama-linear-rope": _llama_linear}
+def _mistral(**extra):
+    fields = {"sliding_window": None, "max_position_embeddings": 128}
+    return transformers.MistralConfig(**{**SHAPE, **fields, **extra}), (
+        transformers.MistralForCausalLM
+    )
+
+
+FAMILIES = {"llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "mistral": _mistral}
 
 
 def _save(tmp_path: Path, family: str, **extra) -> Path:
@@ -109,6 +116,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 EXPECTED = {
     "llama3-rope": {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": 4.0},
+    "mistral": {"swiglu": True, "num_query_groups": 2},
 }
 # what the same model computes without the family's feature: the logits must move, or the
 # comparison with transformers would not show that mega computes it
@@ -170,6 +178,10 @@ def test_hf_to_mega_to_hf_gives_the_same_tensors_and_config(tmp_path, family):
     # as transformers reads them: fields it derives are compared too
     source = transformers.AutoConfig.from_pretrained(hf).to_dict()
     written = transformers.AutoConfig.from_pretrained(tmp_path / "back").to_dict()
+    if family == "mistral":  # the same function and tensors, written as a Llama
+        assert written["architectures"] == ["LlamaForCausalLM"]
+        for key in ("architectures", "model_type", "sliding_window", "head_dim"):
+            source.pop(key)  # Llama has no window; Mistral's head_dim None is hidden / heads
     differ = {
         key: (value, written.get(key, "(missing)"))
         for key, value in source.items()
@@ -180,7 +192,17 @@ def test_hf_to_mega_to_hf_gives_the_same_tensors_and_config(tmp_path, family):
     assert _max_diff(_hf_logits(tmp_path / "back", tokens), _hf_logits(hf, tokens)) == 0
 
 
+def test_a_mistral_window_that_cannot_act_is_accepted(tmp_path):
+    hf = _save(tmp_path, "mistral", sliding_window=128)  # = max_position_embeddings
+    convert(hf, tmp_path / "m", _converters())
+    tokens = _tokens()
+    diff = _max_diff(_mega_logits(_mega_model(tmp_path / "m"), tokens), _hf_logits(hf, tokens))
+    assert diff <= 1e-5, f"max |logit difference| {diff:.3g} > 1e-5"
+
+
 REFUSED = [
+    ("mistral", {"sliding_window": 16},
+     "sliding_window 16 is shorter than max_position_embeddings 128: the window would act"),
     ("llama3-rope", {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 4096}},
      "rope_scaling original_max_position_embeddings 4096 is not supported"),
     ("llama3-rope", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},

@@ -25,6 +25,9 @@ from mega.core.errors import MegaUsageError
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 MIXTRAL = "MixtralForCausalLM"  # its layout: hf_mixtral
+# Llama's relatives (hf_llama_like): Mistral reads as a Llama (it writes back as one: the same
+# function and tensor names)
+MISTRAL = "MistralForCausalLM"
 
 
 def merge_qkv(

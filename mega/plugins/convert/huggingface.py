@@ -1,7 +1,7 @@
 """Hugging Face models (``config.json`` + ``*.safetensors``) as a ``mega convert-checkpoint``
-format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MixtralForCausalLM``,
-``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the layouts are in ``hf_layouts``,
-``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
+format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` (read; written as
+Llama), ``MixtralForCausalLM``, ``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the
+layouts are in ``hf_layouts``, ``hf_llama_like``, ``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
 
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
@@ -37,12 +37,13 @@ def detect(path: Path) -> bool:
 
 
 def read(path: Path) -> ModelWeights:
-    from mega.plugins.convert import hf_bert, hf_layouts, hf_mixtral, hf_t5
+    from mega.plugins.convert import hf_bert, hf_layouts, hf_llama_like, hf_mixtral, hf_t5
     from mega.plugins.convert.safetensors_files import read_lazy
 
     readers = {
         hf_layouts.GPT2: hf_layouts.gpt2_to_mega,
         hf_layouts.LLAMA: hf_layouts.llama_to_mega,
+        hf_layouts.MISTRAL: hf_llama_like.mistral_to_mega,
         hf_layouts.MIXTRAL: hf_mixtral.mixtral_to_mega,
         hf_bert.BERT: hf_bert.bert_to_mega,
         hf_t5.T5: hf_t5.t5_to_mega,
@@ -116,7 +117,8 @@ def register_checkpoint_converters(register):
             detect=detect,
             description=(
                 "Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM,"
-                " MixtralForCausalLM, BertForPreTraining, T5ForConditionalGeneration"
+                " MistralForCausalLM (read), MixtralForCausalLM, BertForPreTraining,"
+                " T5ForConditionalGeneration"
             ),
         )
     )
