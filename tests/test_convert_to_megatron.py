@@ -1,5 +1,5 @@
 """``mega convert-checkpoint SRC DST --to megatron``: a GPT-2-like (learned positions, LayerNorm,
-GeLU, biases, tied) and a Llama-like (rope, RMSNorm, SwiGLU, no biases, GQA, untied) mega GPT
+tanh GeLU, biases, tied), one with the exact GeLU (untied) and a Llama-like (rope, RMSNorm, SwiGLU, no biases, GQA, untied) mega GPT
 are written as Megatron-LM ``torch_dist`` checkpoints; megatron-core 0.16.1 (the CPU oracle)
 builds its GPTModel from the args in them, loads them with ``dist_checkpointing.load`` and
 gives mega's logits. mega -> Megatron -> mega is bit-exact. The vocabulary (203) is padded to
@@ -42,9 +42,19 @@ MODELS = {
         {
             "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 256,
             "max_position_embeddings": 2 * SEQ, "position_embedding_type": "learned_absolute",
-            "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+            "normalization": "LayerNorm", "norm_epsilon": 1e-5, "openai_gelu": True,
         },
         {"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1},
+    ),
+    # the exact (erf) GeLU with biases: Megatron-LM runs it with --no-bias-gelu-fusion
+    "gelu": (
+        {
+            "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidden_size": 128,
+            "max_position_embeddings": 2 * SEQ, "position_embedding_type": "learned_absolute",
+            "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+            "untie_embeddings_and_output_weights": True,
+        },
+        {"tokenizer_type": "GPT2BPETokenizer", "vocab_file": "/v.json", "merge_file": "/m.txt"},
     ),
     "llama": (
         {
@@ -122,6 +132,9 @@ def _transformer_config(args):
         kv_channels=args.kv_channels, normalization=args.normalization,
         layernorm_epsilon=args.norm_epsilon, gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu, add_bias_linear=args.add_bias_linear,
+        # Megatron-LM's --bias-gelu-fusion: the tanh GeLU (Megatron-LM takes it from its flags,
+        # not from these args: the default, on, for the tanh GeLU; --no-bias-gelu-fusion else)
+        bias_activation_fusion=args.bias_gelu_fusion,
         add_qkv_bias=args.add_qkv_bias, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         params_dtype=args.params_dtype, use_cpu_initialization=True,
@@ -209,8 +222,11 @@ def test_the_args_say_the_architecture_and_the_padded_vocabulary(converted, name
     assert args.swiglu is fields.get("swiglu", False)
     assert args.num_query_groups == fields.get("num_query_groups", fields["num_attention_heads"])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
+    assert args.bias_gelu_fusion is (name == "gpt2")  # the tanh GeLU is the fused one
     if name == "gpt2":  # Megatron's NullTokenizer adds EOD to --vocab-size
         assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", VOCAB - 1)
+    elif name == "gelu":
+        assert (args.tokenizer_type, args.merge_file) == ("GPT2BPETokenizer", "/m.txt")
     else:
         assert args.tokenizer_type == "HuggingFaceTokenizer"
         assert args.tokenizer_model == "/data/llama-tokenizer"
@@ -250,17 +266,20 @@ def test_the_tensors_are_written_one_layer_at_a_time(converted, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "message"),
+    ("fields", "message"),
     [
-        ("openai_gelu", True, "--openai-gelu (GPT-2's tanh GeLU): Megatron-LM's mcore GPT cannot"),
-        ("num_experts", 4, "--num-experts 4: MoE GPTs are not written to Megatron-LM"),
+        (
+            {"openai_gelu": True, "add_bias_linear": False},
+            "--openai-gelu with --disable-bias-linear: Megatron-LM's mcore GPT runs GeLU's tanh",
+        ),
+        ({"num_experts": 4}, "--num-experts 4: MoE GPTs are not written to Megatron-LM"),
     ],
 )
 def test_what_megatron_cannot_express_is_refused_by_name_with_exit_2_and_no_dst(
-    converted, tmp_path, field, value, message
+    converted, tmp_path, fields, message
 ):
     weights = _converters().get("mega").read(converted.mega["gpt2"])
-    weights.model[field] = value  # the tensors are no matter: refused before they are read
+    weights.model.update(fields)  # the tensors are no matter: refused before they are read
     src = tmp_path / "src"
     src.mkdir()
     _converters().get("mega").write(src, weights)
@@ -338,3 +357,23 @@ def test_writing_holds_one_tensor_at_a_time(tmp_path):
     assert weights.source.never_loaded() == [] and len(shapes) == 4 * 6 + 3
     print(f"at most {most[0]} tensors alive at once")
     assert most[0] <= 2, f"{most[0]} tensors were alive at once"
+
+
+@pytest.mark.parametrize(
+    ("flags", "tanh"),
+    [
+        ({"bias_gelu_fusion": True, "add_bias_linear": True}, True),  # Megatron-LM's default
+        ({"bias_gelu_fusion": True, "add_bias_linear": False}, False),  # no biases: no fusion
+        ({"openai_gelu": True, "use_legacy_models": False}, False),  # mcore never reads it
+        ({"openai_gelu": True, "use_legacy_models": True}, True),
+        ({"openai_gelu": True}, True),  # before --use-legacy-models: legacy by default
+        ({"openai_gelu": True, "use_mcore_models": True}, False),
+        ({"bias_gelu_fusion": True, "add_bias_linear": True, "swiglu": True}, False),
+    ],
+)
+def test_the_reader_knows_which_gelu_megatron_ran(flags, tanh):
+    import argparse
+
+    from mega.plugins.convert.megatron_layouts import tanh_gelu
+
+    assert tanh_gelu(argparse.Namespace(**flags)) is tanh

@@ -84,7 +84,7 @@ def model_section(args: Namespace, where: str) -> dict[str, Any]:
         "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
         "swiglu": bool(get("swiglu")),
         # --onnx-safe only swaps erf for its ONNX-exportable twin: the same function
-        "openai_gelu": bool(get("openai_gelu")),
+        "openai_gelu": tanh_gelu(args),
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights")),
         "add_bias_linear": bias,
         # --apply-query-key-layer-scaling divides scores by the layer number before the softmax
@@ -110,6 +110,19 @@ def model_section(args: Namespace, where: str) -> dict[str, Any]:
     if model["ffn_hidden_size"] is None:
         model.pop("ffn_hidden_size")  # Megatron's default, which is mega's too
     return model
+
+
+def tanh_gelu(args: Namespace) -> bool:
+    """Whether the GeLU Megatron-LM ran is its tanh approximation (mega's ``openai_gelu``):
+    its bias+GeLU fusion (``--bias-gelu-fusion``, on by default, off without biases) computes
+    the tanh form in both model generations; legacy models also honour ``--openai-gelu``, which
+    megatron-core's GPT never reads (it runs the exact erf GeLU)."""
+    if getattr(args, "swiglu", False):
+        return False
+    if getattr(args, "bias_gelu_fusion", False) and getattr(args, "add_bias_linear", True):
+        return True
+    legacy = getattr(args, "use_legacy_models", not getattr(args, "use_mcore_models", False))
+    return bool(getattr(args, "openai_gelu", False)) and bool(legacy)
 
 
 def tokenizer_flags(args: Namespace) -> dict[str, Any]:
@@ -230,6 +243,7 @@ WRITTEN_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
     "group_query_attention", "num_query_groups", "kv_channels", "max_position_embeddings",
     "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
+    "openai_gelu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "hidden_dropout",
     "attention_dropout", "init_method_std",
 )  # fmt: skip
@@ -245,12 +259,12 @@ def _refusal(cfg: Any, where: str) -> str | None:
 
     if cfg.num_experts:
         return f"{where}: --num-experts {cfg.num_experts}: MoE GPTs are not written to Megatron-LM"
-    if cfg.openai_gelu and not cfg.swiglu:
-        # megatron-core has no such switch: Megatron-LM's --openai-gelu reaches only its legacy
-        # models, and an mcore GPT would run the exact (erf) GeLU on these weights
+    if cfg.openai_gelu and not cfg.swiglu and not cfg.add_bias_linear:
+        # megatron-core's GPT never reads --openai-gelu: its one tanh GeLU is the bias+GeLU
+        # fusion (``tanh_gelu``), and Megatron-LM turns that off without biases
         return (
-            f"{where}: --openai-gelu (GPT-2's tanh GeLU): Megatron-LM's mcore GPT cannot be told"
-            " it (it runs the exact GeLU whatever --openai-gelu says)"
+            f"{where}: --openai-gelu with --disable-bias-linear: Megatron-LM's mcore GPT runs"
+            " GeLU's tanh form only in its bias+GeLU fusion, which needs the biases"
         )
     for f in dataclasses.fields(cfg):
         if f.name in WRITTEN_FIELDS or f.name in cfg.CHANGEABLE_ON_LOAD:
@@ -327,11 +341,15 @@ def megatron_args(
         apply_query_key_layer_scaling=False,
         qk_layernorm=False,
         swiglu=cfg.swiglu,
+        # the tanh GeLU is the bias+GeLU fusion's (see tanh_gelu); --use-checkpoint-args does
+        # not take this from here: an exact-GeLU model needs --no-bias-gelu-fusion there
+        bias_gelu_fusion=bool(cfg.openai_gelu and not cfg.swiglu),
         openai_gelu=False,
+        use_legacy_models=False,
         squared_relu=False,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=False,  # Megatron gives linear_qkv a bias with add_bias_linear anyway
+        add_qkv_bias=cfg.add_bias_linear,  # as Megatron-LM's validate_args keeps them
         num_experts=None,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
