@@ -1,5 +1,6 @@
 """``mega convert-checkpoint`` for the families people fine-tune now (issue 48, item 2): Llama
-with rope_scaling ``llama3`` and ``linear``, Mistral. Each a tiny random transformers model saved with
+with rope_scaling ``llama3`` and ``linear``, Mistral, Qwen2 (q/k/v biases: --add-qkv-bias) and
+Qwen3 (per-head q/k norms: --qk-layernorm). Each a tiny random transformers model saved with
 ``save_pretrained``: mega's logits within 1e-5 of transformers' (float32), 20 greedy tokens of
 ``mega generate`` equal to transformers' ``generate``, HF -> mega -> HF bit-identical tensors and
 the same config fields; what mega cannot compute is a one-line refusal naming the field."""
@@ -53,7 +54,21 @@ def _mistral(**extra):
     )
 
 
-FAMILIES = {"llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "mistral": _mistral}
+def _qwen2(**extra):
+    fields = {"max_position_embeddings": 128, "rope_theta": 1000000.0, "tie_word_embeddings": True}
+    return transformers.Qwen2Config(**{**SHAPE, **fields, **extra}), transformers.Qwen2ForCausalLM
+
+
+def _qwen3(**extra):
+    # Qwen3's head dim is not hidden / heads (as in the real ones): --kv-channels
+    fields = {"max_position_embeddings": 128, "num_attention_heads": 4, "head_dim": 32}
+    return transformers.Qwen3Config(**{**SHAPE, **fields, **extra}), transformers.Qwen3ForCausalLM
+
+
+FAMILIES = {
+    "llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "mistral": _mistral,
+    "qwen2": _qwen2, "qwen3": _qwen3,
+}  # fmt: skip
 
 
 def _save(tmp_path: Path, family: str, **extra) -> Path:
@@ -117,12 +132,15 @@ EXPECTED = {
     "llama3-rope": {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": 4.0},
     "mistral": {"swiglu": True, "num_query_groups": 2},
+    "qwen2": {"add_qkv_bias": True, "untie_embeddings_and_output_weights": False},
+    "qwen3": {"qk_layernorm": True, "kv_channels": 32},
 }
 # what the same model computes without the family's feature: the logits must move, or the
 # comparison with transformers would not show that mega computes it
 WITHOUT = {
     "llama3-rope": {"use_rope_scaling": False},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": None},
+    "qwen3": {},  # the norms dropped after loading
 }
 
 
@@ -138,7 +156,10 @@ def test_hf_family_converts_to_mega_with_transformers_logits(tmp_path, family):
     diff = _max_diff(_mega_logits(_mega_model(tmp_path / "m"), tokens), expected)
     assert diff <= 1e-5, f"max |logit difference| {diff:.3g} > 1e-5"
     if family in WITHOUT:
-        plain = _mega_logits(_mega_model(tmp_path / "m", **WITHOUT[family]), tokens)
+        without = _mega_model(tmp_path / "m", **WITHOUT[family])
+        for layer in without.decoder.layers if family == "qwen3" else ():
+            layer.self_attention.q_layernorm = layer.self_attention.k_layernorm = None
+        plain = _mega_logits(without, tokens)
         assert _max_diff(plain, expected) > 1e-3
 
 
@@ -175,7 +196,7 @@ def test_hf_to_mega_to_hf_gives_the_same_tensors_and_config(tmp_path, family):
     assert back.keys() == original.keys()
     for name, values in original.items():
         assert back[name].dtype == values.dtype and torch.equal(back[name], values), name
-    # as transformers reads them: fields it derives are compared too
+    # as transformers reads them: fields it derives (Qwen's layer_types) are compared too
     source = transformers.AutoConfig.from_pretrained(hf).to_dict()
     written = transformers.AutoConfig.from_pretrained(tmp_path / "back").to_dict()
     if family == "mistral":  # the same function and tensors, written as a Llama
@@ -203,6 +224,9 @@ def test_a_mistral_window_that_cannot_act_is_accepted(tmp_path):
 REFUSED = [
     ("mistral", {"sliding_window": 16},
      "sliding_window 16 is shorter than max_position_embeddings 128: the window would act"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+     "sliding_window 16 is shorter than max_position_embeddings 128"),
+    ("qwen3", {"attention_bias": True}, "attention_bias is true"),
     ("llama3-rope", {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 4096}},
      "rope_scaling original_max_position_embeddings 4096 is not supported"),
     ("llama3-rope", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
@@ -212,10 +236,24 @@ REFUSED = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("family", "extra", "named"), REFUSED, ids=[r[2][:24] for r in REFUSED])
+REFUSED_IDS = ["mistral-window", "qwen2-window", "qwen3-attention-bias", "llama3-constants",
+               "yarn", "dynamic"]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "extra", "named"), REFUSED, ids=REFUSED_IDS)
 def test_what_mega_cannot_compute_is_a_one_line_refusal(tmp_path, family, extra, named):
     hf = _save(tmp_path, family, **extra)
     with pytest.raises(MegaUsageError, match=named) as refused:
         convert(hf, tmp_path / "out", _converters())
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_no_hugging_face_class_holds_is_refused_on_export(tmp_path):
+    from mega.core.convert.weights import ModelWeights
+    from mega.plugins.convert.huggingface import read, write
+
+    weights = read(_save(tmp_path, "qwen2"))
+    both = {**weights.model, "qk_layernorm": True}
+    with pytest.raises(MegaUsageError, match="--add-qkv-bias with --qk-layernorm has no Hugging"):
+        write(tmp_path / "out", ModelWeights(both, 32, weights.vocab_size, weights.tensors))

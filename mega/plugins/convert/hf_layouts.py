@@ -26,8 +26,8 @@ GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"
 MIXTRAL = "MixtralForCausalLM"  # its layout: hf_mixtral
 # Llama's relatives (hf_llama_like): Mistral reads as a Llama (it writes back as one: the same
-# function and tensor names)
-MISTRAL = "MistralForCausalLM"
+# function and tensor names), Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
+MISTRAL, QWEN2, QWEN3 = "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
 
 
 def merge_qkv(
@@ -332,10 +332,17 @@ def llama_model_section(cfg: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def llama_tensors_to_mega(
-    cfg: dict[str, Any], hf: SourceTensors, where: str, mlp: Any
+    cfg: dict[str, Any],
+    hf: SourceTensors,
+    where: str,
+    mlp: Any,
+    *,
+    qkv_bias: bool = False,
+    qk_norm: bool = False,
 ) -> dict[str, LazyTensor]:
     """mega tensors of a Llama-style model: embeddings, attention, norms, output layer; each
-    layer's MLP from ``mlp(get, hf_prefix, mega_prefix) -> {mega name: tensor}``."""
+    layer's MLP from ``mlp(get, hf_prefix, mega_prefix) -> {mega name: tensor}``. ``qkv_bias``:
+    the q/k/v projections' biases (Qwen2); ``qk_norm``: per-head ``q_norm``/``k_norm`` (Qwen3)."""
     h, heads, groups, _ = _llama_shape(cfg)
     tied = tied_output(cfg, hf, "lm_head.weight", "model.embed_tokens.weight", default=False)
     hf.ignore(
@@ -360,6 +367,16 @@ def llama_tensors_to_mega(
         rows = q.shape[0] + k.shape[0] + v.shape[0]
         out[f"{dst}input_layernorm.weight"] = get(f"{src}input_layernorm.weight")
         out[f"{dst}self_attention.linear_qkv.weight"] = _lazy((rows, h), q.dtype, qkv)
+        if qkv_bias:
+            biases = [get(f"{src}self_attn.{x}_proj.bias") for x in "qkv"]
+            out[f"{dst}self_attention.linear_qkv.bias"] = _lazy(
+                (rows,), biases[0].dtype, lambda b=biases: qkv(*b)
+            )
+        if qk_norm:
+            for x in "qk":
+                out[f"{dst}self_attention.{x}_layernorm.weight"] = get(
+                    f"{src}self_attn.{x}_norm.weight"
+                )
         out[f"{dst}self_attention.linear_proj.weight"] = get(f"{src}self_attn.o_proj.weight")
         out[f"{dst}pre_mlp_layernorm.weight"] = get(f"{src}post_attention_layernorm.weight")
         out.update(mlp(get, src, dst))
@@ -381,8 +398,11 @@ def gate_or_up(fc1: LazyTensor, index: int) -> LazyTensor:
     return _lazy(shape, fc1.dtype, lambda: fc1.load().chunk(2, dim=0)[index].contiguous())
 
 
-def llama_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``LlamaForCausalLM``."""
+def llama_to_mega(
+    cfg: dict[str, Any], hf: SourceTensors, where: str, **attention: bool
+) -> tuple[dict, dict]:
+    """(mega model section, mega tensors) of a ``LlamaForCausalLM``; ``attention``: the
+    relatives' extras (``qkv_bias``, ``qk_norm``: see :func:`llama_tensors_to_mega`)."""
 
     def mlp(get: Any, src: str, dst: str) -> dict[str, LazyTensor]:
         gate, up = get(f"{src}mlp.gate_proj.weight"), get(f"{src}mlp.up_proj.weight")
@@ -391,7 +411,8 @@ def llama_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[d
             f"{dst}mlp.linear_fc2.weight": get(f"{src}mlp.down_proj.weight"),
         }
 
-    return llama_model_section(cfg, where), llama_tensors_to_mega(cfg, hf, where, mlp)
+    tensors = llama_tensors_to_mega(cfg, hf, where, mlp, **attention)
+    return llama_model_section(cfg, where), tensors
 
 
 def llama_config(model: dict[str, Any], vocab: int, ffn: int) -> dict[str, Any]:
@@ -434,6 +455,17 @@ def mega_tensors_to_llama(
                 return split_qkv(t.load(), heads, groups, head_dim)[index]
 
             out[f"{dst}self_attn.{x}_proj.weight"] = _lazy((rows, h), qkv.dtype, part)
+            bias = mega.get(f"{src}self_attention.linear_qkv.bias")
+            if bias is not None:  # Qwen2's q/k/v biases
+
+                def bias_part(t: LazyTensor = bias, index: int = index) -> torch.Tensor:
+                    return split_qkv(t.load(), heads, groups, head_dim)[index]
+
+                out[f"{dst}self_attn.{x}_proj.bias"] = _lazy((rows,), bias.dtype, bias_part)
+        for x in "qk":  # Qwen3's per-head norms
+            norm = mega.get(f"{src}self_attention.{x}_layernorm.weight")
+            if norm is not None:
+                out[f"{dst}self_attn.{x}_norm.weight"] = norm
         out[f"{dst}input_layernorm.weight"] = mega[f"{src}input_layernorm.weight"]
         out[f"{dst}self_attn.o_proj.weight"] = mega[f"{src}self_attention.linear_proj.weight"]
         out[f"{dst}post_attention_layernorm.weight"] = mega[f"{src}pre_mlp_layernorm.weight"]
@@ -473,22 +505,30 @@ def hf_architecture(model: dict[str, Any]) -> str:
     rope = model.get("position_embedding_type") == "rope"
     rms = model.get("normalization") == "RMSNorm"
     swiglu, bias = bool(model.get("swiglu")), bool(model.get("add_bias_linear", True))
+    qkv_bias, qk_norm = bool(model.get("add_qkv_bias")), bool(model.get("qk_layernorm"))
+    llama_like = rope and rms and swiglu and not bias
     if model.get("num_experts"):
-        if rope and rms and swiglu and not bias:
+        if llama_like and not qkv_bias and not qk_norm:
             return MIXTRAL
         raise MegaUsageError(
             f"a mixture-of-experts model converts to Hugging Face as {MIXTRAL} only (rope,"
-            f" RMSNorm, SwiGLU, --disable-bias-linear): position embedding"
-            f" {model.get('position_embedding_type')}, {model.get('normalization')},"
-            f" swiglu {swiglu}, biases {bias}"
+            f" RMSNorm, SwiGLU, --disable-bias-linear, no --add-qkv-bias or --qk-layernorm):"
+            f" position embedding {model.get('position_embedding_type')},"
+            f" {model.get('normalization')}, swiglu {swiglu}, biases {bias}, qkv bias"
+            f" {qkv_bias}, qk norm {qk_norm}"
         )
-    if rope and rms and swiglu and not bias:
-        return LLAMA
-    if not rope and not rms and not swiglu and bias:
+    if llama_like and qkv_bias and qk_norm:
+        raise MegaUsageError(
+            f"--add-qkv-bias with --qk-layernorm has no Hugging Face class ({QWEN2} has the"
+            f" biases, {QWEN3} the norms)"
+        )
+    if llama_like:
+        return QWEN2 if qkv_bias else QWEN3 if qk_norm else LLAMA
+    if not rope and not rms and not swiglu and bias and not qk_norm:
         return GPT2
     raise MegaUsageError(
         "this model is neither GPT-2-like (learned positions, LayerNorm, GeLU, biases) nor"
         f" Llama-like (rope, RMSNorm, SwiGLU, --disable-bias-linear): position embedding"
         f" {model.get('position_embedding_type')}, {model.get('normalization')},"
-        f" swiglu {swiglu}, biases {bias}"
+        f" swiglu {swiglu}, biases {bias}, qk norm {qk_norm}"
     )

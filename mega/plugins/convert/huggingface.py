@@ -1,7 +1,8 @@
 """Hugging Face models (``config.json`` + ``*.safetensors``) as a ``mega convert-checkpoint``
 format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` (read; written as
-Llama), ``MixtralForCausalLM``, ``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the
-layouts are in ``hf_layouts``, ``hf_llama_like``, ``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
+Llama), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the layouts are in ``hf_layouts``,
+``hf_llama_like``, ``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
 
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
@@ -44,6 +45,8 @@ def read(path: Path) -> ModelWeights:
         hf_layouts.GPT2: hf_layouts.gpt2_to_mega,
         hf_layouts.LLAMA: hf_layouts.llama_to_mega,
         hf_layouts.MISTRAL: hf_llama_like.mistral_to_mega,
+        hf_layouts.QWEN2: hf_llama_like.qwen2_to_mega,
+        hf_layouts.QWEN3: hf_llama_like.qwen3_to_mega,
         hf_layouts.MIXTRAL: hf_mixtral.mixtral_to_mega,
         hf_bert.BERT: hf_bert.bert_to_mega,
         hf_t5.T5: hf_t5.t5_to_mega,
@@ -78,12 +81,14 @@ def read(path: Path) -> ModelWeights:
 
 
 def write(path: Path, weights: ModelWeights) -> None:
-    from mega.plugins.convert import hf_bert, hf_layouts, hf_mixtral, hf_t5
+    from mega.plugins.convert import hf_bert, hf_layouts, hf_llama_like, hf_mixtral, hf_t5
     from mega.plugins.convert.safetensors_files import write_files
 
     writers = {
         hf_layouts.GPT2: hf_layouts.mega_to_gpt2,
         hf_layouts.LLAMA: hf_layouts.mega_to_llama,
+        hf_layouts.QWEN2: hf_llama_like.mega_to_qwen2,
+        hf_layouts.QWEN3: hf_llama_like.mega_to_qwen3,
         hf_layouts.MIXTRAL: hf_mixtral.mega_to_mixtral,
         hf_bert.BERT: hf_bert.mega_to_bert,
         hf_t5.T5: hf_t5.mega_to_t5,
@@ -92,7 +97,7 @@ def write(path: Path, weights: ModelWeights) -> None:
     architecture = by_model.get(weights.model.get("name", "gpt"))
     architecture = architecture or hf_layouts.hf_architecture(weights.model)
     config, tensors = writers[architecture](weights.model, weights.tensors, weights.vocab_size)
-    rope_model = architecture in (hf_layouts.LLAMA, hf_layouts.MIXTRAL)
+    rope_model = architecture not in (hf_layouts.GPT2, hf_bert.BERT, hf_t5.T5)
     if rope_model and not weights.model.get("max_position_embeddings"):
         # rope has no position table; the length the model was trained at is the honest limit
         config["max_position_embeddings"] = weights.seq_length or config["max_position_embeddings"]
@@ -117,8 +122,8 @@ def register_checkpoint_converters(register):
             detect=detect,
             description=(
                 "Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM,"
-                " MistralForCausalLM (read), MixtralForCausalLM, BertForPreTraining,"
-                " T5ForConditionalGeneration"
+                " MistralForCausalLM (read), Qwen2ForCausalLM, Qwen3ForCausalLM,"
+                " MixtralForCausalLM, BertForPreTraining, T5ForConditionalGeneration"
             ),
         )
     )
