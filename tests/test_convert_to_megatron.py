@@ -377,3 +377,20 @@ def test_the_reader_knows_which_gelu_megatron_ran(flags, tanh):
     from mega.plugins.convert.megatron_layouts import tanh_gelu
 
     assert tanh_gelu(argparse.Namespace(**flags)) is tanh
+
+
+@pytest.mark.parametrize(("name", "fusion"), [("gpt2", False), ("gelu", True), ("llama", False)])
+def test_the_command_says_how_megatron_lm_loads_it(converted, tmp_path, name, fusion):
+    from click.testing import CliRunner
+
+    from mega.cli import make_cli
+
+    dst = tmp_path / "out"
+    args = ["convert-checkpoint", str(converted.mega[name]), str(dst), "--to", "megatron"]
+    done = CliRunner().invoke(make_cli(), args)
+    assert done.exit_code == 0, done.output
+    assert "(mega) ->" in done.output and "(megatron):" in done.output
+    hint = f"load it in Megatron-LM: --load {dst} --ckpt-format torch_dist --use-checkpoint-args"
+    assert hint in done.output
+    # the exact GeLU with biases: Megatron-LM's default fusion would run the tanh one
+    assert ("--no-bias-gelu-fusion" in done.output) is fusion

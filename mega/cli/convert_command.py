@@ -52,9 +52,11 @@ def convert_command(
         transient=True, disable=not sys.stdout.isatty(),
     )  # fmt: skip
     task: Any = None
+    model: dict[str, Any] = {}
 
     def start(weights: Any) -> None:
         nonlocal task
+        model.update(weights.model)
         total = sum(t.nbytes for t in weights.tensors.values())
         task = bar.add_task("", total=total)
 
@@ -79,9 +81,14 @@ def convert_command(
     if report.target_format == "mega":
         click.echo(f"train from it: mega train --load {dst} --finetune --use-checkpoint-args ...")
     if report.target_format == "megatron":  # a release checkpoint: no optimizer or RNG state
+        # Megatron-LM's default bias+GeLU fusion is the tanh GeLU; its flag is not in the args
+        exact_gelu = not model.get("swiglu") and not model.get("openai_gelu")
+        fusion = (
+            " --no-bias-gelu-fusion" if exact_gelu and model.get("add_bias_linear", True) else ""
+        )
         click.echo(
             f"load it in Megatron-LM: --load {dst} --ckpt-format torch_dist --use-checkpoint-args"
-            " (which also sets TP=PP=1; at TP=k give the model's flags instead, with"
+            f"{fusion} (which also sets TP=PP=1; at TP=k give the model's flags instead, with"
             " --make-vocab-size-divisible-by 128/k: its vocabulary is padded to a multiple of 128)"
         )
 
