@@ -91,7 +91,9 @@ def _converters():
 
 
 def _model_section(ckpt: Path) -> dict:
-    marker = json.loads((ckpt / "iter_0000000" / "complete.json").read_text())
+    from mega.core.checkpoint.store import find_checkpoint
+
+    marker = json.loads((find_checkpoint(ckpt) / "complete.json").read_text())
     return dict(marker["config"]["model"])
 
 
@@ -99,6 +101,7 @@ def _mega_model(ckpt: Path, **change) -> torch.nn.Module:
     """The converted GPT with its weights; ``change``: model fields set otherwise."""
     from mega import BuildContext
     from mega.core.checkpoint.api import load, sharded_state
+    from mega.core.checkpoint.store import find_checkpoint
     from mega.plugins.models.gpt import GPTConfig
     from mega.plugins.models.gpt.model import GPTModel
 
@@ -110,7 +113,7 @@ def _mega_model(ckpt: Path, **change) -> torch.nn.Module:
     )  # fmt: skip
     model = GPTModel(GPTConfig(**fields), ctx).eval()
     rows = {"embedding.word_embeddings.weight": VOCAB, "output_layer.weight": VOCAB}
-    load(sharded_state(model, vocab_rows=rows), ckpt / "iter_0000000")
+    load(sharded_state(model, vocab_rows=rows), find_checkpoint(ckpt))
     return model
 
 
@@ -257,3 +260,29 @@ def test_a_model_no_hugging_face_class_holds_is_refused_on_export(tmp_path):
     both = {**weights.model, "qk_layernorm": True}
     with pytest.raises(MegaUsageError, match="--add-qkv-bias with --qk-layernorm has no Hugging"):
         write(tmp_path / "out", ModelWeights(both, 32, weights.vocab_size, weights.tensors))
+
+
+def test_a_llama3_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path):
+    """Issue 48's acceptance: a Llama-3-style model (rope llama3) fine-tuned 5 steps in mega at
+    TP2 (gloo, two forked ranks) exports, and transformers loads it with mega's logits."""
+    from conftest import run_mega
+
+    hf = _save(tmp_path, "llama3-rope")
+    convert(hf, tmp_path / "m", _converters())
+    done = run_mega(
+        ["train", "--load", str(tmp_path / "m"), "--use-checkpoint-args", "--finetune",
+         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--train-iters", "5", "--lr", "1e-3", "--eval-iters", "0", "--nproc-per-node", "2",
+         "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ft")],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    convert(tmp_path / "ft", tmp_path / "out", _converters())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_scaling"] == LLAMA3
+    tokens = _tokens()
+    fine_tuned = _mega_logits(_mega_model(tmp_path / "ft"), tokens)
+    diff = _max_diff(fine_tuned, _hf_logits(tmp_path / "out", tokens))
+    assert diff <= 1e-5, f"max |logit difference| {diff:.3g} > 1e-5"
+    assert _max_diff(fine_tuned, _hf_logits(hf, tokens)) > 1e-3  # the 5 steps moved it
