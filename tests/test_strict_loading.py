@@ -117,3 +117,22 @@ def test_what_counts_as_the_models():
     # optimizer state of the model's parameters is covered (read or not); fp8 state is optional
     assert unexpected_keys(stored, {"a", "b"}) == []
     assert unexpected_keys(stored, {"a"}) == ["model/b", "optimizer/master/b"]
+
+
+def test_generate_refuses_tensors_its_model_does_not_have(saved, tmp_path):
+    """mega generate builds the model its checkpoint's config names: a checkpoint whose tensors
+    are not that model's (here: its config edited to 2 of its 4 layers) is refused by name."""
+    import json
+    import shutil
+
+    backend, root = saved
+    ckpt = tmp_path / "edited"
+    shutil.copytree(root / "l4", ckpt)
+    (marker_path,) = ckpt.glob("iter_*/complete.json")
+    marker = json.loads(marker_path.read_text())
+    marker["config"]["model"]["num_layers"] = 2
+    marker_path.write_text(json.dumps(marker))
+    args = ["generate", "--load", str(ckpt), "--prompt", "hi", "--max-new-tokens", "1"]
+    line = _one_error(run_mega([*args, "--device", "cpu"], tmp_path))
+    assert "model: the checkpoint has " in line  # "this model" (zarr), "its model" (torch)
+    assert f"({_name(backend, FIRST)}, " in line

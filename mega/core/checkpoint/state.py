@@ -24,7 +24,7 @@ from mega.core.checkpoint.store import (
     save_checkpoint,
     write_tracker,
 )
-from mega.core.checkpoint.strict import mismatch, model_flag_changes
+from mega.core.checkpoint.strict import model_flag_changes, state_dict_mismatch
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
 from mega.core.errors import MegaUsageError, first_line
@@ -252,8 +252,7 @@ def _check_model_keys(engine: Any, directory: Path, state: dict[str, Any]) -> No
     saved = state.get("model")
     if not isinstance(saved, dict):
         return  # load_state_dict reports it
-    names = engine.model.state_dict().keys()
-    problem = mismatch([k for k in saved if k not in names], [k for k in names if k not in saved])
+    problem = state_dict_mismatch(engine.model, saved)
     if problem:
         hint = model_flags_hint(engine, state.get("config"))
         raise MegaUsageError(f"--load {directory}: does not match this model: {problem}{hint}")

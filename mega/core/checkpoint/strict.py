@@ -60,6 +60,13 @@ def mismatch(unexpected: list[str], missing: list[str]) -> str | None:
     return "; ".join(parts) or None
 
 
+def state_dict_mismatch(model: Any, saved: dict[str, Any]) -> str | None:
+    """:func:`mismatch` of a whole-state (torch backend) checkpoint's model tensors ``saved``
+    against ``model.state_dict()``'s names."""
+    names = model.state_dict().keys()
+    return mismatch([k for k in saved if k not in names], [k for k in names if k not in saved])
+
+
 def model_flag_changes(saved_config: Any, config_now: Any, limit: int = 3) -> str:
     """``; --num-layers is 2 here, 4 in the checkpoint (--use-checkpoint-args ...)`` for the
     model settings that differ from the checkpoint's saved config (``resolved_as_dict`` forms),
