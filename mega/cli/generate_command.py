@@ -57,6 +57,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.core.checkpoint.api import sharded_state
     from mega.core.checkpoint.state import model_with_padding
     from mega.core.checkpoint.store import find_checkpoint, peek_marker
+    from mega.core.checkpoint.strict import state_dict_mismatch
     from mega.core.training.vocab import padded_vocab_size
     from mega.parallel.sharded_state import vocab_rows
     from mega.plugins.convert import mega_torch
@@ -86,6 +87,9 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     found = peek_marker(load)
     if found is not None and not found[1].get("sharded"):  # --ckpt-format torch: one pickle
         saved = {name: t.load() for name, t in mega_torch.read(load).tensors.items()}
+        problem = state_dict_mismatch(model, saved)  # strict: every tensor, by name
+        if problem:
+            raise MegaUsageError(f"--load {load}: does not match its model: {problem}")
         try:
             model.load_state_dict(model_with_padding(model, rows, saved))
         except RuntimeError as exc:
