@@ -36,6 +36,16 @@ def test_plan_prints_every_pipeline_stage_and_the_step():
     assert "tokens/s" in result.output and "bubble" in result.output
 
 
+@pytest.mark.parametrize("model", ["gpt", "bert"])
+def test_a_model_alone_is_planned_with_mega_trains_defaults(model):
+    # the README's `mega plan --model gpt`: no --global-batch-size, so the default (micro-batch
+    # x data-parallel size) is planned, as mega train would train it (issue 49: a TypeError)
+    result = CliRunner().invoke(make_cli(make_plugins()), ["plan", "--model", model])
+    assert result.exit_code == 0, result.output
+    assert "micro-batch 16 x 1" in result.output
+    assert "tokens/s" in result.output
+
+
 def test_search_prints_runnable_train_commands_fastest_first():
     result = _plan("--gpus", "2", "--search", "--top", "3")
     assert result.exit_code == 0, result.output

@@ -73,6 +73,8 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
     memory_gib = _take(args, "--gpu-memory", float)
     search = _take(args, "--search", switch=True)
     top = _take(args, "--top", int)
+    if memory_gib is not None and not 0 < memory_gib < float("inf"):
+        raise MegaUsageError(f"--gpu-memory must be a positive number of GiB (got {memory_gib:g})")
     if top is not None and top < 1:
         raise MegaUsageError(f"--top must be >= 1 (got {top})")
     if _take(args, "--calibrate", switch=True):

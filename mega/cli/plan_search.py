@@ -116,7 +116,9 @@ def search(
     from mega.core.plan.estimate import plan_run
 
     base = _without_layout(args)
-    gbs = config.training.global_batch_size
+    gbs = config.global_batch_size  # the flags' (or their default): every layout trains it
+    if config.training.global_batch_size is None:
+        base += ["--global-batch-size", str(gbs)]  # else each layout's default would differ
     found = []
     for tp, pp, vpp, sp in _shapes(config):
         dp = config.world_size // (tp * pp * config.parallel.context_parallel_size)

@@ -145,7 +145,7 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
         slowest.profile.optimizer_elements * OPTIMIZER_BYTES_PER_ELEMENT / rates.memory_bytes
     )
     step = pipeline + reduce + optimizer
-    tokens = config.training.global_batch_size * config.training.seq_length
+    tokens = config.global_batch_size * config.training.seq_length  # the default's when unset
     return Plan(
         stages=stages,
         rates=rates,
