@@ -46,6 +46,10 @@ def test_parse_split_rejects_bad_strings():
         parse_split("1,1,1,1")
     with pytest.raises(ValueError, match="positive sum"):
         parse_split("0,0,0")
+    # Megatron's regex finds the numbers in anything: 1,x,1 would train as 1,1,0 (issue 49)
+    for bad in ("1,x,1", "-1,1,1", "1,,1", "1e3,1", ""):
+        with pytest.raises(ValueError, match="expected numbers separated by commas"):
+            parse_split(bad)
 
 
 def test_split_ranges():

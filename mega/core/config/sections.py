@@ -8,6 +8,7 @@ Defaults train the small quickstart GPT on a CPU in about a minute.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,9 @@ from mega.core.config.fields import option
 # Megatron's --fp8-recipe names and torchao's rowwise; mega builds tensorwise and delayed
 # (mega.parallel.fp8.checks refuses the others by name)
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8", "blockwise")
+# --split: non-negative numbers separated by commas (Megatron's), slashes (its older form) or
+# spaces. Megatron takes the numbers its regex [.0-9]+ finds, so `1,x,1` would be `1,1`
+SPLIT_SYNTAX = re.compile(r"\s*(\d+\.?\d*|\.\d+)(\s*[,/\s]\s*(\d+\.?\d*|\.\d+))*\s*")
 
 
 @dataclass(kw_only=True)
@@ -360,6 +364,10 @@ class DataConfig:
         errors = []
         if self.make_vocab_size_divisible_by < 1:
             errors.append("--make-vocab-size-divisible-by must be at least 1")
+        if not SPLIT_SYNTAX.fullmatch(self.split):
+            errors.append(
+                f"--split {self.split!r}: expected numbers separated by commas, e.g. 949,50,1"
+            )
         per_split = self.train_data_path or self.valid_data_path or self.test_data_path
         if per_split and self.data_path:
             errors.append(

@@ -25,6 +25,9 @@ def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True)
         if callable(check):
             errors += check()
     t = config.training
+    if t.micro_batch_size < 1 or (t.global_batch_size is not None and t.global_batch_size < 1):
+        # reported by the training section; every later check counts micro-batches in them
+        return errors
     errors += parallel_problems(config, plugins)
     dp = config.data_parallel_size
     if config.global_batch_size % (t.micro_batch_size * dp):

@@ -9,6 +9,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from mega.core.config.sections import SPLIT_SYNTAX
+
 if TYPE_CHECKING:  # pragma: no cover - numpy is imported lazily at run time
     import numpy as np
 
@@ -18,9 +20,13 @@ SPLIT_NAMES = ("train", "valid", "test")
 def parse_split(split: str) -> list[tuple[float, float] | None]:
     """``"949,50,1"`` -> ``[(0, .949), (.949, .999), (.999, 1.0)]``, exactly as Megatron does.
 
-    Numbers are found with the regex ``[.0-9]+`` (any separator works), padded with zeros to three,
-    normalized to sum 1, and turned into cumulative bookends; a zero-width split is ``None``.
+    Numbers are found with the regex ``[.0-9]+``, padded with zeros to three, normalized to sum 1,
+    and turned into cumulative bookends; a zero-width split is ``None``. Megatron takes any
+    separator, so ``1,x,1`` would be ``1,1``: here only numbers separated by commas, slashes or
+    spaces are taken, anything else is an error.
     """
+    if not SPLIT_SYNTAX.fullmatch(split):
+        raise ValueError(f"--split {split!r}: expected numbers separated by commas, e.g. 949,50,1")
     try:
         weights = [float(x) for x in re.findall(r"[.0-9]+", split)]
     except ValueError as exc:
