@@ -26,12 +26,34 @@ def _prompts(prompt: tuple[str, ...], prompts_file: Path | None) -> list[str]:
     texts = list(prompt)
     if prompts_file is not None:
         try:
-            texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+            text = prompts_file.read_text(encoding="utf-8")
         except OSError as exc:
             raise MegaUsageError(f"--prompts-file {prompts_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise MegaUsageError(
+                f"--prompts-file {prompts_file}: not UTF-8 text (byte {exc.start})"
+            ) from None
+        texts += [line for line in text.splitlines() if line.strip()]
     if not texts:
         raise MegaUsageError("give --prompt TEXT (repeatable) or --prompts-file FILE")
     return texts
+
+
+def _sampling_given_with_greedy(greedy: bool) -> None:
+    """--greedy takes the most likely token: a sampling flag given with it would be ignored."""
+    if not greedy:
+        return
+    ctx = click.get_current_context()
+    given = [
+        f"--{name.replace('_', '-')}"
+        for name in ("temperature", "top_k", "top_p")
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+    ]
+    if given:
+        raise MegaUsageError(
+            f"--greedy and {', '.join(given)} contradict each other: --greedy always takes the"
+            " most likely token (drop --greedy to sample)"
+        )
 
 
 def _tokenizer(plugins: Any, config: dict[str, Any], overrides: dict[str, Any]) -> Any:
@@ -143,10 +165,16 @@ def generate_command(load: Path, prompt: tuple[str, ...], prompts_file: Path | N
     import torch
 
     from mega.core.checkpoint.checkpoint_args import saved_config
+    from mega.core.config.run_checks import device_problems
     from mega.core.plugins.manager import make_plugins
     from mega.plugins.models.gpt.generate import generate, positions_problem
 
     texts = _prompts(prompt, prompts_file)
+    _sampling_given_with_greedy(greedy)
+    if device == "cuda":
+        problems = device_problems(device)  # as mega train and evaluate say it
+        if problems:
+            raise MegaUsageError(problems)
     plugins = make_plugins()
     config = saved_config(str(load), plugins.checkpoint_backends) if load.exists() else None
     if config is None:
