@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mega.core.convert.weights import LazyTensor, ModelWeights, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.core.errors import MegaRunError, MegaUsageError
 
 
 @dataclass
@@ -144,9 +144,16 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
+    except OSError as exc:  # a read-only directory, /proc
+        raise MegaUsageError(f"{dst}: cannot create it ({exc.strerror or exc})") from None
+    try:
         target.write(tmp, weights)
         _all_written(source, target.name)
         tmp.rename(dst)
+    except OSError as exc:  # writing (reading the source is SourceTensors' to report)
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = exc.filename or dst
+        raise MegaRunError(f"{dst}: cannot write {where} ({exc.strerror or exc})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from mega.core.errors import MegaUsageError, first_line
+
 if TYPE_CHECKING:  # importing torch is left to the moment a tensor is touched
     import torch
 
@@ -44,7 +46,9 @@ class SourceTensors(Mapping[str, LazyTensor]):
     """A checkpoint's tensors as its reader finds them (``name -> LazyTensor``), keeping account.
 
     Taking a tensor (``source[name]``, ``.get``) records it as used, and its ``load`` as written
-    once the writer reads it; ``in``, ``len`` and iterating over the names record nothing.
+    once the writer reads it; ``in``, ``len`` and iterating over the names record nothing. A
+    load that fails with an ``OSError`` (a truncated or corrupt file) is a one-line error naming
+    the checkpoint and the tensor.
     ``ignore(names, reason)`` sets a tensor aside on purpose (a non-persistent buffer, a tied
     copy). The driver refuses a conversion that leaves a tensor neither taken nor ignored
     (``unaccounted``), or that takes one the writer then never reads (``never_loaded``).
@@ -63,7 +67,12 @@ class SourceTensors(Mapping[str, LazyTensor]):
 
         def load() -> torch.Tensor:
             self.loaded.add(name)
-            return t.load()
+            try:
+                return t.load()
+            except OSError as exc:  # a truncated or corrupt file: one line naming it
+                raise MegaUsageError(
+                    f"{self.where}: cannot read {name} ({first_line(exc)})"
+                ) from None
 
         return LazyTensor(t.shape, t.dtype, load)
 
@@ -123,8 +132,6 @@ class ModelWeights:
         """A mega checkpoint's weights: ``config`` is the run's saved config (as
         ``--use-checkpoint-args`` reads it), ``stored`` its tensors under mega's names (every
         one taken); the vocabulary is the word embeddings' rows."""
-        from mega.core.errors import MegaUsageError
-
         source = SourceTensors(stored, where)
         tensors = {name: source[name] for name in source}
 

@@ -44,16 +44,32 @@ def files_of(directory: Path) -> dict[str, Path]:
 
 
 def _header(path: Path) -> dict[str, dict]:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
+    """The tensors of a safetensors file (name -> dtype, shape, byte range), checked against its
+    size: a truncated or garbled file is one line naming it, before anything is written."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                raise ValueError("its header runs past its end")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        end = max((int(e["data_offsets"][1]) for e in header.values()), default=0)
+    except OSError as exc:
+        raise MegaUsageError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise MegaUsageError(f"{path}: not a safetensors file ({exc})") from None
+    if 8 + length + end != size:
+        raise MegaUsageError(
+            f"{path}: truncated or corrupt: its header needs {8 + length + end} bytes,"
+            f" the file has {size}"
+        )
     return header
 
 
 def read_lazy(directory: Path) -> dict[str, LazyTensor]:
     """Every tensor of the safetensors files in ``directory``, not yet read."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     tensors: dict[str, LazyTensor] = {}
     headers: dict[Path, dict[str, dict]] = {}
@@ -69,8 +85,11 @@ def read_lazy(directory: Path) -> dict[str, LazyTensor]:
             raise MegaUsageError(f"{path}: {name} has dtype {entry['dtype']}, not supported")
 
         def load(path: Path = path, name: str = name) -> torch.Tensor:
-            with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(name)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    return f.get_tensor(name)
+            except SafetensorError as exc:  # the reader's boundary names the file
+                raise OSError(f"{path}: {exc}") from None
 
         tensors[name] = LazyTensor(tuple(entry["shape"]), DTYPES[entry["dtype"]], load)
     return tensors
