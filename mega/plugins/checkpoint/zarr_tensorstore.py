@@ -75,7 +75,8 @@ def _chunk_shape(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsiz
 def _spec(path: Path, **extra: Any) -> dict[str, Any]:
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path)},
+        # absolute: tensorstore refuses a path with `..` in it (`--load ../ckpt`)
+        "kvstore": {"driver": "file", "path": str(path.resolve())},
         "fill_missing_data_reads": False,  # a lost chunk is an error, never zeros
         **extra,
     }
