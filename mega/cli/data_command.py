@@ -169,6 +169,7 @@ def run_inspect(args: list[str], plugins: Any) -> None:
     from mega.plugins.datasets.gpt.builder import build_gpt_splits
 
     dataset_config: Any = parsed["dataset"]
+    data_flag = "--train-data-path" if config.train_data_path else "--data-path"
     if config.train_data_path:  # the train split is all of these, as in mega train
         from mega.plugins.datasets.gpt import WHOLE_SPLIT
 
@@ -188,6 +189,16 @@ def run_inspect(args: list[str], plugins: Any) -> None:
         rows = _summary_rows(built, prefixes, normalize(weights) if weights else None, config)
     except (ValueError, FileNotFoundError) as exc:
         raise MegaUsageError(str(exc)) from None
+    if tokenizer is not None:  # ids it does not have would print as garbage, or not at all
+        from mega.plugins.datasets.gpt.builder import default_cache_dir
+        from mega.plugins.datasets.token_range import vocabulary_problems
+
+        cache_dir = config.data_cache_path or default_cache_dir(prefixes)
+        problems = vocabulary_problems(
+            prefixes, tokenizer, str(config.tokenizer_type), cache_dir, data_flag
+        )
+        if problems:
+            raise MegaUsageError(problems)
     train = built.splits[0]
     statuses = sorted({part.cache for part in built.parts} | set(built.blend_cache.values()))
     footer = [

@@ -50,17 +50,22 @@ def largest_token_id(prefix: str, cache_dir: str | Path | None = None) -> int:
 
 
 def vocabulary_problems(
-    prefixes: list[str], tokenizer: Any, tokenizer_name: str, cache_dir: str | None
+    prefixes: list[str],
+    tokenizer: Any,
+    tokenizer_name: str,
+    cache_dir: str | None,
+    flag: str = "--data-path",
 ) -> list[str]:
-    """One message per dataset whose ids do not fit ``tokenizer``'s vocabulary."""
+    """One message per dataset (given as ``flag``) whose ids do not fit ``tokenizer``'s
+    vocabulary."""
     vocab = int(tokenizer.vocab_size)
     problems = []
     for prefix in prefixes:
         largest = largest_token_id(prefix, cache_dir)
         if largest >= vocab:
             problems.append(
-                f"--data-path {prefix} holds token id {largest}, but tokenizer {tokenizer_name}"
+                f"{flag} {prefix} holds token id {largest}, but tokenizer {tokenizer_name}"
                 f" has {vocab} ids (0..{vocab - 1}): the data was tokenized with a larger"
-                " vocabulary; train with the tokenizer it was preprocessed with"
+                " vocabulary; use the tokenizer it was preprocessed with"
             )
     return problems

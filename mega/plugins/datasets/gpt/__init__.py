@@ -76,21 +76,24 @@ def build_gpt(config: GPTDatasetConfig, request: DataRequest, ctx: BuildContext)
         cache_path=request.cache_path,
         surplus=config.mid_level_dataset_surplus,
     )
-    _check_vocabulary(request, ctx.tokenizer)
+    _check_vocabulary(request.data_path, request, ctx.tokenizer)
     train, valid, test = built.splits
     return DatasetSplits(train=train, valid=valid, test=test)
 
 
-def _check_vocabulary(request: DataRequest, tokenizer: Any) -> None:
-    """Refuse data whose token ids the tokenizer does not have (before any step runs)."""
+def _check_vocabulary(
+    paths: list[str], request: DataRequest, tokenizer: Any, flag: str = "--data-path"
+) -> None:
+    """Refuse data whose token ids the tokenizer does not have (before any step runs);
+    ``paths``: the blend given as ``flag``."""
     from mega.plugins.datasets.gpt.blending import parse_blend
     from mega.plugins.datasets.gpt.builder import default_cache_dir
     from mega.plugins.datasets.token_range import vocabulary_problems
 
-    prefixes = parse_blend(request.data_path)[0]
+    prefixes = parse_blend(paths)[0]
     cache_dir = request.cache_path or default_cache_dir(prefixes)
     name = type(tokenizer).__name__
-    problems = vocabulary_problems(prefixes, tokenizer, name, cache_dir)
+    problems = vocabulary_problems(prefixes, tokenizer, name, cache_dir, flag)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -98,6 +101,7 @@ def _check_vocabulary(request: DataRequest, tokenizer: Any) -> None:
 # Megatron's blend_per_split: each split takes all of its own datasets (megatron-core builds
 # split i of a per-split blend with the split spoofed to (0.0, 1.0) for i and None elsewhere).
 WHOLE_SPLIT = ("1,0,0", "0,1,0", "0,0,1")
+SPLIT_FLAGS = ("--train-data-path", "--valid-data-path", "--test-data-path")
 
 
 def _build_per_split(
@@ -122,6 +126,13 @@ def _build_per_split(
             wanted=tuple(i == index for i in range(3)),
         )
         splits[index] = built.splits[index]
+    # the held-out splits first: `mega evaluate --valid-data-path P` passes P as the train split
+    # too, and the message should name the flag that was given
+    for index in (1, 2, 0):
+        if request.split_paths[index]:
+            _check_vocabulary(
+                request.split_paths[index], request, ctx.tokenizer, SPLIT_FLAGS[index]
+            )
     return DatasetSplits(train=splits[0], valid=splits[1], test=splits[2])
 
 
