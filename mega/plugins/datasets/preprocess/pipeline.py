@@ -167,6 +167,7 @@ def preprocess(
                     for builder, name in zip(builders, names, strict=True):
                         stopping.check()
                         _write(config.output_prefix, builder.add_index, name)
+        _check_not_empty(files, totals)  # an empty dataset would only fail at training
         stopping.check()  # the last point where a stop leaves no output
         _finalize(config.output_prefix, builders)  # the outputs appear only now
         builders = []
@@ -244,6 +245,19 @@ class _Run:
         del result
         release_free_memory()
         self.progress.update()
+
+
+def _check_not_empty(files: list[str], totals: Totals) -> None:
+    """No output at all rather than a dataset without a token (nothing can train on it)."""
+    if totals.tokens:
+        return
+    where = f"--input {files[0]}" if len(files) == 1 else f"--input ({len(files)} files)"
+    if totals.docs:
+        found = f"its {totals.docs} documents are empty once tokenized"
+    else:
+        skipped = f" ({totals.bad_lines} bad lines skipped)" if totals.bad_lines else ""
+        found = f"no documents{skipped}"
+    raise MegaUsageError(f"{where}: {found}; nothing written")
 
 
 def _partition(files: list[str], k: int) -> list[tuple[int, list[str]]]:
