@@ -473,3 +473,24 @@ def test_the_printed_parameter_count_is_the_same_in_every_layout(plugins, untie)
     assert counts[0] == counts[1]
     assert totals[1] - totals[0] == 128 * 32 * (2 if untie else 1)  # what padding used to add
     assert totals[0] - counts[0] == (384 - 258) * 32 * (2 if untie else 1)
+
+
+def test_a_norm_as_wide_as_the_padded_vocabulary_is_not_vocabulary_padding(plugins):
+    """Hidden size 512 and 258 ids padded to 512 at TP=2: the final norm has 512 rows too, and
+    was counted as 258 of them (508 parameters short with its bias; issue 49)."""
+    from mega import BuildContext
+    from mega.core.config.resolve import resolve_config
+    from mega.core.training.parameter_count import unpadded_parameter_count
+
+    args = ["--model", "gpt", "--num-layers", "1", "--hidden-size", "512"]
+    config = resolve_config([*args, "--num-attention-heads", "2"], plugins)
+    spec = plugins.models.get("gpt")
+    plan = spec.parallel_plan(config.model)
+    counts = []
+    for padded in (384, 512):
+        ctx = BuildContext(seed=1, device="cpu", params_dtype="float32", seq_length=32,
+                           padded_vocab_size=padded)  # fmt: skip
+        model = spec.build(config.model, ctx)
+        counts.append(unpadded_parameter_count(model, plan, 258, padded))
+        real = sum(p.numel() for p in model.parameters()) - (padded - 258) * 512
+    assert counts == [real, real]

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega.parallel.plan import layer_lists
-
 
 def unpadded_parameter_count(model: Any, plan: Any, vocab: int, padded_vocab: int) -> int:
     """Parameters of ``model`` (a whole, unsharded model; shared ones once) without the padding
-    rows of its vocabulary-sized weights: those with ``padded_vocab`` rows outside the transformer
-    layers (the embedding, an untied output layer; a layer's own weight may have as many rows by
-    coincidence). Without a plan, nothing is known to be padding and everything is counted."""
-    if plan is None:
-        return sum(p.numel() for p in model.parameters())
-    in_layers = {
-        id(p) for path in layer_lists(plan) for p in model.get_submodule(path).parameters()
-    }
+    rows of its vocabulary-sized weights: those its plan names (``vocab_parameters``, the ones
+    a checkpoint stores without padding), never another weight that has ``padded_vocab`` rows
+    by coincidence (a final norm of hidden size 512 at a vocabulary padded to 512). Without a
+    plan, nothing is known to be padding and everything is counted."""
+    names = set(plan.vocab_parameters) if plan is not None else set()
     return sum(
         p.numel() // padded_vocab * vocab
-        if id(p) not in in_layers and p.dim() and p.shape[0] == padded_vocab
+        if name in names and p.dim() and p.shape[0] == padded_vocab
         else p.numel()
-        for p in model.parameters()
+        for name, p in model.named_parameters()
     )
