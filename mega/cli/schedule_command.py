@@ -149,7 +149,7 @@ def schedule_command(
     plugins = current_plugins()
     spec = schedule_spec(plugins, name or ("interleaved" if vpp > 1 else "1f1b"))
     name = spec.name
-    m = 2 * pp if microbatches is None else microbatches
+    m = 2 * max(pp, 1) if microbatches is None else microbatches  # a bad --pp: one error
     problems = table_problems(spec, pp, vpp, m, num_layers)
     if problems:
         raise MegaUsageError(problems)
