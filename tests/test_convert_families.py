@@ -1,6 +1,6 @@
 """``mega convert-checkpoint`` for the families people fine-tune now (issue 48, item 2): Llama
-with rope_scaling ``llama3`` and ``linear``, Mistral, Qwen2 (q/k/v biases: --add-qkv-bias) and
-Qwen3 (per-head q/k norms: --qk-layernorm). Each a tiny random transformers model saved with
+with rope_scaling ``llama3`` and ``linear``, Mistral, Phi-3 (fused projections), Qwen2 (q/k/v
+biases: --add-qkv-bias) and Qwen3 (per-head q/k norms: --qk-layernorm). Each a tiny random transformers model saved with
 ``save_pretrained``: mega's logits within 1e-5 of transformers' (float32), 20 greedy tokens of
 ``mega generate`` equal to transformers' ``generate``, HF -> mega -> HF bit-identical tensors and
 the same config fields; what mega cannot compute is a one-line refusal naming the field."""
@@ -54,6 +54,12 @@ def _mistral(**extra):
     )
 
 
+def _phi3(**extra):
+    # pad_token_id: Phi3Config's default 32000 is no row of this vocabulary
+    fields = {"max_position_embeddings": 128, "pad_token_id": None, "sliding_window": None}
+    return transformers.Phi3Config(**{**SHAPE, **fields, **extra}), transformers.Phi3ForCausalLM
+
+
 def _qwen2(**extra):
     fields = {"max_position_embeddings": 128, "rope_theta": 1000000.0, "tie_word_embeddings": True}
     return transformers.Qwen2Config(**{**SHAPE, **fields, **extra}), transformers.Qwen2ForCausalLM
@@ -67,7 +73,7 @@ def _qwen3(**extra):
 
 FAMILIES = {
     "llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "mistral": _mistral,
-    "qwen2": _qwen2, "qwen3": _qwen3,
+    "phi3": _phi3, "qwen2": _qwen2, "qwen3": _qwen3,
 }  # fmt: skip
 
 
@@ -135,6 +141,7 @@ EXPECTED = {
     "llama3-rope": {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": 4.0},
     "mistral": {"swiglu": True, "num_query_groups": 2},
+    "phi3": {"swiglu": True, "num_query_groups": 2, "hidden_dropout": 0.0},
     "qwen2": {"add_qkv_bias": True, "untie_embeddings_and_output_weights": False},
     "qwen3": {"qk_layernorm": True, "kv_channels": 32},
 }
@@ -189,6 +196,28 @@ NOT_COMPARED = {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_ve
                 "torch_dtype", "dtype", "use_cache", "pretraining_tp", "_name_or_path"}  # fmt: skip
 
 
+# Phi3Config's fields a Llama has not: dropouts (mega has one, hidden_dropout, from
+# resid_pdrop), longrope's original context, the rotary fraction (only 1.0 is read)
+PHI3_ONLY = ("resid_pdrop", "embd_pdrop", "original_max_position_embeddings",
+             "partial_rotary_factor")  # fmt: skip
+
+
+def _fused_like_phi3(llama: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    fused, out = {}, {}
+    for name, values in llama.items():
+        layer, _, rest = name.rpartition(".layers.")[2].partition(".")
+        key = {"self_attn.q_proj.weight": "self_attn.qkv_proj.weight",
+               "self_attn.k_proj.weight": "self_attn.qkv_proj.weight",
+               "self_attn.v_proj.weight": "self_attn.qkv_proj.weight",
+               "mlp.gate_proj.weight": "mlp.gate_up_proj.weight",
+               "mlp.up_proj.weight": "mlp.gate_up_proj.weight"}.get(rest)  # fmt: skip
+        if key is None:
+            out[name] = values
+        else:  # q, k, v and gate, up come in that order
+            fused.setdefault(f"model.layers.{layer}.{key}", []).append(values)
+    return {**out, **{name: torch.cat(parts) for name, parts in fused.items()}}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_to_mega_to_hf_gives_the_same_tensors_and_config(tmp_path, family):
     hf = _save(tmp_path, family)
@@ -196,16 +225,18 @@ def test_hf_to_mega_to_hf_gives_the_same_tensors_and_config(tmp_path, family):
     convert(tmp_path / "m", tmp_path / "back", _converters())
     original = safetensors_torch.load_file(str(hf / "model.safetensors"))
     back = safetensors_torch.load_file(str(tmp_path / "back" / "model.safetensors"))
+    if family == "phi3":  # written as a Llama: fuse its projections back to compare
+        back = _fused_like_phi3(back)
     assert back.keys() == original.keys()
     for name, values in original.items():
         assert back[name].dtype == values.dtype and torch.equal(back[name], values), name
     # as transformers reads them: fields it derives (Qwen's layer_types) are compared too
     source = transformers.AutoConfig.from_pretrained(hf).to_dict()
     written = transformers.AutoConfig.from_pretrained(tmp_path / "back").to_dict()
-    if family == "mistral":  # the same function and tensors, written as a Llama
+    if family in ("mistral", "phi3"):  # the same function and tensors, written as a Llama
         assert written["architectures"] == ["LlamaForCausalLM"]
-        for key in ("architectures", "model_type", "sliding_window", "head_dim"):
-            source.pop(key)  # Llama has no window; Mistral's head_dim None is hidden / heads
+        for key in ("architectures", "model_type", "sliding_window", "head_dim", *PHI3_ONLY):
+            source.pop(key, None)  # Llama has no window; head_dim None is hidden / heads
     differ = {
         key: (value, written.get(key, "(missing)"))
         for key, value in source.items()
@@ -230,6 +261,9 @@ REFUSED = [
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
      "sliding_window 16 is shorter than max_position_embeddings 128"),
     ("qwen3", {"attention_bias": True}, "attention_bias is true"),
+    ("phi3", {"sliding_window": 64},
+     "sliding_window 64 is shorter than max_position_embeddings 128"),
+    ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     ("llama3-rope", {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 4096}},
      "rope_scaling original_max_position_embeddings 4096 is not supported"),
     ("llama3-rope", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
@@ -239,8 +273,8 @@ REFUSED = [
 ]  # fmt: skip
 
 
-REFUSED_IDS = ["mistral-window", "qwen2-window", "qwen3-attention-bias", "llama3-constants",
-               "yarn", "dynamic"]  # fmt: skip
+REFUSED_IDS = ["mistral-window", "qwen2-window", "qwen3-attention-bias", "phi3-window",
+               "phi3-partial-rotary", "llama3-constants", "yarn", "dynamic"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "extra", "named"), REFUSED, ids=REFUSED_IDS)

@@ -28,6 +28,7 @@ MIXTRAL = "MixtralForCausalLM"  # its layout: hf_mixtral
 # Llama's relatives (hf_llama_like): Mistral reads as a Llama (it writes back as one: the same
 # function and tensor names), Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
 MISTRAL, QWEN2, QWEN3 = "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+PHI3 = "Phi3ForCausalLM"  # Llama's function, fused projections: read, written as a Llama
 
 
 def merge_qkv(

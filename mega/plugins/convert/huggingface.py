@@ -1,6 +1,6 @@
 """Hugging Face models (``config.json`` + ``*.safetensors``) as a ``mega convert-checkpoint``
-format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` (read; written as
-Llama), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
+format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``Phi3ForCausalLM``
+(read; written as Llama), ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MixtralForCausalLM``,
 ``BertForPreTraining`` and ``T5ForConditionalGeneration`` (the layouts are in ``hf_layouts``,
 ``hf_llama_like``, ``hf_mixtral``, ``hf_bert`` and ``hf_t5``).
 
@@ -45,6 +45,7 @@ def read(path: Path) -> ModelWeights:
         hf_layouts.GPT2: hf_layouts.gpt2_to_mega,
         hf_layouts.LLAMA: hf_layouts.llama_to_mega,
         hf_layouts.MISTRAL: hf_llama_like.mistral_to_mega,
+        hf_layouts.PHI3: hf_llama_like.phi3_to_mega,
         hf_layouts.QWEN2: hf_llama_like.qwen2_to_mega,
         hf_layouts.QWEN3: hf_llama_like.qwen3_to_mega,
         hf_layouts.MIXTRAL: hf_mixtral.mixtral_to_mega,
@@ -122,8 +123,9 @@ def register_checkpoint_converters(register):
             detect=detect,
             description=(
                 "Hugging Face config.json + safetensors: GPT2LMHeadModel, LlamaForCausalLM,"
-                " MistralForCausalLM (read), Qwen2ForCausalLM, Qwen3ForCausalLM,"
-                " MixtralForCausalLM, BertForPreTraining, T5ForConditionalGeneration"
+                " MistralForCausalLM and Phi3ForCausalLM (read), Qwen2ForCausalLM,"
+                " Qwen3ForCausalLM, MixtralForCausalLM, BertForPreTraining,"
+                " T5ForConditionalGeneration"
             ),
         )
     )
