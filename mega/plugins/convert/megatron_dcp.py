@@ -136,15 +136,24 @@ def dcp_tensors(directory: Path, layers: int) -> dict[str, LazyTensor]:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of a torch_dist tensor: ``key``'s box at ``offsets`` (of the global ``size``),
-    or a whole tensor (``layer`` None); ``load`` gives its values, shaped like the box without
-    the stacked axis."""
+    """One piece of a torch_dist tensor of global ``size``: layer ``layer`` of a stacked key
+    (``[1, ...]`` at ``[layer, 0, ...]``), or the whole tensor (``layer`` None); ``load`` gives
+    its values, without the stacked axis."""
 
     key: str
     size: tuple[int, ...]
     dtype: torch.dtype
     layer: int | None
     load: Callable[[], torch.Tensor]
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        first = (self.layer or 0,) if self.size else ()
+        return first + (0,) * (len(self.size) - 1)
+
+    @property
+    def box(self) -> tuple[int, ...]:
+        return (1, *self.size[1:]) if self.layer is not None else self.size
 
 
 class _ChunkPlanner(DefaultSavePlanner):
@@ -154,16 +163,8 @@ class _ChunkPlanner(DefaultSavePlanner):
 
     def __init__(self, chunks: list[Chunk], objects: dict[str, Any]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-        self.chunks = {(c.key, self._offsets(c)): c for c in chunks}
+        self.chunks = {(c.key, c.offsets): c for c in chunks}
         self.objects = objects
-
-    @staticmethod
-    def _offsets(chunk: Chunk) -> tuple[int, ...]:
-        return (
-            ((chunk.layer,) + (0,) * (len(chunk.size) - 1))
-            if chunk.layer is not None
-            else ((0,) * len(chunk.size))
-        )
 
     def set_up_planner(self, state_dict: Any, storage_meta: Any = None, is_coordinator=False):
         self.state_dict, self.is_coordinator = {}, is_coordinator
@@ -171,13 +172,12 @@ class _ChunkPlanner(DefaultSavePlanner):
     def create_local_plan(self) -> SavePlan:
         items = []
         for (key, offsets), c in self.chunks.items():
-            sizes = (1, *c.size[1:]) if c.layer is not None else c.size
             items.append(
                 WriteItem(
                     index=MetadataIndex(key, torch.Size(offsets)),
                     type=WriteItemType.SHARD,
                     tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                        chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(c.box)),
                         properties=TensorProperties(dtype=c.dtype),
                         size=torch.Size(c.size),
                     ),
@@ -198,11 +198,10 @@ class _ChunkPlanner(DefaultSavePlanner):
         values = chunk.load()
         if chunk.layer is not None:
             values = values.unsqueeze(0)
-        expected = (1, *chunk.size[1:]) if chunk.layer is not None else chunk.size
-        if tuple(values.shape) != tuple(expected) or values.dtype != chunk.dtype:
+        if tuple(values.shape) != tuple(chunk.box) or values.dtype != chunk.dtype:
             raise MegaUsageError(
                 f"{chunk.key}: loaded {list(values.shape)} {values.dtype}, expected"
-                f" {list(expected)} {chunk.dtype}"
+                f" {list(chunk.box)} {chunk.dtype}"
             )
         return values.contiguous()
 
