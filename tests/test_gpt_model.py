@@ -494,3 +494,51 @@ def test_a_norm_as_wide_as_the_padded_vocabulary_is_not_vocabulary_padding(plugi
         counts.append(unpadded_parameter_count(model, plan, 258, padded))
         real = sum(p.numel() for p in model.parameters()) - (padded - 258) * 512
     assert counts == [real, real]
+
+
+def test_rope_scaling_and_the_qwen_options_are_validated_by_name():
+    from mega.plugins.models.bert.config import BertConfig
+
+    rope = {"position_embedding_type": "rope"}
+    for fields, message in (
+        ({"use_rope_scaling": True}, "--use-rope-scaling needs --position-embedding-type rope"),
+        ({**rope, "use_rope_scaling": True, "rotary_seq_len_interpolation_factor": 2.0},
+         "--use-rope-scaling and --rotary-seq-len-interpolation-factor: give one RoPE scaling"),
+        ({**rope, "rotary_seq_len_interpolation_factor": 0.0},
+         "--rotary-seq-len-interpolation-factor (0.0) must be positive"),
+        ({**rope, "use_rope_scaling": True, "rope_scaling_factor": -1.0},
+         "--rope-scaling-factor (-1.0) must be positive"),
+    ):  # fmt: skip
+        assert message in tiny(**fields).validate()
+    assert (
+        tiny(**rope, add_qkv_bias=True, qk_layernorm=True, use_rope_scaling=True).validate() == []
+    )
+    assert (
+        "--qk-layernorm: a GPT (decoder) option; the bert model has none"
+        in BertConfig(qk_layernorm=True).validate()
+    )
+
+
+def test_llama3_rope_frequencies_are_transformers_ones():
+    """--use-rope-scaling's frequencies against transformers' llama3 rope (Llama 3.1's theta
+    and factor, a head dim whose frequencies fall in all three bands), and linear scaling's
+    angles against positions / factor."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mega.plugins.models.gpt.model import llama3_scaled
+
+    config = transformers.LlamaConfig(
+        hidden_size=128, num_attention_heads=1, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    )  # fmt: skip
+    expected, scale = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    got = llama3_scaled(plain, 8.0)
+    assert scale == 1.0 and torch.allclose(got, expected, rtol=1e-6, atol=0)
+    assert (got < plain).any() and (got == plain).any()  # bands both scaled and kept
+    cos, _ = rotary_cos_sin(6, 8, 10000.0, interpolation=4.0)
+    positions = torch.arange(6, dtype=torch.float32)[:, None] / 4.0
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    assert torch.allclose(cos, torch.cat([positions * inv_freq] * 2, dim=-1).cos(), atol=1e-6)

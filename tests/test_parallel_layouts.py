@@ -91,9 +91,15 @@ def single_qwen_like(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize(
     ("world_size", "flags"),
-    [(2, TP2), (2, [*TP2, "--sequence-parallel"])],
-    ids=["tp2", "tp2-sp"],
-)
+    [
+        (2, TP2),
+        (2, [*TP2, "--sequence-parallel"]),
+        (4, [*TP2, "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+             "--parallel", "1f1b"]),
+        (2, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    ],
+    ids=["tp2", "tp2-sp", "tp2-sp-pp2", "cp2-p2p"],
+)  # fmt: skip
 def test_qkv_bias_and_qk_layernorm_match_one_process(
     single_qwen_like, tmp_path: Path, world_size, flags
 ):
