@@ -304,3 +304,10 @@ def test_a_checkpoint_named_through_dotdot_loads(mega_cli, inputs, monkeypatch):
     result = mega_cli([*args, "--device", "cpu"])
     assert result.exit_code == 0, result.stderr
     work.rmdir()
+
+
+def test_greedy_with_sampling_flags_at_their_defaults_generates(mega_cli, inputs):
+    """Only a sampling flag that would change the sampling contradicts --greedy."""
+    args = ["generate", "--load", inputs["ckpt"], "--prompt", "hi", "--max-new-tokens", "2"]
+    result = mega_cli([*args, "--greedy", "--top-k", "0", "--temperature", "1", "--device", "cpu"])
+    assert result.exit_code == 0, result.stderr

@@ -40,14 +40,17 @@ def _prompts(prompt: tuple[str, ...], prompts_file: Path | None) -> list[str]:
 
 
 def _sampling_given_with_greedy(greedy: bool) -> None:
-    """--greedy takes the most likely token: a sampling flag given with it would be ignored."""
+    """--greedy takes the most likely token: a sampling flag given with it, at a value that
+    would change the sampling, would be ignored."""
     if not greedy:
         return
     ctx = click.get_current_context()
+    defaults = {p.name: p.default for p in ctx.command.params}
     given = [
         f"--{name.replace('_', '-')}"
         for name in ("temperature", "top_k", "top_p")
         if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+        and ctx.params[name] != defaults[name]
     ]
     if given:
         raise MegaUsageError(
