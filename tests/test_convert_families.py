@@ -320,3 +320,18 @@ def test_a_llama3_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path):
     diff = _max_diff(fine_tuned, _hf_logits(tmp_path / "out", tokens))
     assert diff <= 1e-5, f"max |logit difference| {diff:.3g} > 1e-5"
     assert _max_diff(fine_tuned, _hf_logits(hf, tokens)) > 1e-3  # the 5 steps moved it
+
+
+def test_the_command_refuses_a_yarn_llama_in_one_line_and_writes_nothing(tmp_path):
+    import subprocess
+    import sys
+
+    hf = _save(tmp_path, "llama3-rope", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    done = subprocess.run(
+        [sys.executable, "-m", "mega", "convert-checkpoint", str(hf), str(tmp_path / "out")],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0, done.stderr
+    assert "rope_scaling type 'yarn' is not supported (only linear and llama3)" in done.stderr
+    assert not (tmp_path / "out").exists()
