@@ -46,6 +46,18 @@ def test_a_model_alone_is_planned_with_mega_trains_defaults(model):
     assert "tokens/s" in result.output
 
 
+def test_search_without_a_global_batch_searches_the_default_one():
+    # 1 GPU, micro-batch 16 by default: every layout tried trains a global batch of 16 (each
+    # layout's own default would differ; without the flag, --search was a TypeError)
+    args = ["plan", "--model", "gpt", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "2", "--gpus", "1", "--search", "--top", "2"]  # fmt: skip
+    result = CliRunner().invoke(make_cli(make_plugins()), args)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line[:3] in ("1. ", "2. ")]
+    assert len(lines) == 2
+    assert all("--global-batch-size 16" in line for line in lines), lines
+
+
 def test_search_prints_runnable_train_commands_fastest_first():
     result = _plan("--gpus", "2", "--search", "--top", "3")
     assert result.exit_code == 0, result.output
