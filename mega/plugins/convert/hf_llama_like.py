@@ -1,7 +1,6 @@
-"""Llama's relatives that people fine-tune, both ways: ``MistralForCausalLM`` (Llama's layout
-and function; a sliding window that would act is refused), ``Phi3ForCausalLM`` (Llama's
-function with fused ``qkv_proj`` and ``gate_up_proj``; read only, written as a Llama),
-``Qwen2ForCausalLM`` (q/k/v biases:
+"""Llama's relatives that people fine-tune: ``MistralForCausalLM`` (Llama's layout and
+function; a sliding window that would act is refused), ``Phi3ForCausalLM`` (Llama's function
+with fused ``qkv_proj`` and ``gate_up_proj``), ``Qwen2ForCausalLM`` (q/k/v biases:
 ``--add-qkv-bias``) and ``Qwen3ForCausalLM`` (per-head RMSNorm of queries and keys:
 ``--qk-layernorm``). The tensors map as Llama's (``hf_layouts``), with the biases joined into
 mega's grouped QKV rows like the weights.
@@ -76,7 +75,7 @@ class _SplitPhi3(Mapping[str, LazyTensor]):
             fused = _need(hf, f"{prefix}qkv_proj.weight", where)
             start = 0
             for x, count in rows.items():
-
+                # each part reads the fused tensor: one tensor in memory at a time, 3 reads
                 def part(t: LazyTensor = fused, a: int = start, b: int = start + count) -> Any:
                     return t.load()[a:b].contiguous()
 
