@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mega import hookimpl
 from mega.testing import TINY_GPT
 
 NO_CUDA = pytest.mark.skipif(
@@ -307,3 +308,30 @@ def test_greedy_with_sampling_flags_at_their_defaults_generates(mega_cli, inputs
     args = ["generate", "--load", inputs["ckpt"], "--prompt", "hi", "--max-new-tokens", "2"]
     result = mega_cli([*args, "--greedy", "--top-k", "0", "--temperature", "1", "--device", "cpu"])
     assert result.exit_code == 0, result.stderr
+
+
+class DiskFullFormat:
+    """A target format whose writer runs out of space after its first file."""
+
+    @staticmethod
+    def write(path: Path, weights) -> None:
+        (path / "part0").write_bytes(b"x")
+        raise OSError(28, "No space left on device", str(path / "part1"))
+
+    @hookimpl
+    def register_checkpoint_converters(self, register):
+        from mega import CheckpointConverterSpec
+
+        register(CheckpointConverterSpec(name="disk-full", write=self.write))
+
+
+def test_a_write_that_fails_is_one_line_exit_1_and_leaves_nothing(inputs, tmp_path):
+    """Not bad input (exit 1, MegaRunError): DST's file system failing mid-write."""
+    from mega.core.convert.convert import convert
+    from mega.core.errors import MegaRunError
+    from mega.testing.commands import make_test_plugins
+
+    converters = make_test_plugins(DiskFullFormat()).checkpoint_converters
+    with pytest.raises(MegaRunError, match="out: cannot write .*part1 .No space left on device"):
+        convert(Path(inputs["ckpt"]), tmp_path / "out", converters, to="disk-full")
+    assert not list(tmp_path.iterdir())
