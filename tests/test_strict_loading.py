@@ -70,7 +70,8 @@ def test_a_deeper_checkpoint_is_refused_by_name(saved, command):
     tensors = 72 if backend == "zarr" else 24
     assert f"the checkpoint has {tensors} tensors ({_name(backend, FIRST)}, " in line
     assert f"and {tensors - 3} more) that this model does not" in line
-    assert "--num-layers is 2 here, 4 in the checkpoint (--use-checkpoint-args" in line
+    assert "--num-layers is 2 here, 4 in the checkpoint (drop the flags that differ;" in line
+    assert line.endswith("--use-checkpoint-args takes the checkpoint's model flags)")
 
 
 def test_a_shallower_checkpoint_is_refused_by_name(saved):

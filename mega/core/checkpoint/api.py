@@ -68,7 +68,9 @@ def save(
 
 def load(state: dict[str, ShardedTensor], directory: str | Path) -> dict[str, Any]:
     """Fill ``state``'s pieces, in place, from the checkpoint ``directory``; returns the
-    ``extra`` it was saved with."""
+    ``extra`` it was saved with. Strict: a stored tensor that belongs to no parameter in
+    ``state`` (on any rank), or a parameter that is not stored, is a ``MegaUsageError`` naming
+    them; with torch.distributed initialised every rank calls it (the ranks pool their keys)."""
     directory = Path(directory)
     try:
         marker = json.loads((directory / MARKER).read_text())

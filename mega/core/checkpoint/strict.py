@@ -84,6 +84,6 @@ def model_flag_changes(saved_config: Any, config_now: Any, limit: int = 3) -> st
         return ""
     more = f"; {len(changed) - limit} more flags differ" if len(changed) > limit else ""
     return (
-        f"; {'; '.join(changed[:limit])}{more} (--use-checkpoint-args takes the checkpoint's"
-        " model flags; a flag given on the command line still wins)"
+        f"; {'; '.join(changed[:limit])}{more} (drop the flags that differ; --use-checkpoint-args"
+        " takes the checkpoint's model flags)"
     )
