@@ -1,5 +1,5 @@
 """``mega convert-checkpoint`` for the families people fine-tune now (issue 48, item 2): Llama
-with rope_scaling ``llama3`` and ``linear``, Mistral, Phi-3 (fused projections), Qwen2 (q/k/v
+with rope_scaling ``llama3``, ``linear`` and ``yarn``, Mistral, Phi-3 (fused projections), Qwen2 (q/k/v
 biases: --add-qkv-bias) and Qwen3 (per-head q/k norms: --qk-layernorm). Each a tiny random transformers model saved with
 ``save_pretrained``: mega's logits within 1e-5 of transformers' (float32), 20 greedy tokens of
 ``mega generate`` equal to transformers' ``generate``, HF -> mega -> HF bit-identical tensors and
@@ -47,6 +47,14 @@ def _llama_linear(**extra):
     return transformers.LlamaConfig(**{**SHAPE, **fields, **extra}), transformers.LlamaForCausalLM
 
 
+def _llama_yarn(**extra):
+    # original context 32: the ramp spans the head dim's 4 frequencies (1 kept, 3 scaled), and
+    # the cos/sin scale is 0.1 ln 4 + 1
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    fields = {"rope_scaling": scaling, "max_position_embeddings": 128}
+    return transformers.LlamaConfig(**{**SHAPE, **fields, **extra}), transformers.LlamaForCausalLM
+
+
 def _mistral(**extra):
     fields = {"sliding_window": None, "max_position_embeddings": 128}
     return transformers.MistralConfig(**{**SHAPE, **fields, **extra}), (
@@ -72,7 +80,8 @@ def _qwen3(**extra):
 
 
 FAMILIES = {
-    "llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "mistral": _mistral,
+    "llama3-rope": _llama3, "llama-linear-rope": _llama_linear, "llama-yarn": _llama_yarn,
+    "mistral": _mistral,
     "phi3": _phi3, "qwen2": _qwen2, "qwen3": _qwen3,
 }  # fmt: skip
 
@@ -140,6 +149,11 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 EXPECTED = {
     "llama3-rope": {"use_rope_scaling": True, "rope_scaling_factor": 8.0, "rotary_base": 500000},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": 4.0},
+    "llama-yarn": {
+        "position_embedding_type": "yarn",
+        "yarn_rotary_scaling_factor": 4.0,
+        "yarn_original_max_position_embeddings": 32,
+    },
     "mistral": {"swiglu": True, "num_query_groups": 2},
     "phi3": {"swiglu": True, "num_query_groups": 2, "hidden_dropout": 0.0},
     "qwen2": {"add_qkv_bias": True, "untie_embeddings_and_output_weights": False},
@@ -150,6 +164,7 @@ EXPECTED = {
 WITHOUT = {
     "llama3-rope": {"use_rope_scaling": False},
     "llama-linear-rope": {"rotary_seq_len_interpolation_factor": None},
+    "llama-yarn": {"position_embedding_type": "rope"},
     "qwen3": {},  # the norms dropped after loading
 }
 
@@ -266,15 +281,16 @@ REFUSED = [
     ("phi3", {"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75 is not supported"),
     ("llama3-rope", {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 4096}},
      "rope_scaling original_max_position_embeddings 4096 is not supported"),
-    ("llama3-rope", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
-     "rope_scaling type 'yarn' is not supported"),
+    ("llama-yarn", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                     "attention_factor": 2.0}},
+     "rope_scaling attention_factor 2.0 is not supported"),
     ("llama3-rope", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
      "rope_scaling type 'dynamic' is not supported"),
 ]  # fmt: skip
 
 
 REFUSED_IDS = ["mistral-window", "qwen2-window", "qwen3-attention-bias", "phi3-window",
-               "phi3-partial-rotary", "llama3-constants", "yarn", "dynamic"]  # fmt: skip
+               "phi3-partial-rotary", "llama3-constants", "yarn-attention-factor", "dynamic"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("family", "extra", "named"), REFUSED, ids=REFUSED_IDS)
@@ -322,16 +338,16 @@ def test_a_llama3_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path):
     assert _max_diff(fine_tuned, _hf_logits(hf, tokens)) > 1e-3  # the 5 steps moved it
 
 
-def test_the_command_refuses_a_yarn_llama_in_one_line_and_writes_nothing(tmp_path):
+def test_the_command_refuses_a_dynamic_rope_llama_in_one_line_and_writes_nothing(tmp_path):
     import subprocess
     import sys
 
-    hf = _save(tmp_path, "llama3-rope", rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    hf = _save(tmp_path, "llama3-rope", rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     done = subprocess.run(
         [sys.executable, "-m", "mega", "convert-checkpoint", str(hf), str(tmp_path / "out")],
         capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode == 2
     assert done.stderr.strip().count("\n") == 0, done.stderr
-    assert "rope_scaling type 'yarn' is not supported (only linear and llama3)" in done.stderr
+    assert "rope_scaling type 'dynamic' is not supported (only linear, llama3, yarn)" in done.stderr
     assert not (tmp_path / "out").exists()

@@ -542,3 +542,41 @@ def test_llama3_rope_frequencies_are_transformers_ones():
     positions = torch.arange(6, dtype=torch.float32)[:, None] / 4.0
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
     assert torch.allclose(cos, torch.cat([positions * inv_freq] * 2, dim=-1).cos(), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        {"factor": 4.0, "original_max_position_embeddings": 32},
+        {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16.0,
+         "mscale": 0.707, "mscale_all_dim": 0.707, "truncate": False},
+    ],
+    ids=["qwen-style", "deepseek-style"],
+)  # fmt: skip
+def test_yarn_frequencies_and_scale_are_transformers_ones(scaling):
+    """--position-embedding-type yarn against transformers' yarn rope init: the blended
+    frequencies (rtol 1e-6) and the cos/sin factor, for Qwen's plain yarn and DeepSeek's mscale
+    pair (a head dim of 64 whose frequencies fall on both sides of the ramp)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from mega.plugins.models.gpt.model import yarn_scaled
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=1, rope_theta=10000.0, max_position_embeddings=65536,
+        rope_scaling={"rope_type": "yarn", **scaling},
+    )  # fmt: skip
+    expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    cfg = tiny(
+        position_embedding_type="yarn",
+        yarn_rotary_scaling_factor=scaling["factor"],
+        yarn_original_max_position_embeddings=scaling["original_max_position_embeddings"],
+        yarn_beta_fast=scaling.get("beta_fast", 32.0),
+        yarn_mscale=scaling.get("mscale", 1.0),
+        yarn_mscale_all_dim=scaling.get("mscale_all_dim", 0.0),
+        yarn_correction_range_round_to_int=scaling.get("truncate", True),
+    )
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+    got, scale = yarn_scaled(plain, cfg)
+    assert torch.allclose(got, expected, rtol=1e-6, atol=0) and scale == pytest.approx(factor)
+    assert (got == plain).any() and (got < plain).any()  # kept and scaled frequencies both

@@ -108,3 +108,22 @@ def test_qkv_bias_and_qk_layernorm_match_one_process(
     assert "decoder.layers.0.self_attention.linear_qkv.bias" in params
     assert "decoder.layers.0.self_attention.k_layernorm.weight" in params
     assert_same_training(single_qwen_like, results[0])
+
+
+YARN = [
+    "--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+    "--yarn-original-max-position-embeddings", "8",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("world_size", "flags"),
+    [(2, [*TP2, "--sequence-parallel"]), (2, ["--context-parallel-size", "2"])],
+    ids=["tp2-sp", "cp2"],
+)
+def test_yarn_rope_matches_one_process(tmp_path: Path, world_size, flags):
+    """YaRN's tables cover the full sequence on every rank (sequence- and context-parallel
+    shards rotate by their global positions)."""
+    single = layout_run([*EQUIVALENCE, *YARN], 1, str(tmp_path / "one"))[0]
+    results = layout_run([*EQUIVALENCE, *YARN, *flags], world_size, str(tmp_path / "many"))
+    assert_same_training(single, results[0])

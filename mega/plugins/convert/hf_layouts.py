@@ -274,10 +274,46 @@ def rope_fields(cfg: dict[str, Any], where: str) -> dict[str, Any]:
                     f" --use-rope-scaling fixes it at {fixed}, as Megatron)"
                 )
         fields.update(use_rope_scaling=True, rope_scaling_factor=float(scaling["factor"]))
+    elif kind == "yarn":
+        fields.update(yarn_fields(cfg, scaling, where))
     elif kind != "default":
         raise MegaUsageError(
-            f"{where}: rope_scaling type {kind!r} is not supported (only linear and llama3)"
+            f"{where}: rope_scaling type {kind!r} is not supported (only linear, llama3, yarn)"
         )
+    return fields
+
+
+# rope_scaling yarn's optional keys -> mega's (Megatron's) fields, with transformers' defaults
+YARN_KEYS = (
+    ("beta_fast", "yarn_beta_fast", 32.0),
+    ("beta_slow", "yarn_beta_slow", 1.0),
+    ("truncate", "yarn_correction_range_round_to_int", True),
+)
+
+
+def yarn_fields(cfg: dict[str, Any], scaling: dict[str, Any], where: str) -> dict[str, Any]:
+    """--position-embedding-type yarn's fields from ``rope_scaling`` ``yarn``. transformers
+    scales cos/sin by mscale(mscale) / mscale(mscale_all_dim) when both are given, else by
+    mscale(1): Megatron's formula with mscale_all_dim 0. An explicit attention_factor is
+    refused."""
+    if scaling.get("attention_factor") is not None:
+        raise MegaUsageError(
+            f"{where}: rope_scaling attention_factor {scaling['attention_factor']} is not"
+            " supported (mega derives it from factor, mscale and mscale_all_dim)"
+        )
+    fields: dict[str, Any] = {
+        "position_embedding_type": "yarn",
+        "yarn_rotary_scaling_factor": float(scaling["factor"]),
+        "yarn_original_max_position_embeddings": int(
+            scaling.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
+        ),
+    }
+    for key, field, default in YARN_KEYS:
+        value = scaling.get(key)
+        fields[field] = type(default)(default if value is None else value)
+    both = scaling.get("mscale") and scaling.get("mscale_all_dim")
+    fields["yarn_mscale"] = float(scaling["mscale"]) if both else 1.0
+    fields["yarn_mscale_all_dim"] = float(scaling["mscale_all_dim"]) if both else 0.0
     return fields
 
 
@@ -289,6 +325,26 @@ def rope_scaling_config(model: dict[str, Any]) -> dict[str, Any] | None:
             "factor": float(model.get("rope_scaling_factor", 8.0)),
             **dict(LLAMA3_FIXED),
         }
+    if model.get("position_embedding_type") == "yarn":
+        config = {
+            "rope_type": "yarn",
+            "factor": float(model.get("yarn_rotary_scaling_factor", 1.0)),
+            "original_max_position_embeddings": model.get(
+                "yarn_original_max_position_embeddings", 4096
+            ),
+        }
+        for key, field, default in YARN_KEYS:  # written where not transformers' default
+            if model.get(field, default) != default:
+                config[key] = model[field]
+        if model.get("yarn_mscale_all_dim"):
+            config["mscale"] = model.get("yarn_mscale", 1.0)
+            config["mscale_all_dim"] = model["yarn_mscale_all_dim"]
+        elif model.get("yarn_mscale", 1.0) != 1.0:
+            raise MegaUsageError(
+                f"--yarn-mscale {model['yarn_mscale']} without --yarn-mscale-all-dim has no"
+                " Hugging Face rope_scaling"
+            )
+        return config
     if model.get("rotary_seq_len_interpolation_factor") is not None:
         return {
             "rope_type": "linear",
@@ -503,7 +559,7 @@ def mega_to_llama(
 
 def hf_architecture(model: dict[str, Any]) -> str:
     """Which Hugging Face class a mega GPT's config is, or a one-line error naming why none."""
-    rope = model.get("position_embedding_type") == "rope"
+    rope = model.get("position_embedding_type") in ("rope", "yarn")
     rms = model.get("normalization") == "RMSNorm"
     swiglu, bias = bool(model.get("swiglu")), bool(model.get("add_bias_linear", True))
     qkv_bias, qk_norm = bool(model.get("add_qkv_bias")), bool(model.get("qk_layernorm"))

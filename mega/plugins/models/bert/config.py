@@ -53,6 +53,7 @@ def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
         ("--qk-layernorm", cfg.qk_layernorm),
         ("--use-rope-scaling", cfg.use_rope_scaling),
         ("--rotary-seq-len-interpolation-factor", cfg.rotary_seq_len_interpolation_factor),
+        ("--position-embedding-type yarn", cfg.position_embedding_type == "yarn"),
     )
     for flag, value in gpt_only:
         if value:

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from mega.core.config.fields import option
 
-POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
+POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope", "yarn")  # yarn: rope, YaRN-scaled
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
@@ -71,6 +71,20 @@ class GPTConfig:
         None,
         "Linear RoPE scaling (Hugging Face's rope_type 'linear'): positions divided by this"
         " factor.",
+    )
+    # --position-embedding-type yarn (Megatron's YarnRotaryEmbedding; Hugging Face's 'yarn')
+    yarn_rotary_scaling_factor: float = option(1.0, "YaRN: the context extension factor.")
+    yarn_original_max_position_embeddings: int = option(
+        4096, "YaRN: the context the model was pretrained at."
+    )
+    yarn_beta_fast: float = option(32.0, "YaRN: rotations where extrapolation ends.")
+    yarn_beta_slow: float = option(1.0, "YaRN: rotations where interpolation begins.")
+    yarn_mscale: float = option(1.0, "YaRN: cos/sin scale numerator's mscale.")
+    yarn_mscale_all_dim: float = option(
+        0.0, "YaRN: cos/sin scale denominator's mscale (0: no denominator)."
+    )
+    yarn_correction_range_round_to_int: bool = option(
+        True, "YaRN: round the ramp's dimension range outward to integers."
     )
     normalization: str = option("LayerNorm", "Normalization layer type.", choices=NORMALIZATIONS)
     norm_epsilon: float = option(1e-5, "Epsilon of the normalization layers.")
@@ -191,6 +205,10 @@ class GPTConfig:
             return int((4 * self.hidden_size * 2 / 3) / 64) * 64
         return 4 * self.hidden_size
 
+    def rotary(self) -> bool:
+        """Whether positions are rotary (rope, or yarn's scaled rope)."""
+        return self.position_embedding_type in ("rope", "yarn")
+
     def resolved_max_position_embeddings(self, seq_length: int) -> int:
         return self.max_position_embeddings or seq_length
 
@@ -272,7 +290,7 @@ class GPTConfig:
                 "--ffn-hidden-size (rounds down to 0); set --ffn-hidden-size"
             )
         head_dim = self.resolved_kv_channels()
-        if self.position_embedding_type == "rope" and head_dim % 2:
+        if self.rotary() and head_dim % 2:
             problems.append(f"rope needs an even head dim (--kv-channels), got {head_dim}")
         if self.openai_gelu and self.swiglu:
             problems.append("--openai-gelu and --swiglu: SwiGLU uses no GeLU; give one of them")
@@ -285,6 +303,10 @@ class GPTConfig:
             ("--use-rope-scaling", self.use_rope_scaling),
             ("--rotary-seq-len-interpolation-factor", interpolation is not None),
         ) if on]  # fmt: skip
+        if self.position_embedding_type == "yarn" and self.yarn_rotary_scaling_factor <= 0:
+            problems.append(
+                f"--yarn-rotary-scaling-factor ({self.yarn_rotary_scaling_factor}) must be positive"
+            )
         if scalings and self.position_embedding_type != "rope":
             problems.append(f"{scalings[0]} needs --position-embedding-type rope")
         if len(scalings) == 2:

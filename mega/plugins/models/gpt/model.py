@@ -54,6 +54,32 @@ def llama3_scaled(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def yarn_scaled(inv_freq: torch.Tensor, cfg: GPTConfig) -> tuple[torch.Tensor, float]:
+    """YaRN's frequencies and cos/sin scale (Megatron's YarnRotaryEmbedding, transformers'
+    ``yarn``): a linear ramp over the head dim blends the original frequencies (kept where they
+    rotate fast) with them divided by the factor (where they rotate slowly)."""
+    factor, base = cfg.yarn_rotary_scaling_factor, cfg.rotary_base
+    dim, context = 2 * inv_freq.shape[0], cfg.yarn_original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if cfg.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    high = high + 0.001 if low == high else high  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv_freq.device) - low)
+            / (high - low)).clamp(0, 1)  # fmt: skip
+    kept = 1.0 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    scaled = inv_freq / factor * (1 - kept) + inv_freq * kept
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    return scaled, mscale(cfg.yarn_mscale) / mscale(cfg.yarn_mscale_all_dim)
+
+
 def rotary_cos_sin(
     seq_length: int,
     dim: int,
@@ -63,14 +89,19 @@ def rotary_cos_sin(
     *,
     llama3_factor: float | None = None,
     interpolation: float | None = None,
+    yarn: GPTConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin in float32 for Megatron's non-interleaved (rotate-half) RoPE: ``[s, d]`` for
     positions 0..s-1, or ``[b, s, d]`` for explicit ``position_ids [b, s]``. ``llama3_factor``:
     --use-rope-scaling's frequencies; ``interpolation``: positions divided by it (linear
-    scaling, --rotary-seq-len-interpolation-factor)."""
+    scaling, --rotary-seq-len-interpolation-factor); ``yarn``: the config of
+    --position-embedding-type yarn (cos and sin come scaled)."""
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
     if llama3_factor is not None:
         inv_freq = llama3_scaled(inv_freq, llama3_factor)
+    concentration = 1.0
+    if yarn is not None:
+        inv_freq, concentration = yarn_scaled(inv_freq, yarn)
     if position_ids is None:
         positions = torch.arange(seq_length, dtype=torch.float32, device=device)
     else:
@@ -79,6 +110,8 @@ def rotary_cos_sin(
         positions = positions * (1 / interpolation)  # as Megatron: seq *= 1 / factor
     freqs = positions[..., None] * inv_freq  # [s, d/2] or [b, s, d/2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [s, d]: both halves share a frequency
+    if concentration != 1.0:  # yarn's attention factor, on cos and sin (as Megatron)
+        return angles.cos() * concentration, angles.sin() * concentration
     return angles.cos(), angles.sin()
 
 
@@ -346,7 +379,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layer(cfg, moe, causal) for moe in cfg.moe_layers())
         self.final_layernorm = _norm(cfg, cfg.hidden_size) if final_norm else None
-        self.rope = cfg.position_embedding_type == "rope"
+        self.rope = cfg.rotary()
+        self.yarn = cfg if cfg.position_embedding_type == "yarn" else None
         self.head_dim = cfg.resolved_kv_channels()
         self.rotary_base = cfg.rotary_base
         self.llama3_factor = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
@@ -366,6 +400,7 @@ class TransformerBlock(nn.Module):
             rotary = rotary_cos_sin(
                 seq_length, self.head_dim, self.rotary_base, hidden.device, position_ids,
                 llama3_factor=self.llama3_factor, interpolation=self.interpolation,
+                yarn=self.yarn,
             )  # fmt: skip
         for layer in self.layers:
             if kv_cache is None:  # the call parallel plugins and compile see
