@@ -312,12 +312,15 @@ def test_a_model_no_hugging_face_class_holds_is_refused_on_export(tmp_path):
         write(tmp_path / "out", ModelWeights(both, 32, weights.vocab_size, weights.tensors))
 
 
-def test_a_llama3_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path):
+@pytest.mark.parametrize("family", ["llama3-rope", "qwen2", "qwen3"])
+def test_a_model_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path, family):
     """Issue 48's acceptance: a Llama-3-style model (rope llama3) fine-tuned 5 steps in mega at
-    TP2 (gloo, two forked ranks) exports, and transformers loads it with mega's logits."""
+    TP2 (gloo, two forked ranks) exports, and transformers loads it with mega's logits; so do
+    Qwen2 (its q/k/v biases split with the QKV rows) and Qwen3 (its q/k norms' gradients summed
+    over the TP ranks' heads)."""
     from conftest import run_mega
 
-    hf = _save(tmp_path, "llama3-rope")
+    hf = _save(tmp_path, family)
     convert(hf, tmp_path / "m", _converters())
     done = run_mega(
         ["train", "--load", str(tmp_path / "m"), "--use-checkpoint-args", "--finetune",
@@ -330,7 +333,9 @@ def test_a_llama3_fine_tuned_at_tp2_exports_with_mega_logits(tmp_path):
     assert done.returncode == 0, done.stderr
     convert(tmp_path / "ft", tmp_path / "out", _converters())
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["rope_scaling"] == LLAMA3
+    source = json.loads((hf / "config.json").read_text())
+    assert config["architectures"] == source["architectures"]
+    assert config["rope_scaling"] == source["rope_scaling"]
     tokens = _tokens()
     fine_tuned = _mega_logits(_mega_model(tmp_path / "ft"), tokens)
     diff = _max_diff(fine_tuned, _hf_logits(tmp_path / "out", tokens))
