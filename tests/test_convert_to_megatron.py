@@ -319,6 +319,16 @@ def test_a_model_field_megatron_is_not_told_is_refused_by_its_flag(
     assert "--fancy-attention (fancy_attention=True)" in message and "\n" not in message
 
 
+def test_yarn_positions_are_refused_even_at_their_defaults(converted, tmp_path):
+    """position_embedding_type is written as it is, but the writer maps only learned and rope
+    positions: a yarn model with every --yarn-* at its default passed the field check and was
+    written as a model without rope."""
+    weights = _converters().get("mega").read(converted.mega["llama"])
+    weights.model["position_embedding_type"] = "yarn"
+    with pytest.raises(MegaUsageError, match="--position-embedding-type yarn: only"):
+        _converters().get("megatron").write(tmp_path, weights)
+
+
 def test_a_bert_model_is_refused(converted, tmp_path):
     weights = _converters().get("mega").read(converted.mega["gpt2"])
     weights.model["name"] = "bert"

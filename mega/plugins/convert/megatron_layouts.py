@@ -266,6 +266,13 @@ def _refusal(cfg: Any, where: str) -> str | None:
             f"{where}: --openai-gelu with --disable-bias-linear: Megatron-LM's mcore GPT runs"
             " GeLU's tanh form only in its bias+GeLU fusion, which needs the biases"
         )
+    if cfg.position_embedding_type not in ("learned_absolute", "rope"):
+        # position_embedding_type is written as it is, but only learned and rope positions
+        # are mapped (the yarn fields would be dropped even at their defaults)
+        return (
+            f"{where}: --position-embedding-type {cfg.position_embedding_type}: only"
+            " learned_absolute and rope positions are written to Megatron-LM"
+        )
     for f in dataclasses.fields(cfg):
         if f.name in WRITTEN_FIELDS or f.name in cfg.CHANGEABLE_ON_LOAD:
             continue
