@@ -582,6 +582,7 @@ def hf_architecture(model: dict[str, Any]) -> str:
     if llama_like:
         return QWEN2 if qkv_bias else QWEN3 if qk_norm else LLAMA
     if not rope and not rms and not swiglu and bias and not qk_norm:
+        _gpt2_attention(model)
         return GPT2
     raise MegaUsageError(
         "this model is neither GPT-2-like (learned positions, LayerNorm, GeLU, biases) nor"
@@ -589,3 +590,24 @@ def hf_architecture(model: dict[str, Any]) -> str:
         f" {model.get('position_embedding_type')}, {model.get('normalization')},"
         f" swiglu {swiglu}, biases {bias}, qk norm {qk_norm}"
     )
+
+
+def _gpt2_attention(model: dict[str, Any]) -> None:
+    """GPT-2's attention has one key/value head per query head, each hidden/heads wide: a
+    GPT-2-like model with fewer key/value groups or other head sizes has no Hugging Face class
+    (Llama's needs rope, RMSNorm and SwiGLU), a one-line error naming the flag."""
+    heads, hidden = model["num_attention_heads"], model["hidden_size"]
+    groups = (model.get("num_query_groups") or 1) if model.get("group_query_attention") else heads
+    if groups != heads:
+        raise MegaUsageError(
+            f"--group-query-attention ({groups} key/value groups for {heads} heads): a GPT-2-like"
+            " model (learned positions, LayerNorm, GeLU) has no Hugging Face class with grouped"
+            " attention; GPT2LMHeadModel has one key/value head per query head"
+        )
+    kv = model.get("kv_channels")
+    if kv is not None and kv * heads != hidden:
+        raise MegaUsageError(
+            f"--kv-channels {kv}: GPT2LMHeadModel's heads are hidden size / heads"
+            f" ({hidden} / {heads}) wide; a GPT-2-like model with other head sizes has no"
+            " Hugging Face class"
+        )
