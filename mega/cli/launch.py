@@ -28,6 +28,15 @@ and stops the others (SIGTERM); the parent then prints one line naming the rank 
 others' collectives break when that rank's connections close; ``mega.cli.main`` holds such a
 secondary failure back for ``peers.PEER_LOST_GRACE_S`` so that the launcher sees, and blames, the rank
 that failed first. Ranks on other nodes, which no local launcher stops, then report it in one line.
+
+SIGTERM to the launcher (``kill``, SLURM before a time limit) is passed on to the workers, and the
+launcher goes on waiting for them: its exit code is theirs. With ``--exit-signal-handler`` they
+finish the step, save and exit 0, and so does the launcher; without it they die from the signal and
+the launcher says so (exit 1). Elastic's own SIGTERM handler is kept out (its
+``signals_to_handle``): it stopped the workers itself and waited up to 30 s for them
+to exit, which a worker that had returned never does (it waits for the parent to collect its
+result, which elastic does only when not stopping), so the launcher killed it and exited 1 after
+30 s, although every worker had saved.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ from mega.core.errors import MegaRunError, MegaUsageError, first_line
 from mega.parallel.distributed import process_place, url_host
 
 START_METHODS = ("fork", "spawn", "forkserver")
+# The signals elastic's handler turns into a SignalException in the launcher; SIGTERM is not one.
+ELASTIC_SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+STOPPED_BY_SIGTERM = "stopped by SIGTERM; the workers were stopped too"
 MONITOR_INTERVAL = 0.1  # seconds between elastic's checks of its workers
 # The loggers of torch elastic and of the process pool under it: their records (a traceback per
 # failed worker, "Terminating process ... via signal SIGTERM") repeat what the workers said
@@ -124,7 +136,12 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    env = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}  # see the module docstring: keeps fork safe
+    elastic_signals = ",".join(sig.name for sig in ELASTIC_SIGNALS)
+    env = {
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",  # see the module docstring: keeps fork safe
+        # elastic writes its signals_to_handle here, for good: put the old value back after
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": elastic_signals,
+    }
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads_per_worker(launch.nproc_per_node))
     timeout_s = max(1, int(config.parallel.distributed_timeout_minutes * 60))
@@ -134,6 +151,8 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
         _kept_signal_handlers(),
         tempfile.TemporaryDirectory(prefix="mega-launch-") as log_dir,
     ):
+        sigterm = _SigtermForwarder()
+        signal.signal(signal.SIGTERM, sigterm)
         elastic_config = LaunchConfig(
             min_nodes=launch.nnodes,
             max_nodes=launch.nnodes,
@@ -147,6 +166,7 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
             max_restarts=0,
             monitor_interval=MONITOR_INTERVAL,
             start_method=method,
+            signals_to_handle=elastic_signals,  # not SIGTERM: _SigtermForwarder handles it
             logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # error files, removed afterwards
         )
         try:
@@ -154,6 +174,8 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
         except ChildFailedError as exc:
             if exc.get_first_failure()[1].exitcode == 130:  # a rank ended on Ctrl-C before
                 raise KeyboardInterrupt from None  # the launcher handled the SIGINT itself
+            if sigterm.received and exc.get_first_failure()[1].exitcode == -signal.SIGTERM:
+                raise MegaRunError(STOPPED_BY_SIGTERM) from None  # no --exit-signal-handler
             raise _failure_error(exc) from None
         except SignalException as exc:  # elastic has already stopped the workers
             if exc.sigval == signal.SIGINT:
@@ -163,6 +185,35 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
             ) from None
         except (RuntimeError, ValueError, OSError) as exc:  # rendezvous: port in use, no master
             raise MegaRunError(_rendezvous_message(exc, config)) from None
+
+
+class _SigtermForwarder:
+    """The launcher's SIGTERM handler while its workers run: it sends the signal on to them and
+    returns, so that elastic keeps waiting for them and reports how they ended.
+
+    The workers are this process's multiprocessing children (elastic's process context starts
+    them; the launcher starts no others). With ``--exit-signal-handler`` the ranks agree to stop
+    after the same step (an all-reduce), so a rank that the signal reaches late, or not at all,
+    stops with the others. Before any worker has started (the rendezvous) there is nothing to
+    pass it on to: the launcher stops as elastic's handler would have it.
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        import multiprocessing
+
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.received = True
+        workers = multiprocessing.active_children()
+        if not workers:
+            sigval = signal.Signals(signum)
+            raise SignalException(f"launcher got {sigval.name}", sigval=sigval)
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(worker.pid, signum)
 
 
 def _preimport() -> None:
