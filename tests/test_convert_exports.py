@@ -6,7 +6,12 @@ that no Hugging Face class computes is a one-line refusal, not a traceback."""
 
 from __future__ import annotations
 
+import json
+import shlex
+from pathlib import Path
+
 import pytest
+import torch
 
 from mega.core.errors import MegaUsageError
 
@@ -15,6 +20,97 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 203
 TRAIN = ["--mock-data", "--micro-batch-size", "2", "--global-batch-size", "2",
          "--train-iters", "1", "--lr", "1e-4", "--eval-iters", "0"]  # fmt: skip
+
+
+def _word_tokenizer(directory: Path) -> None:
+    """A WordLevel tokenizer.json of VOCAB tokens with <pad> 0, <s> 1, </s> 2."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    names = ["<pad>", "<s>", "</s>", *[f"t{i}" for i in range(3, VOCAB)]]
+    words = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(directory / "tokenizer.json"))
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+
+
+def _hf_gpt2(tmp_path: Path, tokenizer: bool = True) -> Path:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=1, n_head=4,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "hf-gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    (path / "generation_config.json").unlink(missing_ok=True)  # the export must write its own
+    if tokenizer:
+        _word_tokenizer(path)
+    return path
+
+
+def _hf_llama(tmp_path: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "hf-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    _word_tokenizer(path)
+    return path
+
+
+def _ok(done):
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_special_ids_generation_config_and_tokenizer_are_exported(tmp_path):
+    from mega.testing import run_mega
+
+    _hf_gpt2(tmp_path)
+    _ok(run_mega(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
+    out = _ok(run_mega(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
+    back = tmp_path / "back"
+    config = json.loads((back / "config.json").read_text())
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    assert {k: config.get(k) for k in ids} == ids
+    assert "special tokens: bos_token_id 1, eos_token_id 2, pad_token_id 0" in out
+    generation = transformers.GenerationConfig.from_pretrained(back)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    assert (back / "tokenizer.json").is_file() and "tokenizer: tokenizer.json" in out
+    loaded = transformers.AutoTokenizer.from_pretrained(back)
+    assert loaded("t5 t17").input_ids == [5, 17] and loaded.eos_token_id == 2
+
+
+def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path):
+    from mega.testing import run_mega
+
+    _hf_gpt2(tmp_path, tokenizer=False)
+    _ok(run_mega(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
+    out = _ok(run_mega(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "transformers will need one" in warnings[0]
+    assert (tmp_path / "back" / "generation_config.json").is_file()
+
+
+def test_the_hint_trains_and_the_fine_tune_keeps_the_models_positions(tmp_path):
+    """HF Llama (128 positions) -> mega -> the printed hint, fine-tuned at --seq-length 32 ->
+    HF: max_position_embeddings stays 128, the special ids and tokenizer come along."""
+    from mega.testing import run_mega
+
+    _hf_llama(tmp_path)
+    out = _ok(run_mega(["convert-checkpoint", "hf-llama", "m"], tmp_path))
+    hint = next(line for line in out.splitlines() if line.startswith("train from it: "))
+    command = shlex.split(hint.removeprefix("train from it: mega ").removesuffix(" ..."))
+    assert "--tokenizer-type" in command
+    _ok(run_mega([*command, *TRAIN, "--seq-length", "32", "--save", "tuned"], tmp_path))
+    out = _ok(run_mega(["convert-checkpoint", "tuned", "back"], tmp_path))
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 128 and "max_position_embeddings: 128" in out
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert (tmp_path / "back" / "tokenizer.json").is_file()
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ both of its formats read, ``torch_dist`` written). SRC's format is detected; ``-
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -53,10 +54,12 @@ def convert_command(
     )  # fmt: skip
     task: Any = None
     model: dict[str, Any] = {}
+    tokenizer: dict[str, Any] = {}
 
     def start(weights: Any) -> None:
         nonlocal task
         model.update(weights.model)
+        tokenizer.update(weights.tokenizer)
         total = sum(t.nbytes for t in weights.tensors.values())
         task = bar.add_task("", total=total)
 
@@ -78,8 +81,13 @@ def convert_command(
     for reason, names in by_reason.items():
         more = f" and {len(names) - 1} more" if len(names) > 1 else ""
         click.echo(f"not converted: {names[0]}{more} ({reason})")
+    for note in report.notes:
+        click.echo(note)
     if report.target_format == "mega":
-        click.echo(f"train from it: mega train --load {dst} --finetune --use-checkpoint-args ...")
+        click.echo(
+            f"train from it: mega train --load {dst} --finetune --use-checkpoint-args"
+            f"{_tokenizer_flags(tokenizer)} ..."
+        )
     if report.target_format == "megatron":  # a release checkpoint: no optimizer or RNG state
         # Megatron-LM's default bias+GeLU fusion is the tanh GeLU; its flag is not in the args
         exact_gelu = not model.get("swiglu") and not model.get("openai_gelu")
@@ -91,6 +99,19 @@ def convert_command(
             f"{fusion} (which also sets TP=PP=1; at TP=k give the model's flags instead, with"
             " --make-vocab-size-divisible-by 128/k: its vocabulary is padded to a multiple of 128)"
         )
+
+
+def _tokenizer_flags(tokenizer: dict[str, Any]) -> str:
+    """The checkpoint's tokenizer as flags (--use-checkpoint-args takes the model's flags only),
+    or the flag to give when the checkpoint names none."""
+    if not tokenizer.get("tokenizer_type"):
+        return " --tokenizer-type <the tokenizer's>"
+    flags = f" --tokenizer-type {tokenizer['tokenizer_type']}"
+    for key, value in tokenizer.items():
+        if key != "tokenizer_type" and value not in (None, False):
+            flag = "--" + key.replace("_", "-")
+            flags += f" {flag}" if value is True else f" {flag} {shlex.quote(str(value))}"
+    return flags
 
 
 @hookimpl

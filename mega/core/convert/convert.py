@@ -35,6 +35,7 @@ class ConversionReport:
     bytes: int
     seconds: float
     ignored: dict[str, str] = field(default_factory=dict)  # source tensor -> why it is not used
+    notes: list[str] = field(default_factory=list)  # what the writer says it wrote (one line each)
 
 
 def source_format(src: Path, converters: Any, named: str | None) -> Any:
@@ -147,7 +148,7 @@ def convert(
     except OSError as exc:  # a read-only directory, /proc
         raise MegaUsageError(f"{dst}: cannot create it ({exc.strerror or exc})") from None
     try:
-        target.write(tmp, weights)
+        notes = target.write(tmp, weights)
         _all_written(source, target.name)
         tmp.rename(dst)
     except OSError as exc:  # writing (reading the source is SourceTensors' to report)
@@ -164,4 +165,5 @@ def convert(
         sum(t.nbytes for t in weights.tensors.values()),
         time.perf_counter() - started,
         dict(source.ignored),
+        list(notes or []),
     )

@@ -7,7 +7,9 @@ format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
 ``config.json`` and the safetensors shards (with their index) as ``save_pretrained`` writes
-them, and the source's tokenizer files.
+them, the special-token ids (in ``config.json`` and a ``generation_config.json``), and the
+tokenizer (a Hugging Face one's files copied, mega's GPT-2 BPE as a ``GPT2Tokenizer``, or a
+warning that none is written).
 """
 
 from __future__ import annotations
@@ -81,7 +83,10 @@ def read(path: Path) -> ModelWeights:
     )
 
 
-def write(path: Path, weights: ModelWeights) -> None:
+def write(path: Path, weights: ModelWeights) -> list[str]:
+    """The model's files, then what makes the directory stand on its own: the special-token ids
+    (in config.json and generation_config.json), the tokenizer's files. Returns one line each on
+    what was written, for the command to print."""
     from mega.plugins.convert import hf_bert, hf_layouts, hf_llama_like, hf_mixtral, hf_t5
     from mega.plugins.convert.safetensors_files import write_files
 
@@ -98,19 +103,145 @@ def write(path: Path, weights: ModelWeights) -> None:
     architecture = by_model.get(weights.model.get("name", "gpt"))
     architecture = architecture or hf_layouts.hf_architecture(weights.model)
     config, tensors = writers[architecture](weights.model, weights.tensors, weights.vocab_size)
+    notes: list[str] = []
+    source_dir = _tokenizer_dir(weights.tokenizer)
+    source_config = _json(source_dir / "config.json") if source_dir else {}
     rope_model = architecture not in (hf_layouts.GPT2, hf_bert.BERT, hf_t5.T5)
-    if rope_model and not weights.model.get("max_position_embeddings"):
-        # rope has no position table; the length the model was trained at is the honest limit
-        config["max_position_embeddings"] = weights.seq_length or config["max_position_embeddings"]
+    if rope_model:
+        # rope has no position table: the length the model was made for (its own, or the
+        # source's) or, failing both, the length it was trained at; never shrunk to a fine-tune's
+        known = [
+            weights.model.get("max_position_embeddings"),
+            source_config.get("max_position_embeddings"),
+        ]
+        known = [n for n in known if n]
+        positions = max(known) if known else weights.seq_length
+        config["max_position_embeddings"] = positions or config["max_position_embeddings"]
+    if "max_position_embeddings" in config or "n_positions" in config:
+        positions = config.get("max_position_embeddings") or config.get("n_positions")
+        notes.append(f"max_position_embeddings: {positions}")
     dtype = str(weights.tensors["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
     config["torch_dtype"] = DTYPE_NAMES.get(dtype, "float32")
+    special, whence = _special_ids(weights.tokenizer, source_dir, source_config)
+    config.update(special)
     write_files(path, tensors)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    source = weights.tokenizer.get("tokenizer_model")
-    if source and Path(source).is_dir():
+    if special:
+        shown = ", ".join(f"{k} {v}" for k, v in special.items())
+        notes.append(f"special tokens: {shown} (from {whence})")
+    else:
+        notes.append("special tokens: none known (no bos/eos/pad ids in config.json)")
+    notes += _write_tokenizer(path, weights.tokenizer, source_dir)
+    if architecture != hf_bert.BERT and not (path / "generation_config.json").is_file():
+        generation = {"_from_model_config": True, **special}
+        generation["transformers_version"] = config.get("transformers_version", _version())
+        (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return notes
+
+
+SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _json(file: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("transformers")
+    except Exception:  # transformers not installed: the key is informative only
+        return "unknown"
+
+
+def _tokenizer_dir(tokenizer: dict[str, Any]) -> Path | None:
+    """The directory of a Hugging Face tokenizer (for a converted model, the source model's)."""
+    model = tokenizer.get("tokenizer_model")
+    if tokenizer.get("tokenizer_type") != "HuggingFaceTokenizer" or not model:
+        return None
+    where = Path(model)
+    where = where if where.is_dir() else where.parent
+    return where if where.is_dir() else None
+
+
+def _special_ids(
+    tokenizer: dict[str, Any], source_dir: Path | None, source_config: dict[str, Any]
+) -> tuple[dict[str, int], str]:
+    """The bos/eos/pad ids and where they came from: the source Hugging Face model's config, its
+    tokenizer's named special tokens, or mega's GPT-2 BPE vocabulary (its <|endoftext|>)."""
+    found = {k: source_config[k] for k in SPECIAL if source_config.get(k) is not None}
+    if found:
+        return found, f"{source_dir}/config.json"
+    if source_dir is not None and (source_dir / "tokenizer.json").is_file():
+        names = {**_json(source_dir / "special_tokens_map.json")}
+        names.update({k: v for k, v in _json(source_dir / "tokenizer_config.json").items() if v})
+        vocab = _hf_vocab(source_dir / "tokenizer.json")
+        for key in SPECIAL:
+            name = names.get(key.removesuffix("_id"))
+            name = name.get("content") if isinstance(name, dict) else name
+            if isinstance(name, str) and name in vocab:
+                found[key] = vocab[name]
+        return found, f"{source_dir}'s tokenizer"
+    if tokenizer.get("tokenizer_type") == "GPT2BPETokenizer" and tokenizer.get("vocab_file"):
+        eod = _json(Path(tokenizer["vocab_file"])).get(GPT2_EOD)
+        if isinstance(eod, int):  # GPT-2's own config: bos = eos = <|endoftext|>
+            return {"bos_token_id": eod, "eos_token_id": eod}, "the GPT-2 BPE vocab's <|endoftext|>"
+    return {}, ""
+
+
+GPT2_EOD = "<|endoftext|>"
+
+
+def _hf_vocab(file: Path) -> dict[str, int]:
+    data = _json(file)
+    vocab = dict(data.get("model", {}).get("vocab") or {}) if isinstance(data, dict) else {}
+    vocab = vocab if all(isinstance(v, int) for v in vocab.values()) else {}
+    for added in data.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    return vocab
+
+
+def _write_tokenizer(path: Path, tokenizer: dict[str, Any], source_dir: Path | None) -> list[str]:
+    """A Hugging Face tokenizer's files copied; mega's GPT-2 BPE as transformers' GPT2Tokenizer
+    (its vocab.json and merges.txt); any other, a one-line warning."""
+    if source_dir is not None:
+        copied = []
         for name in TOKENIZER_FILES:
-            if (Path(source) / name).is_file():
-                shutil.copyfile(Path(source) / name, path / name)
+            if (source_dir / name).is_file():
+                shutil.copyfile(source_dir / name, path / name)
+                copied.append(name)
+        if "tokenizer.json" in copied:
+            return [f"tokenizer: {', '.join(copied)} copied from {source_dir}"]
+    kind = tokenizer.get("tokenizer_type")
+    if kind == "GPT2BPETokenizer" and tokenizer.get("vocab_file") and tokenizer.get("merge_file"):
+        vocab, merges = Path(tokenizer["vocab_file"]), Path(tokenizer["merge_file"])
+        if vocab.is_file() and merges.is_file():
+            shutil.copyfile(vocab, path / "vocab.json")
+            shutil.copyfile(merges, path / "merges.txt")
+            settings = {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": GPT2_EOD,
+                "eos_token": GPT2_EOD,
+                "unk_token": GPT2_EOD,
+                "add_prefix_space": False,
+                "model_max_length": 1000000000000000019884624838656,
+            }
+            (path / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+            return [f"tokenizer: {vocab} and {merges} written as a GPT2Tokenizer"]
+    if kind:
+        return [
+            f"warning: the {kind} tokenizer is not written (mega writes Hugging Face tokenizers and"
+            " GPT2BPETokenizer's files); transformers will need one for this model"
+        ]
+    return [
+        "warning: no tokenizer is known for this checkpoint, none is written; transformers will"
+        " need one for this model"
+    ]
 
 
 @hookimpl
