@@ -113,6 +113,53 @@ def test_the_hint_trains_and_the_fine_tune_keeps_the_models_positions(tmp_path):
     assert (tmp_path / "back" / "tokenizer.json").is_file()
 
 
+def test_a_gpt2_bpe_run_with_relative_tokenizer_paths_exports_its_tokenizer(tmp_path):
+    from tokenizer_files import train_gpt2_bpe
+
+    from mega.testing import run_mega
+
+    vocab, merges = train_gpt2_bpe(tmp_path / "tok", vocab_size=300)
+    model = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"]
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "tok/vocab.json",
+                 "--merge-file", "tok/merges.txt"]  # fmt: skip
+    _ok(run_mega(["train", *model, *tokenizer, *TRAIN, "--seq-length", "16", "--save", "ckpt"],
+                 tmp_path))  # fmt: skip
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = _ok(run_mega(["convert-checkpoint", str(tmp_path / "ckpt"), "hf"], elsewhere))
+    assert "warning" not in out
+    hf = elsewhere / "hf"
+    eod = json.loads(vocab.read_text())["<|endoftext|>"]
+    config = json.loads((hf / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (eod, eod)
+    from tokenizers import ByteLevelBPETokenizer
+
+    ours = ByteLevelBPETokenizer.from_file(str(vocab), str(merges))
+    text = "def f(x):\n    return x + 1"
+    loaded = transformers.AutoTokenizer.from_pretrained(hf)
+    assert loaded(text).input_ids == ours.encode(text).ids
+    assert loaded.eos_token_id == eod
+    transformers.AutoModelForCausalLM.from_pretrained(hf)  # and the model loads beside it
+
+
+def test_a_rope_model_fine_tuned_shorter_exports_the_length_it_was_trained_at(tmp_path):
+    """Trained at --seq-length 32 (no --max-position-embeddings), fine-tuned at 16 through the
+    hint: the export's max_position_embeddings is 32, not the fine-tune's 16."""
+    from mega.testing import run_mega
+
+    llama_like = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--disable-bias-linear"]  # fmt: skip
+    null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
+    _ok(run_mega(["train", *llama_like, *null, *TRAIN, "--seq-length", "32", "--save", "pre"],
+                 tmp_path))  # fmt: skip
+    _ok(run_mega(["train", "--load", "pre", "--finetune", "--use-checkpoint-args", *null, *TRAIN,
+                  "--seq-length", "16", "--save", "tuned"], tmp_path))  # fmt: skip
+    out = _ok(run_mega(["convert-checkpoint", "tuned", "hf"], tmp_path))
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 32 and "max_position_embeddings: 32" in out
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [({"group_query_attention": True, "num_query_groups": 2}, "--group-query-attention"),

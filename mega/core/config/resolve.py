@@ -250,6 +250,7 @@ def resolve_config(
     parallel = built["parallel"]
     if parallel.parallel is None:  # Megatron's choice of schedule from the layout
         built["parallel"] = dataclasses.replace(parallel, parallel=default_schedule(parallel))
+    built["tokenizer"] = _absolute_tokenizer_paths(built["tokenizer"])
     config = RunConfig(
         model_name=model_name,
         tokenizer_name=tokenizer_name,
@@ -264,6 +265,25 @@ def resolve_config(
     return config
 
 
+TOKENIZER_PATHS = ("tokenizer_model", "vocab_file", "merge_file")
+
+
+def _absolute_tokenizer_paths(section: Any) -> Any:
+    """The tokenizer's files as absolute paths, so the config saved with a checkpoint still finds
+    them from another directory (``convert-checkpoint`` exports them, ``generate`` loads them).
+    A path that does not exist here is left as given, for the tokenizer's own check to name."""
+    if not dataclasses.is_dataclass(section):
+        return section
+    changes = {}
+    for field in dataclasses.fields(section):
+        value = getattr(section, field.name)
+        if field.name in TOKENIZER_PATHS and isinstance(value, str) and value:
+            path = Path(value).expanduser()
+            if not path.is_absolute() and path.exists():
+                changes[field.name] = str(path.resolve())
+    return dataclasses.replace(section, **changes) if changes else section
+
+
 def _checkpoint_args(
     file_values: dict, flag_values: dict, table: FlagTable, plugins: Plugins, model_name: str
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
@@ -274,6 +294,20 @@ def _checkpoint_args(
     from mega.core.checkpoint.checkpoint_args import checkpoint_arg_values
 
     raw, errors = checkpoint_arg_values(given["load"], plugins.checkpoint_backends, model_name)
+    seq_length = raw.get("training", {}).get("seq_length")
+    positions = table.by_key.get("max_position_embeddings")
+    chosen = {**file_values.get("model", {}), **flag_values.get("model", {})}
+    if (
+        seq_length
+        and positions is not None
+        and positions.section == "model"
+        and "max_position_embeddings" not in chosen
+    ):
+        # a model saved without --max-position-embeddings was made for its --seq-length: a
+        # fine-tune at another length keeps that (the learned table's rows, an export's length)
+        model = raw.setdefault("model", {})
+        if model.get("max_position_embeddings") is None:
+            model["max_position_embeddings"] = seq_length
     placed: dict[str, dict[str, Any]] = {}
     for section, items in raw.items():
         for key, value in items.items():
