@@ -1,7 +1,7 @@
 """A third-party-style plugin that makes one rank fail, for tests/test_launch.py.
 
 Loaded as a plugin file (``MEGA_PLUGINS_DIR`` pointing at a directory holding a copy of it).
-Environment: ``FAIL_RANK`` (default 1), ``FAIL_ITERATION`` (default 2) and ``FAIL_HOW``:
+Environment: ``FAIL_RANK`` (default 1; ``all``: every rank), ``FAIL_ITERATION`` (default 2) and ``FAIL_HOW``:
 
 - ``run-error`` (default): raise ``MegaRunError`` (the rank exits 1 with its ``error:`` line);
 - ``usage-error``: raise ``MegaUsageError`` (exit 2);
@@ -22,7 +22,8 @@ from mega.core.errors import MegaRunError, MegaUsageError
 @hookimpl
 def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
     rank = engine.topology.rank
-    if rank != int(os.environ.get("FAIL_RANK", "1")):
+    failing = os.environ.get("FAIL_RANK", "1")
+    if failing != "all" and rank != int(failing):
         return
     if iteration != int(os.environ.get("FAIL_ITERATION", "2")):
         return

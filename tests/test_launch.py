@@ -162,7 +162,16 @@ def test_bad_input_on_a_rank_exits_2(tmp_path: Path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         "error: planted bad input on rank 0 at iteration 2",  # rank 0 speaks unprefixed
-        "error: rank 0 failed (exit code 2); see its message above",
+    ], result.stderr
+
+
+def test_bad_input_on_every_rank_is_shown_once(tmp_path: Path):
+    """Every rank refuses the same input (a --load that does not fit the model, say): rank 0's
+    line only, no [rank 1] copy and no summary line from the launcher."""
+    result = failing_run(tmp_path, FAIL_HOW="usage-error", FAIL_RANK="all")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: planted bad input on rank 0 at iteration 2",
     ], result.stderr
 
 

@@ -80,6 +80,13 @@ def _rank_prefix() -> str:
     return rank_prefix(place.rank) if place.world_size > 1 else ""
 
 
+def _launched_worker() -> bool:
+    """Whether this process is a worker of ``mega train --nproc-per-node`` (never imported here
+    just to ask: mega --help stays fast)."""
+    launch = sys.modules.get("mega.cli.launch")
+    return launch is not None and launch.is_launched_worker()
+
+
 def main(argv: list[str] | None = None, plugins=None) -> None:
     """The ``mega`` command: every error becomes one ``error:`` line and an exit code
     (``plugins``: a given plugin manager instead of the installed plugins, as tests do)."""
@@ -88,6 +95,13 @@ def main(argv: list[str] | None = None, plugins=None) -> None:
         code = cli.main(args=argv, prog_name="mega", standalone_mode=False)
     except MegaUsageError as exc:
         prefix = _rank_prefix()
+        if prefix and _launched_worker():
+            # Bad input fails every rank alike (a --load that does not fit, say): rank 0's lines
+            # say it. Hold this rank's copy back while the launcher stops the job on rank 0's exit
+            # (this rank dies from its SIGTERM); a failure of this rank alone is still shown.
+            from mega.cli.peers import wait_for_launcher
+
+            wait_for_launcher()
         for message in exc.messages:
             click.echo(f"{prefix}error: {message}", err=True)
         sys.exit(2)

@@ -24,7 +24,9 @@ forces it.
 
 A failure on one rank ends the job: elastic notices the worker's exit within ``MONITOR_INTERVAL``
 and stops the others (SIGTERM); the parent then prints one line naming the rank that failed first
-(its own message is already on stderr) and exits 1, or 2 when that rank failed on bad input. The
+(its own message is already on stderr) and exits 1, or 2 when that rank failed on bad input. Bad
+input fails every rank alike, so when rank 0 failed on it, its own lines are all there is (exit 2);
+the other ranks hold their copies back (``mega.cli.main``) until the parent has stopped them. The
 others' collectives break when that rank's connections close; ``mega.cli.main`` holds such a
 secondary failure back for ``peers.PEER_LOST_GRACE_S`` so that the launcher sees, and blames, the rank
 that failed first. Ranks on other nodes, which no local launcher stops, then report it in one line.
@@ -235,6 +237,8 @@ def _failure_error(exc: Any) -> MegaRunError | MegaUsageError:
         except ValueError:
             name = f"signal {-code}"
         return MegaRunError(f"rank {rank} died from {name} (exit code {code})")
+    if rank == 0 and code == 2:  # bad input: rank 0's own error lines say all there is to say
+        return MegaUsageError([])  # (an error with no lines: exit code 2, nothing printed)
     message = f"rank {rank} failed (exit code {code}); see its message above"
     return MegaUsageError(message) if code == 2 else MegaRunError(message)
 
