@@ -184,3 +184,18 @@ def test_moe_scale_run_reshards_and_checks_on_the_cpu(tmp_path: Path):
     assert first["load_balancing_loss"]["mean"] > 0.5  # ~1 for a balanced router
     assert report["check"]["then_vs_first"]["within_bound"]
     assert report["check"]["first_vs_reference"]["iterations"] == [1, 6]
+
+
+def test_convert_round_trip_smoke_run(tmp_path: Path):
+    """The 1.3B round trip's script at toy size: both conversions timed, every tensor back."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "convert_round_trip.py"), "--layers", "1",
+        "--hidden", "32", "--heads", "2", "--vocab", "128", "--positions", "32",
+        "--dir", str(tmp_path / "scratch"), "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("convert_round_trip_*.json")
+    (row,) = json.loads(result.read_text())["results"]
+    assert row["bit_identical"] and row["tensors"] > 10
+    assert row["hf_to_mega"]["seconds"] > 0 and row["mega_to_hf"]["peak_rss_gib"] > 0
