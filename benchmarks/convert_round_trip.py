@@ -8,7 +8,8 @@ The source is a ``GPT2LMHeadModel`` of Megatron's 1.3B shape (24 layers, hidden 
 vocabulary 50257, 2048 positions), randomly initialised by transformers in float32 and written
 with ``save_pretrained`` (5 GB shards). Each conversion is the real command in its own process
 (``python -m mega convert-checkpoint``), so its wall time includes starting Python and torch; its
-peak resident memory is the child's own ``ru_maxrss``. The check opens the source and the round trip
+peak resident memory is the child's own ``ru_maxrss``, which counts the pages of the files
+it memory-maps (safetensors are) as well as its own allocations. The check opens the source and the round trip
 with safetensors and compares every tensor's bytes. Writes
 ``benchmarks/results/convert_round_trip_<date>.json`` (``--out``) with the commit, command, disk,
 versions and numbers.
