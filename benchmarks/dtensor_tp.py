@@ -84,6 +84,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+# the reference GPT's MLP (benchmarks/ is this script's directory, first on sys.path)
+from gpt_throughput import MLP  # noqa: E402
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -118,16 +121,6 @@ class Attention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         return self.linear_proj(y.transpose(1, 2).reshape(b, s, heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.linear_fc1 = nn.Linear(hidden, 4 * hidden)
-        self.linear_fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
 
 
 class Block(nn.Module):

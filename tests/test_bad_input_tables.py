@@ -12,8 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
+from test_input_errors import write_dataset
 
 from mega import hookimpl
 from mega.testing import TINY_GPT
@@ -22,17 +22,6 @@ NO_CUDA = pytest.mark.skipif(
     "__import__('torch').cuda.is_available()", reason="this machine has CUDA"
 )
 NEEDS_PROC = pytest.mark.skipif(not os.path.isdir("/proc"), reason="no /proc here")
-
-
-def _write_dataset(prefix: Path, largest: int) -> None:
-    from mega.plugins.datasets.indexed import IndexedDatasetBuilder
-
-    builder = IndexedDatasetBuilder(prefix, dtype=np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(64):
-        builder.add_document([rng.integers(0, 200, size=40).tolist()])
-    builder.add_document([[5, largest, 7]])
-    builder.finalize()
 
 
 def _damage(path: Path, truncate: bool) -> None:
@@ -71,8 +60,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     (root / "bad_metadata" / "iter_0000001" / "metadata.json").write_text("garbage")
     shutil.copytree(root / "hf", root / "hf_truncated")
     _damage(root / "hf_truncated" / "model.safetensors", truncate=True)
-    _write_dataset(root / "small", largest=199)  # ByteTokenizer ids
-    _write_dataset(root / "big", largest=50256)  # GPT-2 ids
+    write_dataset(root / "small", largest=199)  # ByteTokenizer ids
+    write_dataset(root / "big", largest=50256)  # GPT-2 ids
     (root / "empty.jsonl").write_text("")
     (root / "one.jsonl").write_text('{"text": "hello"}\n')
     (root / "empty_text.jsonl").write_text('{"text": ""}\n')
