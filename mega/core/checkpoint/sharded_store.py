@@ -96,6 +96,19 @@ def _arrays(tensors: list[ShardedTensor]) -> tuple[dict[str, dict[str, Any]], se
     return union, {key for key, rank in creators.items() if rank == me}
 
 
+def create_arrays(
+    directory: Path, tensors: list[ShardedTensor], backend: Any
+) -> dict[str, dict[str, Any]]:
+    """Step 2 of the module docstring, a collective (every rank calls it with its tensors): the
+    empty global arrays that the ranks' ``tensors`` write (their ``write`` pieces), each created
+    once, by the lowest rank writing it; two ranks creating one array is tensorstore's
+    ``ALREADY_EXISTS``. Returns every array's metadata (``{key: {shape, dtype, chunks}}``); this
+    rank's ``OSError`` propagates (:func:`start_sharded_save` has the ranks agree on it)."""
+    arrays, mine = _arrays(tensors)
+    backend.create(directory, [t for t in tensors if t.key in mine and t.write and t.pieces])
+    return arrays
+
+
 class PendingSave:
     """A sharded save whose writes were started; :meth:`finish` (a collective) completes it."""
 
@@ -166,9 +179,9 @@ def start_sharded_save(
         except OSError as exc:
             failure = f"cannot create {tmp}: {exc.strerror or exc}"
     _raise_if_any(failure, iteration)
-    arrays, mine = _arrays(tensors)
+    arrays: dict[str, dict[str, Any]] = {}
     try:
-        backend.create(tmp, [t for t in tensors if t.key in mine and t.write and t.pieces])
+        arrays = create_arrays(tmp, tensors, backend)
     except OSError as exc:
         failure = str(exc)
     _raise_if_any(failure, iteration)
