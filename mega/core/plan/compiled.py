@@ -59,6 +59,16 @@ def _forward_signature(fn: Any, depth: int = 0) -> tuple:
     return tuple(parts)
 
 
+def _settings(unit: torch.nn.Module) -> tuple:
+    """Every submodule's plain attributes (numbers, strings, flags): what its forward may branch
+    on beyond its shapes."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(
+        (name, tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, plain))))
+        for name, m in unit.named_modules()
+    )
+
+
 def _tensor_signature(tensors: list[torch.Tensor]) -> tuple:
     # a weight's FP8 marking (mega.parallel.fp8.apply) changes its layer's graph: under
     # --first-last-layers-bf16 the bf16 and FP8 layers of one model are two kinds
@@ -308,8 +318,14 @@ def stand_in_compiled(unit: torch.nn.Module, tracker: StepTracker, cache: dict) 
 def _counted_forward(
     forward: Callable, unit: torch.nn.Module, tracker: StepTracker, cache: dict
 ) -> Callable:
-    # repr: the submodules and their settings (a dropout's p changes what is saved)
-    kind = repr(unit), _forward_signature(forward), _tensor_signature(list(unit.parameters()))
+    # repr: the submodules and their settings (a dropout's p changes what is saved); the
+    # settings a repr does not show, too (MoE experts' grouped GEMM or loop)
+    kind = (
+        repr(unit),
+        _settings(unit),
+        _forward_signature(forward),
+        _tensor_signature(list(unit.parameters())),
+    )
 
     @functools.wraps(forward)
     def counted(*args: Any, **kwargs: Any) -> Any:

@@ -59,6 +59,7 @@ class Plan:
     optimizer_seconds: float
     step_seconds: float
     tokens_per_second: float
+    assumptions: tuple[str, ...] = ()  # what the count takes as given (a line each)
 
     @property
     def peak_bytes(self) -> int:
@@ -146,6 +147,10 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
     )
     step = pipeline + reduce + optimizer
     tokens = config.global_batch_size * config.training.seq_length  # the default's when unset
+    assumptions = ()
+    experts = getattr(config.model, "num_experts", None)
+    if experts:
+        assumptions = (moe_assumption(config),)
     return Plan(
         stages=stages,
         rates=rates,
@@ -155,4 +160,21 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
         optimizer_seconds=optimizer,
         step_seconds=step,
         tokens_per_second=tokens / step,
+        assumptions=assumptions,
     )
+
+
+def moe_assumption(config: RunConfig) -> str:
+    """The routing a MoE run is counted with (mega.core.plan.shadow): balanced."""
+    model = config.model
+    experts, k = model.num_experts, model.moe_router_topk
+    ep = config.parallel.expert_model_parallel_size
+    line = (
+        f"MoE routing assumed balanced: each token's {k} slots spread evenly over the"
+        f" {experts} experts"
+    )
+    if model.moe_expert_capacity_factor is not None:
+        line += f", each keeping at most {model.moe_expert_capacity_factor:g} x its share"
+    if ep > 1:
+        line += f", every rank sending each of its {ep - 1} expert-parallel peers its share"
+    return line + "; a skewed routing needs more memory and time than planned"

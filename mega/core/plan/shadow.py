@@ -6,14 +6,22 @@ the same code as ``mega train`` (``build_parts``: the model plugin, tensor/seque
 expert/context parallelism, recompute, the gradient buffer and the optimizer), on the meta device
 (shapes, no data). One global batch then goes through the real executor and schedule table, and
 the optimizer steps, under ``StepTracker``: the peak of the live bytes is the rank's peak memory,
-and the ops seen are its work. Three things differ from a GPU, on purpose:
+and the ops seen are its work. Four things differ from a GPU, on purpose:
 
 - attention is ``flash_attention`` (what a fused kernel keeps), not SDPA's math path on meta;
 - point-to-point transfers between pipeline stages are skipped (the received buffers are
   allocated by the executor as on a GPU);
 - nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head,
   without tensor or context parallelism) run eagerly but are counted as their compiled selves
-  keep memory (``mega.core.plan.compiled``).
+  keep memory (``mega.core.plan.compiled``);
+- a mixture-of-experts layer's routing has no values on meta, so it is counted as **balanced**:
+  each rank's ``T * k`` (token, expert) slots spread evenly over the ``E`` experts, at most the
+  capacity each (``--moe-expert-capacity-factor``), every rank sending each expert-parallel peer
+  its share (``mega.parallel.expert.local.balanced_rows``). The router, the experts' GEMMs
+  (grouped or one per expert, as the run has them), the dispatcher's gathers and all-to-alls
+  run as on a GPU on those shapes. A skewed routing sends some experts more rows: its peak and
+  its slowest expert's time are above the plan's (the router's load-balancing loss is what
+  keeps it near balanced).
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ class RankProfile:
     step: Work  # the rest of the gradient reduction and the optimizer, once per global batch
     chunks: int
     optimizer_elements: int  # the fp32 elements this rank's optimizer updates (its shard)
+    parameters: int  # elements of the parameters this rank holds (its chunks', tied ones once)
     table: Any  # the schedule's table function (pp, vpp, m) -> actions by pipeline rank
 
 
@@ -296,5 +305,9 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
             step=step,
             chunks=len(executor.chunks),
             optimizer_elements=parts.optimizer.exp_avg.numel(),
+            parameters=sum(
+                p.numel()
+                for p in {id(p): p for c in executor.chunks for p in c.parameters()}.values()
+            ),
             table=executor.table,
         )

@@ -3,9 +3,10 @@
 ``StepTracker`` is a dispatch mode: every op's output storages are added to the live bytes when
 they first appear and subtracted when Python frees them (a weak reference per storage), so
 ``peak`` is the largest live total, as the CUDA caching allocator's ``max_memory_allocated`` would
-count it (sizes rounded up to its 512-byte blocks). On the way it adds up the work: matmul FLOPs (bf16
-and FP8 apart), attention FLOPs (``flash_attention``, the stand-in for SDPA while planning), bytes
-moved by the other ops, and bytes each collective sends, by process group.
+count it (sizes rounded up to its 512-byte blocks). On the way it adds up the work: matmul FLOPs
+(bf16 and FP8 apart; the MoE experts' grouped GEMMs among the bf16 ones), attention FLOPs
+(``flash_attention``, the stand-in for SDPA while planning), bytes moved by the other ops, and
+bytes each collective sends, by process group.
 """
 
 from __future__ import annotations
@@ -180,6 +181,10 @@ class StepTracker(TorchDispatchMode):
             work.fp8_matmul_flops += 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
             work.ops += 1
             return
+        if func is aten._grouped_mm.default:
+            work.matmul_flops += _grouped_mm_flops(args[0], args[1], out)
+            work.ops += 1
+            return
         if func in _NO_BYTES:
             return
         if func is torch.ops.mega.weight_grad.default:
@@ -247,6 +252,16 @@ _FUNCTIONAL_KINDS = {
     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "alltoall",
     "broadcast": "broadcast",
 }  # fmt: skip
+
+
+def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    """``torch._grouped_mm``'s FLOPs (the MoE experts' GEMMs, ``--moe-grouped-gemm``): each
+    group's rows times its weights. ``[M, K] x [G, K, N]`` (forward, input gradient) and the
+    batched 3-D forms make ``out`` from products of length K; ``[N, M] x [M, K]`` split along M
+    by the offsets (the weight gradient, ``out [G, N, K]``) sums the groups' M to the whole M."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2.0 * out.numel() * a.shape[-1]
 
 
 def _attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> float:

@@ -11,7 +11,9 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
   exchanged first (one host sync per layer and step, as Megatron's).
 
 Both are differentiable through their collectives; the routing weights never travel in
-``alltoall`` (the outputs are weighted where the tokens live).
+``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
+plan``) the routing is taken as balanced (:func:`mega.parallel.expert.local.balanced_rows`):
+every rank sends each expert ``T * k / E`` rows (at most the capacity) and receives as much.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from mega.parallel.comm import group_size
 from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter_rows
 from mega.parallel.expert.local import (
+    balanced_rows,
     inverse_permutation,
     local_mixture,
     run_experts,
@@ -41,7 +44,8 @@ class AllGatherDispatcher:
         indices = gather_rows(routing.indices, self.group)  # integers: no gradient flows
         partial = local_mixture(
             everyone, probs, indices, experts, experts.first, experts.count,
-            pad_to=routing.pad_to(n),
+            pad_to=routing.pad_to(n), total=n * experts.count,
+            capacity=None if routing.capacity is None else n * routing.capacity,
         )  # fmt: skip
         return scatter_rows(partial, self.group)
 
@@ -63,20 +67,35 @@ class AllToAllDispatcher:
         total = n * local
         k = routing.indices.shape[1]
         flat = routing.indices.reshape(-1)
-        slots = (flat >= 0).nonzero().squeeze(1)
+        meta = flat.is_meta  # the planner: balanced routing (mega.parallel.expert.local)
+        if meta:
+            rows = balanced_rows(flat.numel(), total, routing.capacity)
+            slots = flat.new_empty(sum(rows))
+        else:
+            slots = (flat >= 0).nonzero().squeeze(1)
         order = torch.argsort(flat[slots], stable=True)  # by expert: by destination rank too
         slots = slots[order]
-        per_expert = torch.bincount(flat[slots], minlength=total)  # [E] this rank sends
+        if meta:
+            per_expert = flat.new_empty(total)
+        else:
+            per_expert = torch.bincount(flat[slots], minlength=total)  # [E] this rank sends
         # every rank's counts for this rank's experts: [source, local expert]
         counts = exchange_rows(per_expert.view(n, local), [1] * n, [1] * n, self.group)
-        send = per_expert.view(n, local).sum(1).tolist()
-        recv_counts = counts.tolist()
+        if meta:  # every rank routes as this one: its experts get the same rows from each
+            send = [sum(rows[r * local : (r + 1) * local]) for r in range(n)]
+            recv_counts = [rows[experts.first : experts.first + local]] * n
+        else:
+            send = per_expert.view(n, local).sum(1).tolist()
+            recv_counts = counts.tolist()
         recv = [sum(row) for row in recv_counts]
         arrived = exchange_rows(tokens.index_select(0, slots // k), send, recv, self.group)
         # arrived rows are grouped by source, then expert: regroup them by expert
         source_major = counts.reshape(-1)
         expert_of = torch.arange(local, device=tokens.device).repeat(n)
-        row_expert = torch.repeat_interleave(expert_of, source_major)
+        if meta:
+            row_expert = torch.repeat_interleave(expert_of, source_major, output_size=sum(recv))
+        else:
+            row_expert = torch.repeat_interleave(expert_of, source_major)
         by_expert = torch.argsort(row_expert, stable=True)
         outputs = run_experts(
             arrived.index_select(0, by_expert), counts.sum(0), experts, routing.pad_to(n)

@@ -5,6 +5,11 @@ A routing is ``probs [T, k]`` and ``indices [T, k]``: each token's ``k`` experts
 ``first .. first + count - 1``. Its slots are grouped by expert (stable: token order inside an
 expert), run through the experts as one ``[N, h]`` batch with per-expert counts, weighted by
 their probabilities in float32 and added back at their tokens.
+
+On the meta device (``mega plan`` counts a step there) a routing has shapes but no values, so
+what depends on them (which slots a rank holds, how many rows each expert gets) is taken as
+**balanced**: the ``T * k`` slots spread evenly over the experts (:func:`balanced_rows`), at
+most the capacity each. Every op still runs, on those shapes; tensors off meta never take it.
 """
 
 from __future__ import annotations
@@ -30,16 +35,39 @@ class Assignment:
     counts: torch.Tensor  # [E_local] rows per local expert
 
 
-def assign(indices: torch.Tensor, first: int, count: int) -> Assignment:
-    """Which slots of ``indices [T, k]`` go to experts ``first .. first + count - 1``."""
+def balanced_rows(slots: int, experts: int, capacity: int | None = None) -> list[int]:
+    """Rows per expert when ``slots`` (token, expert) slots are routed evenly over ``experts``
+    (the first ``slots % experts`` get one more), each at most ``capacity``: the routing the
+    planner assumes on the meta device, where the real one has no values."""
+    share, extra = divmod(slots, experts)
+    rows = [share + (e < extra) for e in range(experts)]
+    return rows if capacity is None else [min(r, capacity) for r in rows]
+
+
+def assign(
+    indices: torch.Tensor,
+    first: int,
+    count: int,
+    total: int | None = None,
+    capacity: int | None = None,
+) -> Assignment:
+    """Which slots of ``indices [T, k]`` go to experts ``first .. first + count - 1``. On the
+    meta device: balanced over ``total`` experts (default ``count``), at most ``capacity`` rows
+    each (module docstring)."""
     k = indices.shape[1]
     flat = indices.reshape(-1)
     local = flat - first
     mine = (flat >= 0) & (local >= 0) & (local < count)
-    slots = mine.nonzero().squeeze(1)
+    if indices.is_meta:
+        rows = balanced_rows(flat.numel(), total or count, capacity)[first : first + count]
+        slots = flat.new_empty(sum(rows))
+    else:
+        slots = mine.nonzero().squeeze(1)
     local = local[slots]
     order = torch.argsort(local, stable=True)
     slots, local = slots[order], local[order]
+    if indices.is_meta:
+        return Assignment(slots, slots // k, local.new_empty(count))
     return Assignment(slots, slots // k, torch.bincount(local, minlength=count))
 
 
@@ -50,11 +78,18 @@ def run_experts(
     added, their outputs dropped): --moe-pad-expert-input-to-capacity's fixed shapes."""
     if pad_to is None:
         return experts(x, counts)
-    if counts.numel() and int(counts.max()) > pad_to:
-        raise ValueError(f"an expert got {int(counts.max())} tokens, over its capacity {pad_to}")
     count = counts.numel()
+    if counts.is_meta:  # balanced (module docstring): within capacity, x's rows in all
+        rows = torch.repeat_interleave(
+            torch.arange(count, device=x.device), counts, output_size=x.shape[0]
+        )
+    else:
+        if count and int(counts.max()) > pad_to:
+            raise ValueError(
+                f"an expert got {int(counts.max())} tokens, over its capacity {pad_to}"
+            )
+        rows = torch.repeat_interleave(torch.arange(count, device=x.device), counts)
     starts = torch.cumsum(counts, 0) - counts
-    rows = torch.repeat_interleave(torch.arange(count, device=x.device), counts)
     within = torch.arange(x.shape[0], device=x.device) - starts[rows]
     place = rows * pad_to + within
     padded = x.new_zeros(count * pad_to, x.shape[1]).index_copy(0, place, x)
@@ -71,14 +106,17 @@ def local_mixture(
     count: int,
     pad_to: int | None = None,
     complete: bool = False,
+    total: int | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` over the slots whose expert is
     held here (``[T, h]``, zero for tokens with none), in ``tokens``' dtype. ``complete``: every
     slot goes to an expert held here (all experts are local and none was dropped), see
-    :func:`complete_mixture`."""
+    :func:`complete_mixture`. ``total`` and ``capacity``: the experts in all and the rows each
+    keeps of ``indices``, for the balanced routing on the meta device (:func:`assign`)."""
     if complete:
         return complete_mixture(tokens, probs, indices, experts, count, pad_to)
-    job = assign(indices, first, count)
+    job = assign(indices, first, count, total, capacity)
     y = run_experts(tokens.index_select(0, job.tokens), job.counts, experts, pad_to)
     return weighted_sum(tokens, probs, job.slots, job.tokens, y)
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.parallel.expert.aux_loss import attach
-from mega.parallel.expert.local import local_mixture
+from mega.parallel.expert.local import balanced_rows, local_mixture
 from mega.parallel.functional_comm import all_reduced
 from mega.plugins.models.gpt.config import GPTConfig
 
@@ -278,11 +278,16 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
-        if self.grouped_gemm and x.is_cuda and x.dtype == torch.bfloat16:
+        # meta: mega plan counting a step for a GPU, with balanced routing (its counts have no
+        # values: x's rows spread evenly over the experts, mega.parallel.expert.local)
+        if self.grouped_gemm and (x.is_cuda or x.is_meta) and x.dtype == torch.bfloat16:
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
-        pieces = x.split(counts.tolist())
+        if x.is_meta:
+            pieces = x.split(balanced_rows(x.shape[0], self.count))
+        else:
+            pieces = x.split(counts.tolist())
         # unbind: one stack in backward (indexing w1[e] would add a full-size zero gradient
         # per expert)
         w1s, w2s = w1.unbind(0), w2.unbind(0)
@@ -301,6 +306,7 @@ class LocalDispatcher:
         return local_mixture(
             tokens, routing.probs, routing.indices, experts, experts.first, experts.count,
             pad_to=routing.pad_to(), complete=routing.capacity is None,
+            capacity=routing.capacity,
         )  # fmt: skip
 
 
