@@ -381,6 +381,11 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     if dist.is_initialized():
         dist.destroy_process_group()
+    wrong = [
+        k for k in ("mega_round_trip_equal", "dcp_round_trip_equal") if results.get(k) is False
+    ]
+    if wrong:  # every rank knows (the mismatches are gathered): the numbers are of a bad save
+        sys.exit(f"checkpoint_io: a load did not give back the saved state ({', '.join(wrong)})")
 
 
 if __name__ == "__main__":
