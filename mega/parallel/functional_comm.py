@@ -15,6 +15,11 @@ Eager, a functional collective returns an ``AsyncCollectiveTensor`` that waits a
 these functions wait at once (on CUDA: the current stream waits for NCCL's, the host does not),
 so callers, autograd functions included, only ever hold plain tensors. Traced, funcol has
 already put the wait into the graph. Every function takes a group of more than one rank.
+
+The ``start_*`` functions and :func:`wait` are the same collectives split in two, for code that
+computes while one is in flight (``mega.parallel.tensor.overlapped``): the raw
+``_c10d_functional`` ops, whose wait stays where the caller put it, eager and traced alike
+(funcol's own functions insert the wait right after the collective when traced).
 """
 
 from __future__ import annotations
@@ -52,3 +57,32 @@ def reduce_scattered(x: torch.Tensor, group: Any) -> torch.Tensor:
 def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     """Rows ``send[r]`` of ``x`` (in order) to rank ``r``; ``recv[r]`` rows arrive from it."""
     return _waited(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+
+
+_OPS = torch.ops._c10d_functional
+
+
+def group_name(group: Any) -> str:
+    """The name the ``start_*`` functions take for ``group`` (resolve it outside traced code)."""
+    return group.group_name
+
+
+def start_all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Begin summing ``x`` over group ``name``; :func:`wait` gives the result."""
+    return _OPS.all_reduce(x.contiguous(), "sum", name)
+
+
+def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Begin concatenating every rank's ``x`` along dim 0 over group ``name`` of ``size`` ranks."""
+    return _OPS.all_gather_into_tensor(x.contiguous(), size, name)
+
+
+def start_reduce_scatter(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Begin summing ``x`` over group ``name`` of ``size`` ranks, keeping this rank's ``1/size``
+    of dim 0."""
+    return _OPS.reduce_scatter_tensor(x.contiguous(), "sum", size, name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The result of a ``start_*`` collective (on CUDA the current stream waits, not the host)."""
+    return _OPS.wait_tensor(t)

@@ -6,7 +6,9 @@ Both are built from an initialised full ``nn.Linear`` and keep its parameter nam
 
 Column-parallel, ``Y_r = X A_r^T + b_r``: the rank holds ``out/tp`` output rows. Its input is
 replicated: identity forward, all-reduce of dX backward; under sequence parallelism the input
-arrives as ``[b, s/tp, h]`` and is all-gathered over the tokens (reduce-scatter backward).
+arrives as ``[b, s/tp, h]`` and is all-gathered over the tokens (reduce-scatter backward). Its
+backward overlaps that collective with the weight-gradient GEMM (``mega.parallel.tensor.
+overlapped``), except in FP8, which goes through the mappings and ``mega.parallel.linear``.
 
 Row-parallel, ``Y = sum_r X_r A_r^T + b``: the rank holds ``in/tp`` input columns and its input
 is the column-parallel layer's sharded output. The partial products are all-reduced, or
@@ -22,7 +24,9 @@ import torch
 from torch import nn
 
 from mega.parallel import linear as linear_ops
+from mega.parallel.comm import group_size
 from mega.parallel.fp8.delayed import sites_of
+from mega.parallel.functional_comm import group_name
 from mega.parallel.shard import ShardSpec, local_shard
 from mega.parallel.tensor.mappings import (
     copy_to_tensor_parallel,
@@ -30,6 +34,7 @@ from mega.parallel.tensor.mappings import (
     reduce_from_tensor_parallel,
     reduce_scatter_to_sequence,
 )
+from mega.parallel.tensor.overlapped import column_parallel_linear
 
 
 def shard_parameter(full: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
@@ -54,6 +59,9 @@ class _ParallelLinear(nn.Module):
         self.bias = bias
         self.group = group
         self.sequence_parallel = sequence_parallel
+        # resolved here, not in forward: traced code gets the name as a constant
+        self.group_name = None if group is None else group_name(group)
+        self.group_size = group_size(group)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -82,6 +90,11 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, out/tp]
+        if self.group_name is not None and getattr(self.weight, "fp8_format", None) is None:
+            # the backward's collective hidden behind the weight-gradient GEMM
+            return column_parallel_linear(
+                x, self.weight, self.bias, self.group_name, self.group_size, self.sequence_parallel
+            )
         return linear_ops.linear(self.gather_input(x), self.weight, self.bias, sites_of(self))
 
     def gather_input(self, x: torch.Tensor) -> torch.Tensor:
