@@ -127,7 +127,11 @@ def join_job(config: Any) -> tuple[Any, Any]:
         backend = parallel.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
         init_process_group(place, backend, parallel.distributed_timeout_minutes)
     topology = build_topology(
-        place.world_size, place.rank, local_rank=place.local_rank, **parallel.sizes()
+        place.world_size,
+        place.rank,
+        local_rank=place.local_rank,
+        high_priority=parallel.high_priority_stream_groups,
+        **parallel.sizes(),
     )
     return device, topology
 

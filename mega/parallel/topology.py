@@ -15,6 +15,7 @@ alone, ``dp / ep`` ranks), over which expert gradients are summed.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,9 @@ ORDER = ("tp", "cp", "ep", "dp", "pp")
 # the groups spanning the cp coordinate too; each reuses a group of the same ranks made before
 # it (build_topology): without context parallelism dpcp is dp, edpcp edp and tpcp tp
 CP_GROUPS = ("dpcp", "edpcp", "tpcp")
+# every group a rank may belong to: the dimensions, their combinations (``group_ranks``) and the
+# pipeline's first-and-last-stage pair
+GROUP_NAMES = (*ORDER, "mp", "edp", *CP_GROUPS, "embd")
 
 
 def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
@@ -169,6 +173,22 @@ class Topology:
         )
 
 
+def _options(high_priority: bool) -> Any:
+    """A new group's backend options: an NCCL group on a high-priority stream where asked.
+
+    Where a group's collective overlaps compute (the backward's all-reduce beside the weight-
+    gradient GEMM, the gradient buckets beside backward), its kernel must get SMs while the
+    compute stream's kernels hold them; at normal priority it waits for them, and the ranks of a
+    ring wait for each other (Megatron's ``--high-priority-stream-groups``)."""
+    import torch.distributed as dist
+
+    if not high_priority or dist.get_backend() != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    return options
+
+
 def build_topology(
     world_size: int,
     rank: int,
@@ -178,8 +198,11 @@ def build_topology(
     cp: int = 1,
     ep: int = 1,
     pp: int = 1,
+    high_priority: Collection[str] = (),
 ) -> Topology:
-    """The topology of an initialised process group; creates every group (collective call)."""
+    """The topology of an initialised process group; creates every group (collective call).
+    The groups of the dimensions in ``high_priority`` (``--high-priority-stream-groups``) run
+    their NCCL kernels on high-priority streams (no effect on other backends)."""
     sizes = {"tp": tp, "cp": cp, "ep": ep, "pp": pp}
     all_groups = group_ranks(world_size, sizes)
     members: dict[str, tuple[int, ...]] = {}
@@ -197,7 +220,9 @@ def build_topology(
                     group = created[key]
                 else:
                     # every rank creates every group, in the same order (new_group is collective)
-                    group = dist.new_group(ranks) if len(ranks) > 1 else None
+                    group = None
+                    if len(ranks) > 1:
+                        group = dist.new_group(ranks, pg_options=_options(dim in high_priority))
                     created.setdefault(key, group)
                 if rank in ranks:
                     members[dim] = key
@@ -206,7 +231,7 @@ def build_topology(
         # the first and last stage of each pipeline: they sum the tied embeddings' gradients
         for ranks in all_groups["pp"] if pp > 1 else []:
             pair = [ranks[0], ranks[-1]]
-            group = dist.new_group(pair)
+            group = dist.new_group(pair, pg_options=_options("embd" in high_priority))
             if rank in pair:
                 members["embd"], groups["embd"] = tuple(pair), group
     else:

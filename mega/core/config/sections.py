@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mega.core.config.fields import option
+from mega.parallel.topology import GROUP_NAMES as STREAM_GROUPS
 
 # Megatron's --fp8-recipe names and torchao's rowwise; mega builds tensorwise and delayed
 # (mega.parallel.fp8.checks refuses the others by name)
@@ -475,6 +476,12 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(
         10.0, "A collective that waits longer than this fails the run instead of hanging it."
     )
+    high_priority_stream_groups: list[str] = option(
+        [],
+        "Process groups whose NCCL kernels run on high-priority streams, so that a collective"
+        " overlapping compute gets SMs first: any of " + ", ".join(STREAM_GROUPS) + ".",
+        nargs="+",
+    )
 
     def __post_init__(self) -> None:
         # Megatron's shorthands become the flags they stand for (so the resolved config says
@@ -541,6 +548,12 @@ class ParallelConfig:
             errors.append("--ddp-bucket-size must be at least 1")
         if self.distributed_timeout_minutes <= 0:
             errors.append("--distributed-timeout-minutes must be positive")
+        unknown = [g for g in self.high_priority_stream_groups if g not in STREAM_GROUPS]
+        if unknown:
+            errors.append(
+                f"--high-priority-stream-groups: no group {', '.join(unknown)}"
+                f" (groups: {', '.join(STREAM_GROUPS)})"
+            )
         return errors
 
 
