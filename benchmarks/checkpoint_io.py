@@ -235,11 +235,10 @@ def main() -> None:
     argv = shlex.split(args.model) + shlex.split(args.flags)
     plugins = make_plugins()
     mega_dir = root / "mega"
-    config = resolve_config(
-        [*argv, "--save", str(mega_dir), "--run-dir", str(root / "run")], plugins
-    )
+    config = resolve_config([*argv, "--run-dir", str(root / "run")], plugins)
     engine = Engine(config, plugins, Display(enabled=False))
-    engine.train()  # one step: real optimizer state
+    engine.train()  # one step: real optimizer state (no --save: no save at its end)
+    engine.config.checkpoint.save = str(mega_dir)
     topo = engine.topology
     rank0 = topo.rank == 0
     if rank0:

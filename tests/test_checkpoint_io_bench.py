@@ -18,7 +18,7 @@ from conftest import LAUNCHER_VARS
 ROOT = Path(__file__).resolve().parents[1]
 
 TOY = (
-    "--model gpt --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
+    "--model gpt --num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32"
     " --max-position-embeddings 32 --vocab-size 255 --micro-batch-size 1 --global-batch-size 4"
     " --mock-data --tokenizer-type NullTokenizer --lr 1e-4 --eval-iters 0 --train-iters 1"
     " --bf16 --device cpu"
