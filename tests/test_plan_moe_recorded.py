@@ -1,0 +1,132 @@
+"""``mega plan`` of MoE models against the runs measured on GPUs, as test_plan_recorded.py checks
+the GPT's: peak memory within 10% and tokens/s within 20% with the built-in rates of the GPU
+that ran them, routing counted balanced (the runs' load-balancing loss kept theirs near it: no
+token dropped, ``dropped_token_fraction`` 0).
+
+- one H100 (``moe_throughput_2026-11-23.json``, its two mega rows): a 1.9B Mixtral-like model
+  (12 layers, hidden 2048, 8 experts of ffn 2816, top-2), compiled, experts as one grouped GEMM
+  or a loop over the experts;
+- two H200 (``moe_scale_run_2gpu_2026-11-24.json``): a 2.7B one (ffn 4096, seq 4096) at EP=2 x
+  DP=2 with the ``alltoall`` dispatcher (compiled, the default then) and at TP=2 with SP (eager,
+  the default with TP then).
+
+Memory holds for all four (+2.4%, +3.3%, +7.0% on rank 0, -1.0%). Speed holds for the grouped
+GEMM only (planned 86.3 ms a step, measured 99.9: +15.7% tokens/s; its profile's GEMMs took
+46.7 ms against 45.3 planned, its other kernels 20.4 ms against 10.8 planned). The three
+misses are strict xfails (fixing them, or breaking the rest, shows), each with what its record
+says about where the time went.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from test_plan_recorded import RESULTS, train_flags
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run
+from mega.core.plugins.manager import make_plugins
+
+GIB = 2**30
+ONE_H100 = "moe_throughput_2026-11-23.json"
+TWO_H200 = "moe_scale_run_2gpu_2026-11-24.json"
+
+SPEED_MISSES = {
+    # The expert loop reads each layer's counts on the host (``counts.tolist()``): a sync and a
+    # graph break per layer, whose specialised ints recompile the layer until dynamo's limit
+    # leaves it eager. The profile's kernels sum to 97.8 ms of its 209.1 ms step (the grouped
+    # GEMM's: 97.9 of 99.9): the GPU idles half the step waiting on the host, which the
+    # planner's max(GPU, host launches) does not model. Planned 109.3 ms (74,962 tokens/s
+    # against 39,187).
+    "1gpu-h100-mega": "host syncs and recompiles of the expert loop (not modelled)",
+    # Measured with the in-place c10d all-to-all that torch.compile mis-traced (README: its
+    # gradient norms are not to be trusted; since replaced by functional collectives), the
+    # alltoall dispatcher eager (torch.compiler.disable) with a host sync per layer for the
+    # counts. Planned 187.6 ms a step (174,682 tokens/s against 66,351).
+    "2gpu-h200-ep2dp2": "old mis-traced EP collectives; a host sync per layer (not modelled)",
+    # Eager TP=2 + SP, as the GPT's tp2-sp (test_plan_recorded.SPEED_MISSES) but further off:
+    # planned 321.6 ms a step (101,894 tokens/s against 42,274). No profile recorded.
+    "2gpu-h200-tp2-sp": "eager TP + SP host time (as the GPT's tp2-sp miss); no profile",
+}
+
+
+def _one_h100_rows() -> list:
+    rows = json.loads((RESULTS / ONE_H100).read_text())["results"]
+    return [row for row in rows if row["system"].startswith("mega")]
+
+
+def _two_h200_runs() -> list:
+    return json.loads((RESULTS / TWO_H200).read_text())["results"]
+
+
+def _id(name: str) -> str:
+    return name.replace(" --moe-grouped-gemm", "-grouped-gemm")
+
+
+_PLANS: dict[str, object] = {}
+
+
+def _plan_one_h100(row: dict):
+    key = " ".join(row["argv"])
+    if key not in _PLANS:
+        plugins = make_plugins()
+        config = resolve_config(row["argv"], plugins, this_machine=False)  # --device cuda
+        _PLANS[key] = plan_run(config, plugins, BUILT_IN["h100"])
+    return _PLANS[key]
+
+
+def _plan_two_h200(run: dict):
+    if run["command"] not in _PLANS:
+        words = shlex.split(train_flags(run["command"]))
+        # the checkpoint flags of the reshard sequence change nothing of a step
+        for flag in ("--save", "--save-interval", "--load"):
+            if flag in words:
+                del words[words.index(flag) : words.index(flag) + 2]
+        argv = [*words, "--nproc-per-node", str(run["world_size"]), "--device", "cuda"]
+        plugins = make_plugins()
+        config = resolve_config(argv, plugins, this_machine=False)
+        _PLANS[run["command"]] = plan_run(config, plugins, BUILT_IN["h200"])
+    return _PLANS[run["command"]]
+
+
+def _params(kind: str, misses: dict[str, str] | None = None) -> list:
+    misses = misses or {}
+    if kind == "one":
+        items = [(f"1gpu-h100-{_id(row['system'])}", row) for row in _one_h100_rows()]
+    else:
+        items = [(f"2gpu-h200-{run['layout']}", run) for run in _two_h200_runs()]
+    return [
+        pytest.param(
+            item,
+            id=key,
+            marks=pytest.mark.xfail(strict=True, reason=misses[key]) if key in misses else (),
+        )
+        for key, item in items
+    ]
+
+
+@pytest.mark.parametrize("row", _params("one"))
+def test_one_h100_moe_peak_memory_within_10_percent(row):
+    plan = _plan_one_h100(row)
+    assert plan.peak_bytes / GIB == pytest.approx(row["peak_memory_gib"], rel=0.10)
+
+
+@pytest.mark.parametrize("row", _params("one", SPEED_MISSES))
+def test_one_h100_moe_tokens_per_second_within_20_percent(row):
+    assert _plan_one_h100(row).tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.20)
+
+
+@pytest.mark.parametrize("run", _params("two"))
+def test_two_h200_moe_peak_memory_of_every_rank_within_10_percent(run):
+    plan = _plan_two_h200(run)
+    assert len(plan.stages) == 1  # no pipeline: every rank is stage 0's position
+    for measured in run["peak_memory_gib_by_rank"]:
+        assert plan.peak_bytes / GIB == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("run", _params("two", SPEED_MISSES))
+def test_two_h200_moe_tokens_per_second_within_20_percent(run):
+    assert _plan_two_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
