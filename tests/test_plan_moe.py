@@ -176,3 +176,31 @@ def test_balanced_rows_spread_the_slots_and_cap_them():
     assert balanced_rows(10, 4) == [3, 3, 2, 2]
     assert balanced_rows(10, 4, capacity=2) == [2, 2, 2, 2]
     assert sum(balanced_rows(4096 * 2, 8)) == 8192
+
+
+@pytest.mark.parametrize(
+    "extra, world",
+    [
+        ("--moe-router-load-balancing-type sinkhorn --moe-router-topk 1 --moe-aux-loss-coeff 0", 1),
+        ("--moe-router-load-balancing-type seq_aux_loss --moe-z-loss-coeff 1e-3", 1),
+        ("--moe-router-score-function sigmoid --moe-router-pre-softmax", 1),
+        ("--moe-expert-capacity-factor 0.5 --moe-token-drop-policy position", 1),
+        ("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1", 1),
+        ("--pipeline-model-parallel-size 2", 2),
+        ("--expert-model-parallel-size 2 --moe-token-dispatcher-type allgather"
+         " --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", 2),
+        ("--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall"
+         " --moe-expert-capacity-factor 1.0 --moe-pad-expert-input-to-capacity", 2),
+        ("--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel"
+         " --moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 32", 4),
+    ],
+    ids=["sinkhorn", "seq-aux-z-loss", "sigmoid", "drop-by-position", "full-recompute", "pp2",
+         "ep2-allgather-padded", "ep2-alltoall-padded", "ep2-tp2-sp-shared"],
+)  # fmt: skip
+def test_every_moe_option_is_planned_without_a_warning(extra, world):
+    config, plugins = _config(extra, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_run(config, plugins, BUILT_IN["h100"])
+    _no_planning_warnings(caught)
+    assert plan.tokens_per_second > 0 and "balanced" in plan.assumptions[0]

@@ -228,7 +228,8 @@ class Router(nn.Module):
 
 
 def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
-    """Megatron's Sinkhorn balancing of ``exp(cost)`` (float32), for top-1 routing."""
+    """Megatron's Sinkhorn balancing of ``exp(cost)`` (float32), for top-1 routing. On the meta
+    device (``mega plan``) the iterations, which depend on the values, are counted as one."""
     cost = torch.exp(cost.float())
     d0 = torch.ones(cost.size(0), device=cost.device)
     d1 = torch.ones(cost.size(1), device=cost.device)
@@ -238,6 +239,8 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
         d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
         error = torch.mean(torch.abs(d1_old - d1))
         d1_old = d1
+        if cost.is_meta:
+            break
     return d1 * cost * d0.unsqueeze(1)
 
 
