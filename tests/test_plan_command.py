@@ -59,7 +59,14 @@ def test_search_without_a_global_batch_searches_the_default_one():
 
 
 def test_search_prints_runnable_train_commands_fastest_first():
-    result = _plan("--gpus", "2", "--search", "--top", "3")
+    # A global batch of 2 (micro-batch 1, so that the flags resolve at data-parallel 2), not
+    # SMALL's 8: each layout is then searched at micro-batch 1 and 2 only, not up to 8, and every
+    # (tensor-parallel layout, micro-batch) pair is one more compile on meta. Still 7 layouts
+    # found (tp1 pp1, tp1 pp2, tp2, tp2-sp), tensor-parallel ones among them, for the top 3.
+    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
+    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
+    command = ["plan", *args, "--gpus", "2", "--search", "--top", "3"]
+    result = CliRunner().invoke(make_cli(make_plugins()), command)
     assert result.exit_code == 0, result.output
     lines = [line for line in result.output.splitlines() if line[:3] in ("1. ", "2. ", "3. ")]
     assert len(lines) == 3
