@@ -3,12 +3,26 @@ marker and the plugin fixtures come from mega's pytest plugin, ``mega.testing``.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 import pytest
 
 from mega.testing import TINY_GPT as TINY  # noqa: F401 - tests import these from here
 from mega.testing import run_mega  # noqa: F401
+
+# Under ``pytest -n N`` each worker, and every process it starts that does not set its own
+# OMP_NUM_THREADS (benchmark scripts, the quickstart), gets its share of the cores rather than
+# all of them: with N workers each running torch on every core, OpenMP threads wait at barriers
+# for a descheduled sibling and burn the time (the quickstart smoke run on a busy 2-core
+# machine: 56 s of CPU with 2 threads, 17 s with 1). Set before torch is imported (test modules
+# import it after this conftest); a value the user set is kept.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # What a launcher (torchrun, SLURM) sets: scrubbed from a test's subprocess environment so that a
 # multi-process run started from a test inside such a job still forms its own group.
