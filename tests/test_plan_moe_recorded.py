@@ -1,7 +1,7 @@
 """``mega plan`` of MoE models against the runs measured on GPUs, as test_plan_recorded.py checks
-the GPT's: peak memory within 10% and tokens/s within 20% with the built-in rates of the GPU
-that ran them, routing counted balanced (the runs' load-balancing loss kept theirs near it: no
-token dropped, ``dropped_token_fraction`` 0).
+the GPT's, at issue 49's bounds: peak memory within 10% and tokens/s within 15%, with the
+built-in rates of the GPU that ran them and the routing counted balanced (the runs' load-
+balancing loss kept theirs near it: no token dropped, ``dropped_token_fraction`` 0).
 
 - one H100 (``moe_throughput_2026-11-23.json``, its two mega rows): a 1.9B Mixtral-like model
   (12 layers, hidden 2048, 8 experts of ffn 2816, top-2), compiled, experts as one grouped GEMM
@@ -10,11 +10,12 @@ token dropped, ``dropped_token_fraction`` 0).
   DP=2 with the ``alltoall`` dispatcher (compiled, the default then) and at TP=2 with SP (eager,
   the default with TP then).
 
-Memory holds for all four (+2.4%, +3.3%, +7.0% on rank 0, -1.0%). Speed holds for the grouped
-GEMM only (planned 86.3 ms a step, measured 99.9: +15.7% tokens/s; its profile's GEMMs took
-46.7 ms against 45.3 planned, its other kernels 20.4 ms against 10.8 planned). The three
-misses are strict xfails (fixing them, or breaking the rest, shows), each with what its record
-says about where the time went.
+Memory holds for all four (planned 42.43 GiB against 41.44, 43.70 against 42.30, 30.99 against
+28.96 and 29.28, 51.87 against 52.40: +2.4%, +3.3%, +7.0%, -1.0%). Speed holds for the grouped
+GEMM (planned 89.0 ms a step, measured 99.9: 92,019 tokens/s against 82,020, +12.2%; its
+profile's GEMMs took 46.7 ms against 45.3 planned, the optimizer and gradient norm 22.6 against
+23.0, its other kernels 20.4 against 10.8). The three misses are strict xfails (fixing them, or
+breaking the rest, shows), each with what its record says about where the time went.
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ SPEED_MISSES = {
     # graph break per layer, whose specialised ints recompile the layer until dynamo's limit
     # leaves it eager. The profile's kernels sum to 97.8 ms of its 209.1 ms step (the grouped
     # GEMM's: 97.9 of 99.9): the GPU idles half the step waiting on the host, which the
-    # planner's max(GPU, host launches) does not model. Planned 109.3 ms (74,962 tokens/s
+    # planner's max(GPU, host launches) does not model. Planned 112.0 ms (73,152 tokens/s
     # against 39,187).
     "1gpu-h100-mega": "host syncs and recompiles of the expert loop (not modelled)",
     # Measured with the in-place c10d all-to-all that torch.compile mis-traced (README: its
     # gradient norms are not to be trusted; since replaced by functional collectives), the
     # alltoall dispatcher eager (torch.compiler.disable) with a host sync per layer for the
-    # counts. Planned 187.6 ms a step (174,682 tokens/s against 66,351).
+    # counts. Planned 188.9 ms a step (173,455 tokens/s against 66,351).
     "2gpu-h200-ep2dp2": "old mis-traced EP collectives; a host sync per layer (not modelled)",
     # Eager TP=2 + SP, as the GPT's tp2-sp (test_plan_recorded.SPEED_MISSES) but further off:
-    # planned 321.6 ms a step (101,894 tokens/s against 42,274). No profile recorded.
+    # planned 326.3 ms a step (100,411 tokens/s against 42,274). No profile recorded.
     "2gpu-h200-tp2-sp": "eager TP + SP host time (as the GPT's tp2-sp miss); no profile",
 }
 
@@ -115,8 +116,8 @@ def test_one_h100_moe_peak_memory_within_10_percent(row):
 
 
 @pytest.mark.parametrize("row", _params("one", SPEED_MISSES))
-def test_one_h100_moe_tokens_per_second_within_20_percent(row):
-    assert _plan_one_h100(row).tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.20)
+def test_one_h100_moe_tokens_per_second_within_15_percent(row):
+    assert _plan_one_h100(row).tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.15)
 
 
 @pytest.mark.parametrize("run", _params("two"))
@@ -128,5 +129,5 @@ def test_two_h200_moe_peak_memory_of_every_rank_within_10_percent(run):
 
 
 @pytest.mark.parametrize("run", _params("two", SPEED_MISSES))
-def test_two_h200_moe_tokens_per_second_within_20_percent(run):
-    assert _plan_two_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
+def test_two_h200_moe_tokens_per_second_within_15_percent(run):
+    assert _plan_two_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)

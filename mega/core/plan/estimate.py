@@ -8,7 +8,8 @@ and what the host takes to launch its ops. Across stages the schedule's table ru
 pipeline simulator with the slowest stage's chunk costs, which gives the pipeline's time with
 its bubble. Then, once per global batch: the data-parallel gradient reduction (of which the part
 longer than the last micro-batch's backward is exposed when ``--overlap-grad-reduce`` overlaps
-it), the distributed optimizer's parameter all-gather, and the optimizer's update (read and
+it), the distributed optimizer's parameter all-gather, the gradient norm (every step: one read
+of the fp32 gradients of its shard, 4 bytes per element) and the optimizer's update (read and
 write of its fp32 state: 30 bytes per element of its shard, as one fused kernel).
 """
 
@@ -27,6 +28,10 @@ from mega.parallel.pipeline.simulator import simulate
 # fp32 master, first and second moments read and written, the fp32 gradient read, the bf16
 # parameter written (mega.parallel.data.optimizer's fused update)
 OPTIMIZER_BYTES_PER_ELEMENT = 3 * 4 * 2 + 4 + 2
+# the global gradient norm before the update (mega.parallel.data.optimizer, clipping or not):
+# torch's foreach norm reads the shard's fp32 gradients once (on one H100 the 1.9B MoE's
+# LpNorm kernels took 2.89 ms a step: 4 bytes x 1.94e9 at the calibrated 2.88 TB/s is 2.70)
+GRAD_NORM_BYTES_PER_ELEMENT = 4
 # bytes each rank sends per byte of the full tensor (ring algorithms, n ranks)
 _BUS_FACTOR = {
     "allreduce": lambda n: 2 * (n - 1) / n,
@@ -143,7 +148,9 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
     reduce += hooked.memory_bytes / rates.memory_bytes
     reduce += collective_seconds(slowest.profile.step, rates, _STEP_DIMS)
     optimizer = (
-        slowest.profile.optimizer_elements * OPTIMIZER_BYTES_PER_ELEMENT / rates.memory_bytes
+        slowest.profile.optimizer_elements
+        * (GRAD_NORM_BYTES_PER_ELEMENT + OPTIMIZER_BYTES_PER_ELEMENT)
+        / rates.memory_bytes
     )
     step = pipeline + reduce + optimizer
     tokens = config.global_batch_size * config.training.seq_length  # the default's when unset
