@@ -11,26 +11,30 @@ soon as the input gradient exists and computes the weight gradient while it is i
   the reduce-scatter of dX -> wait for X -> ``dW = dY^T X`` -> wait for dX_r.
 
 Under sequence parallelism forward saves the rank's token block, not the gathered input: the
-gathered copy (``[b, s, h]`` per column-parallel layer) is no longer held from forward to
-backward, which is what makes sequence parallelism save memory; backward gathers it again, in
-the shadow of the input-gradient GEMM. The collectives are the raw functional ones
-(:mod:`mega.parallel.functional_comm`), so the waits stay where they are written when the layer
-is compiled. The weight gradient is fused into ``main_grad`` where the weight opted in
-(:mod:`mega.parallel.weight_grad`), deferred under the zero-bubble schedules as before.
+gathered copy (``[b, s, h]`` per column-parallel layer) is not held from forward to backward,
+which is what makes sequence parallelism save memory; backward gathers it again, in the shadow
+of the input-gradient GEMM.
+
+Backward is one opaque custom op (``mega::column_parallel_backward``), so that a compiled layer
+keeps this order. Written as traced functional collectives, it did not survive inductor (CPU,
+torch 2.13, checked in the generated code): the reduce-scatter's wait was placed straight after
+it, before the weight-gradient GEMM, and the backward all-gather was merged with the forward's,
+whose result was then saved from forward to backward. Inside the op the collectives are c10d's,
+asynchronous (on CUDA the compute stream waits for NCCL's; the host does not). The weight
+gradient is fused into ``main_grad`` where the weight opted in (:mod:`mega.parallel.weight_grad`),
+deferred under the zero-bubble schedules as before.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.distributed_c10d import _resolve_process_group
 
-from mega.parallel.functional_comm import (
-    start_all_gather,
-    start_all_reduce,
-    start_reduce_scatter,
-    wait,
-)
-from mega.parallel.linear import fuses_wgrad, weight_gradient
+from mega.parallel.functional_comm import start_all_gather, wait
+from mega.parallel.linear import fuses_wgrad
+from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad
 
 
 def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -40,40 +44,64 @@ def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return flat.view(x.shape[0], -1, x.shape[-1])
 
 
+@torch.library.custom_op("mega::column_parallel_backward", mutates_args=())
+def _column_parallel_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    name: str,
+    size: int,
+    sequence_parallel: bool,
+    fused: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX ``x``'s shape, dW or the fused placeholder), the collectives overlapped as the module
+    docstring says. Declared pure for the reason ``mega::weight_grad`` is."""
+    group = _resolve_process_group(name)
+    x_2d = x.reshape(-1, x.shape[-1]).contiguous()
+    gathering = None
+    inputs = x_2d
+    if sequence_parallel:  # X travels while dX is computed
+        inputs = x_2d.new_empty(x_2d.shape[0] * size, x_2d.shape[1])
+        gathering = dist.all_gather_into_tensor(inputs, x_2d, group=group, async_op=True)
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
+    grad_in = grad_2d.mm(weight)  # [tokens, in], this rank's share
+    if sequence_parallel:
+        grad_x = grad_in.new_empty(x_2d.shape)
+        reducing = dist.reduce_scatter_tensor(grad_x, grad_in, group=group, async_op=True)
+    else:
+        grad_x = grad_in
+        reducing = dist.all_reduce(grad_x, group=group, async_op=True)
+    if gathering is not None:
+        gathering.wait()
+    if fused:  # while dX travels
+        grad_weight = fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs))
+    else:
+        grad_weight = grad_2d.t().mm(inputs)
+    reducing.wait()
+    return grad_x.view(x.shape), grad_weight
+
+
+@_column_parallel_backward.register_fake
+def _(grad_out, x, weight, name, size, sequence_parallel, fused):  # noqa: ANN001, ANN202
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, name: str, size: int, sequence_parallel: bool, fused: bool):  # noqa: ANN001
         full = _gathered(x, size, name) if sequence_parallel else x
         ctx.save_for_backward(x, weight)
-        ctx.name, ctx.size, ctx.sp, ctx.fused = name, size, sequence_parallel, fused
+        ctx.args = (name, size, sequence_parallel, fused)
         ctx.has_bias = bias is not None
         return F.linear(full, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
         x, weight = ctx.saved_tensors
-        name, size = ctx.name, ctx.size
-        needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gathering = None
-        if ctx.sp and needs_weight:  # X travels while dX is computed
-            gathering = start_all_gather(x.reshape(-1, x.shape[-1]), size, name)
-        reducing = None
-        if needs_input:
-            grad_in = grad_out.matmul(weight)  # [b, s, in], this rank's share
-            if ctx.sp:
-                reducing = start_reduce_scatter(grad_in.reshape(-1, grad_in.shape[-1]), size, name)
-            else:
-                reducing = start_all_reduce(grad_in, name)
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
-        grad_weight = grad_bias = None
-        if needs_weight:  # while dX travels
-            inputs = wait(gathering) if gathering is not None else x.reshape(-1, x.shape[-1])
-            grad_weight = weight_gradient(grad_2d, inputs, weight, ctx.fused)
+        grad_x, grad_weight = _column_parallel_backward(grad_out, x, weight, *ctx.args)
+        grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(0)
-        grad_x = None
-        if reducing is not None:
-            grad_x = wait(reducing).view(x.shape)
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
