@@ -204,14 +204,17 @@ def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
 
 
 @pytest.mark.gpu
-def test_flash_blocks_on_the_gpu_are_whole_attention():
-    """The GPU kernel path (bf16 flash attention with the log-sum-exp): within bf16 rounding of
-    float64 attention, as close as the float32 math path is after bf16 inputs. The backward gets
-    slices of the saved lse, as in the ring: the CUDA kernel once read them as contiguous."""
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_gpu_kernel_blocks_are_whole_attention(kernel: str, monkeypatch):
+    """The GPU kernel paths (bf16 cuDNN and flash attention with the log-sum-exp): within bf16
+    rounding of float64 attention, as close as the float32 math path is after bf16 inputs. The
+    backward gets slices of the saved lse, as in the ring: the CUDA kernel once read them as
+    contiguous."""
     from mega.parallel.context import blocks
 
+    monkeypatch.setattr(blocks, "GPU_KERNEL", kernel)
     q, k, v, dout = _inputs("cuda", torch.bfloat16)
-    assert blocks.kernel_for(q) == "flash"
+    assert blocks.kernel_for(q) == kernel
     got = _blockwise_attention(blocks.block_forward, blocks.block_backward, q, k, v, dout)
     math = _blockwise_attention(
         blocks.math_block_forward, blocks.math_block_backward, q, k, v, dout

@@ -75,6 +75,7 @@ class _GatheredAttention(torch.autograd.Function):
             saved = (out[:, :, rows], lse[:, :, rows])
             own = _chunk(gathered, chunk, cp)
             dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale)
+            dq = dq.float()  # summed over the blocks in float32
             _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
             for earlier in range(chunk):  # one block per chunk: same sums as one wide block
                 kv = _chunk(gathered, earlier, cp)
