@@ -104,6 +104,8 @@ TRAIN = [
     (["--load", "{flipped}"], "linear_fc1.weight"),
     (["--train-data-path", "{small}", "--valid-data-path", "{big}",
       "--tokenizer-type", "ByteTokenizer"], "--valid-data-path {big} holds token id 50256"),
+    (["--tp-comm-overlap"], "--tp-comm-overlap needs --tensor-model-parallel-size > 1"),
+    (["--high-priority-stream-groups", "tp", "xp"], "--high-priority-stream-groups: no group xp"),
 ]  # fmt: skip
 
 

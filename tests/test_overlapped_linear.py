@@ -1,5 +1,5 @@
-"""The column-parallel linear's overlapped backward (``mega.parallel.tensor.overlapped``) on 2
-gloo ranks: its gradients (plain and fused into ``main_grad``) equal the mappings-built layer's,
+"""The column-parallel linear's overlapped backward (``--tp-comm-overlap``,
+``mega.parallel.tensor.overlapped``) on 2 gloo ranks: its gradients (plain and fused into ``main_grad``) equal the mappings-built layer's,
 eager and compiled, and under sequence parallelism it keeps only the token block from forward
 to backward."""
 
@@ -26,7 +26,9 @@ def _layer(rank: int, sp: bool, fused: bool) -> ColumnParallelLinear:
     _join()
     torch.manual_seed(0)
     full = torch.nn.Linear(IN, OUT)
-    layer = ColumnParallelLinear.from_linear(full, dist.group.WORLD, rank, 2, sequence_parallel=sp)
+    layer = ColumnParallelLinear.from_linear(
+        full, dist.group.WORLD, rank, 2, sequence_parallel=sp, comm_overlap=True
+    )
     assert layer.group_name is not None  # the overlapped path, not a group of one
     if fused:
         layer.weight.main_grad = torch.zeros_like(layer.weight)

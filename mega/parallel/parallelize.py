@@ -49,7 +49,13 @@ def parallelize(
     if topology.tensor_model_parallel_size > 1:
         from mega.parallel.tensor.apply import apply_tensor_parallel
 
-        apply_tensor_parallel(model, plan, topology, sequence_parallel=parallel.sequence_parallel)
+        apply_tensor_parallel(
+            model,
+            plan,
+            topology,
+            sequence_parallel=parallel.sequence_parallel,
+            comm_overlap=parallel.tp_comm_overlap,
+        )
     apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, build_dispatcher)
     if topology.context_parallel_size > 1:
         spec = cp_comm_type

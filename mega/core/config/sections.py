@@ -436,6 +436,12 @@ class ParallelConfig:
     sequence_parallel: bool = option(
         False, "Shard norm/dropout activations along the sequence over the tensor-parallel group."
     )
+    tp_comm_overlap: bool = option(
+        False,
+        "Overlap the tensor-parallel collectives of backward with the weight-gradient GEMMs"
+        " (column-parallel layers; with --sequence-parallel they also keep only their token"
+        " block for backward, re-gathered then, which saves memory).",
+    )
     use_distributed_optimizer: bool = option(
         False, "Shard fp32 master weights and Adam state over the data-parallel ranks."
     )
@@ -514,6 +520,8 @@ class ParallelConfig:
 
     def validate(self) -> list[str]:
         errors = []
+        if self.tp_comm_overlap and self.tensor_model_parallel_size == 1:
+            errors.append("--tp-comm-overlap needs --tensor-model-parallel-size > 1")
         if self.overlap_p2p_communication and self.pipeline_model_parallel_size == 1:
             errors.append("--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")
         if self.recompute_granularity == "full" and self.recompute_method is None:

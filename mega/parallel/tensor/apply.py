@@ -81,8 +81,11 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     *,
     seed: int | None = None,
+    comm_overlap: bool = False,
 ) -> None:
     """Shard ``model`` in place over ``topology``'s TP group; parameter names do not change.
+    ``comm_overlap`` (``--tp-comm-overlap``): column-parallel layers hide their backward
+    collective behind the weight-gradient GEMM (``mega.parallel.tensor.overlapped``).
 
     ``seed`` (default ``model.seed``) seeds the TP RNG stream, ``seed + 2718 + tp_rank``; the
     tracker is stored as ``model.tensor_parallel_rng``. A TP size of 1 changes nothing (as in
@@ -108,7 +111,7 @@ def apply_tensor_parallel(
             module = model.get_submodule(path)
             new = _parallel_module(
                 module, path, style, group, rank, size, sequence_parallel, tracker,
-                stacked=plan.stacked.get(pattern, 1),
+                stacked=plan.stacked.get(pattern, 1), comm_overlap=comm_overlap,
             )  # fmt: skip
             if new is not None:
                 _replace(model, path, new)
@@ -141,13 +144,15 @@ def _parallel_module(
     tracker: TensorParallelRNG,
     *,
     stacked: int,
+    comm_overlap: bool = False,
 ) -> nn.Module | None:
     """The replacement for ``module`` under ``style`` (None: keep it)."""
     if style == COLUMN:
         _expect(module, nn.Linear, path, style)
         return ColumnParallelLinear.from_linear(
-            module, group, rank, size, stacked=stacked, sequence_parallel=sequence_parallel
-        )
+            module, group, rank, size, stacked=stacked, sequence_parallel=sequence_parallel,
+            comm_overlap=comm_overlap,
+        )  # fmt: skip
     if style == ROW:
         _expect(module, nn.Linear, path, style)
         return RowParallelLinear.from_linear(

@@ -77,8 +77,10 @@ class ColumnParallelLinear(_ParallelLinear):
         *,
         stacked: int = 1,
         sequence_parallel: bool = False,
+        comm_overlap: bool = False,
     ) -> ColumnParallelLinear:
-        """Keep this rank's output rows of ``linear``; ``stacked`` blocks are split one by one."""
+        """Keep this rank's output rows of ``linear``; ``stacked`` blocks are split one by one;
+        ``comm_overlap``: backward as ``mega.parallel.tensor.overlapped`` (``--tp-comm-overlap``)."""
         spec = ShardSpec(tuple(linear.weight.shape), 0, stacked, rank, size)
         weight = shard_parameter(linear.weight, spec)
         bias = None
@@ -86,11 +88,16 @@ class ColumnParallelLinear(_ParallelLinear):
             bias = shard_parameter(
                 linear.bias, ShardSpec((spec.global_shape[0],), 0, stacked, rank, size)
             )
-        return cls(weight, bias, group, sequence_parallel)
+        layer = cls(weight, bias, group, sequence_parallel)
+        layer.comm_overlap = comm_overlap
+        return layer
+
+    comm_overlap = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, out/tp]
-        if self.group_name is not None and getattr(self.weight, "fp8_format", None) is None:
+        overlapped = self.comm_overlap and self.group_name is not None
+        if overlapped and getattr(self.weight, "fp8_format", None) is None:
             # the backward's collective hidden behind the weight-gradient GEMM
             return column_parallel_linear(
                 x, self.weight, self.bias, self.group_name, self.group_size, self.sequence_parallel
