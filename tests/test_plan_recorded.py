@@ -73,6 +73,10 @@ def train_flags(command: str, tp_ran_eager: bool = True) -> str:
     given = "--compile" in words or "--no-compile" in words
     if tp_ran_eager and tp > 1 and not given:
         words.append("--no-compile")
+    # and before --tp-comm-overlap existed (on by default with TP since): the layers' own backward
+    overlap = "--tp-comm-overlap" in words or "--no-tp-comm-overlap" in words
+    if tp > 1 and not overlap:
+        words.append("--no-tp-comm-overlap")
     dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval", "--master-port"}
     kept, skip = [], False
     for word in words:

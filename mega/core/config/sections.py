@@ -436,11 +436,12 @@ class ParallelConfig:
     sequence_parallel: bool = option(
         False, "Shard norm/dropout activations along the sequence over the tensor-parallel group."
     )
-    tp_comm_overlap: bool = option(
-        False,
+    tp_comm_overlap: bool | None = option(
+        None,
         "Overlap the tensor-parallel collectives of backward with the weight-gradient GEMMs"
         " (column-parallel layers; with --sequence-parallel they also keep only their token"
-        " block for backward, re-gathered then, which saves memory).",
+        " block for backward, re-gathered then, which saves memory). Default: on with"
+        " --tensor-model-parallel-size > 1.",
     )
     use_distributed_optimizer: bool = option(
         False, "Shard fp32 master weights and Adam state over the data-parallel ranks."
@@ -520,7 +521,7 @@ class ParallelConfig:
 
     def validate(self) -> list[str]:
         errors = []
-        if self.tp_comm_overlap and self.tensor_model_parallel_size == 1:
+        if self.tp_comm_overlap is True and self.tensor_model_parallel_size == 1:
             errors.append("--tp-comm-overlap needs --tensor-model-parallel-size > 1")
         if self.overlap_p2p_communication and self.pipeline_model_parallel_size == 1:
             errors.append("--overlap-p2p-communication needs --pipeline-model-parallel-size > 1")

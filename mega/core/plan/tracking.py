@@ -24,6 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+# the ops counted below by name are registered when their modules are imported
+import mega.parallel.linear  # noqa: F401  (mega::weight_grad)
+import mega.parallel.tensor.overlapped  # noqa: F401  (mega::column_parallel_backward)
+
 BLOCK = 512  # the caching allocator's rounding of every block
 
 aten = torch.ops.aten
@@ -200,6 +204,9 @@ class StepTracker(TorchDispatchMode):
             work.fp8_matmul_flops += 2.0 * grad_t.shape[0] * grad_t.shape[1] * inputs_2d.shape[1]
             work.ops += 1
             return
+        if func is torch.ops.mega.column_parallel_backward.default:
+            self._column_parallel_backward(args, work)
+            return
         if func is torch.ops.mega_plan.flash_attention.default:
             work.attention_flops += _attention_flops(args[0], args[1], args[3])
             work.ops += 1
@@ -226,6 +233,25 @@ class StepTracker(TorchDispatchMode):
         work.ops += 1
         work.memory_bytes += sum(nbytes(t) for t in _tensors((args, kwargs)))
         work.memory_bytes += sum(nbytes(t) for t in _tensors(out))
+
+    def _column_parallel_backward(self, args: tuple, work: Work) -> None:
+        """The overlapped column-parallel backward (``mega.parallel.tensor.overlapped``): its
+        two GEMMs and its collectives run inside the op, where this mode does not see them.
+        grad_out ``[..., out]``, weight ``[out, in]``; the collectives move the full
+        ``[tokens, in]`` input gradient (and, under sequence parallelism, the input)."""
+        grad_out, _, weight, name, size, sequence_parallel = args[:6]
+        tokens = grad_out.numel() // grad_out.shape[-1]
+        out_features, in_features = weight.shape
+        work.matmul_flops += 2 * 2.0 * tokens * out_features * in_features
+        work.ops += 2
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        dim = self.group_names.get(_resolve_process_group(name).group_name)
+        if dim is not None:
+            payload = tokens * in_features * grad_out.element_size()
+            kinds = ("allgather", "reduce_scatter") if sequence_parallel else ("allreduce",)
+            for kind in kinds:
+                work.collectives[dim, kind, size] += payload
 
     def _functional_collective(self, op: str, args: tuple, out: Any, work: Work) -> None:
         """A functional collective (``mega.parallel.functional_comm``): its group is named by a
