@@ -56,6 +56,9 @@ LAYOUTS = {
     "tp2-sp": (GPT, [*TP2, "--sequence-parallel"]),
     "ep2-alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (MOE, ["--expert-model-parallel-size", "2"]),
+    # the ring (cuDNN blocks, one call per step) compiled around and eager, against one GPU;
+    # added 2026-11-27 and not yet run on GPUs (the session's device time was spent)
+    "cp2-p2p": (GPT, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
 }  # fmt: skip
 
 
