@@ -205,3 +205,32 @@ def test_mega_train_finetunes_a_converted_model_on_its_default_data(tmp_path, ma
     assert done.returncode == 0, done.stderr
     losses = lm_losses(done.stdout)
     assert sorted(losses) == list(range(1, 11)) and losses[10] < losses[1], losses
+
+
+@pytest.mark.parametrize("tokenizer", [False, True], ids=["no-tokenizer", "tokenizer"])
+def test_a_t5_export_generates_in_transformers_as_the_source_does(tmp_path, tokenizer):
+    """``generate`` of an encoder-decoder needs ``decoder_start_token_id`` in the generation
+    config (HF's T5 starts its decoder with the pad id, 0): the export writes it, in
+    generation_config.json and config.json (also into the source's generation_config.json that
+    comes along with its tokenizer), and greedy tokens equal the source model's."""
+    hf = _t5(tmp_path)
+    if tokenizer:  # a tokenizer with a <s> of id 1: not where HF's T5 starts
+        from test_convert_exports import _word_tokenizer
+
+        _word_tokenizer(hf)
+    convert(hf, tmp_path / "mega", _converters())
+    report = convert(tmp_path / "mega", tmp_path / "back", _converters())
+    back = tmp_path / "back"
+    generation = json.loads((back / "generation_config.json").read_text())
+    assert generation["decoder_start_token_id"] == 0
+    assert json.loads((back / "config.json").read_text())["decoder_start_token_id"] == 0
+    assert any(note.startswith("decoder_start_token_id: 0") for note in report.notes)
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    # no KV cache: transformers 4.57 sizes T5's decoder cache by the encoder's layer count
+    greedy = {"max_new_tokens": 8, "do_sample": False, "use_cache": False}
+    exported = transformers.T5ForConditionalGeneration.from_pretrained(back).eval()
+    tokens = exported.generate(prompt, min_new_tokens=8, **greedy)  # with what the export wrote
+    source = transformers.T5ForConditionalGeneration.from_pretrained(hf).eval()
+    # a T5Config built in code names no start (the hub's t5-small config.json says 0)
+    expected = source.generate(prompt, decoder_start_token_id=0, min_new_tokens=8, **greedy)
+    assert torch.equal(tokens, expected) and tokens[0, 0] == 0

@@ -7,9 +7,9 @@ format: ``GPT2LMHeadModel``, ``LlamaForCausalLM``, ``MistralForCausalLM`` and ``
 Read: the architecture from ``config.json``, the tensors one at a time from the safetensors
 files; a directory with ``tokenizer.json`` becomes the model's ``HuggingFaceTokenizer``. Write:
 ``config.json`` and the safetensors shards (with their index) as ``save_pretrained`` writes
-them, the special-token ids (in ``config.json`` and a ``generation_config.json``), and the
-tokenizer (a Hugging Face one's files copied, mega's GPT-2 BPE as a ``GPT2Tokenizer``, or a
-warning that none is written).
+them, the special-token ids (in ``config.json`` and a ``generation_config.json``; for T5 also
+the ``decoder_start_token_id`` that ``generate`` needs), and the tokenizer (a Hugging Face one's
+files copied, mega's GPT-2 BPE as a ``GPT2Tokenizer``, or a warning that none is written).
 """
 
 from __future__ import annotations
@@ -124,6 +124,11 @@ def write(path: Path, weights: ModelWeights) -> list[str]:
     config["torch_dtype"] = DTYPE_NAMES.get(dtype, "float32")
     special, whence = _special_ids(weights.tokenizer, source_dir, source_config)
     config.update(special)
+    generation = {"_from_model_config": True, **special}
+    if architecture == hf_t5.T5:  # generate() of an encoder-decoder needs its decoder's start
+        start, start_whence = _decoder_start(weights.tokenizer, source_config)
+        config["decoder_start_token_id"] = generation["decoder_start_token_id"] = start
+        notes.append(f"decoder_start_token_id: {start} (from {start_whence})")
     write_files(path, tensors)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if special:
@@ -132,14 +137,56 @@ def write(path: Path, weights: ModelWeights) -> list[str]:
     else:
         notes.append("special tokens: none known (no bos/eos/pad ids in config.json)")
     notes += _write_tokenizer(path, weights.tokenizer, source_dir)
-    if architecture != hf_bert.BERT and not (path / "generation_config.json").is_file():
-        generation = {"_from_model_config": True, **special}
-        generation["transformers_version"] = config.get("transformers_version", _version())
+    copied = _json(path / "generation_config.json")  # the source's, copied with its tokenizer
+    if architecture != hf_bert.BERT and (copied or not (path / "generation_config.json").exists()):
+        # what the copy lacks (a T5 saved from code names no decoder start) is added to it
+        generation = {**generation, **copied} if copied else generation
+        generation.setdefault(
+            "transformers_version", config.get("transformers_version", _version())
+        )
         (path / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return notes
 
 
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _decoder_start(tokenizer: dict[str, Any], source_config: dict[str, Any]) -> tuple[int, str]:
+    """The id a T5's decoder starts from, and whence. A model converted from Hugging Face keeps
+    its source's (its config's ``decoder_start_token_id``, else its pad id, as HF's T5 does); a
+    model mega trained from scratch starts from its tokenizer's bos (mega's T5 data put it
+    first in the decoder's input, as Megatron's do); failing both, HF T5's pad id, 0."""
+    if source_config:
+        for key in ("decoder_start_token_id", "pad_token_id"):
+            if isinstance(source_config.get(key), int):
+                return source_config[key], f"the source model's {key}"
+        return 0, "the source model, a Hugging Face T5: its pad id"
+    bos = _mega_tokenizer_ids(tokenizer).get("bos_token_id")
+    if bos is not None:
+        return bos, f"the {tokenizer['tokenizer_type']}'s bos, which mega's T5 data start with"
+    return 0, "Hugging Face T5's pad id"
+
+
+def _mega_tokenizer_ids(tokenizer: dict[str, Any]) -> dict[str, int]:
+    """The bos/eos/pad ids of the tokenizer mega trained with, built from the checkpoint's
+    tokenizer flags as ``mega generate`` builds it; empty when it cannot be built here (its
+    files moved, its plugin not installed)."""
+    import dataclasses
+
+    from mega.core.plugins.manager import make_plugins
+
+    name = tokenizer.get("tokenizer_type")
+    tokenizers = make_plugins().tokenizers
+    if not name or name not in tokenizers:
+        return {}
+    spec = tokenizers.get(name)
+    fields = {f.name for f in dataclasses.fields(spec.config_cls)}
+    try:
+        built = spec.build(spec.config_cls(**{k: v for k, v in tokenizer.items() if k in fields}))
+    except Exception:  # noqa: BLE001 - a tokenizer that does not build here gives no ids
+        return {}
+    ids = {key: getattr(built, key.removesuffix("_token_id"), None) for key in SPECIAL}
+    return {key: value for key, value in ids.items() if isinstance(value, int)}
 
 
 def _json(file: Path) -> dict[str, Any]:
