@@ -174,3 +174,29 @@ def test_a_gpt2_like_model_with_grouped_or_resized_heads_is_refused_by_flag(extr
     assert str(refused.value).startswith(flag) and "\n" not in str(refused.value)
     same = {"group_query_attention": True, "num_query_groups": 4, "kv_channels": 8}
     assert hf_architecture({**model, **same}) == "GPT2LMHeadModel"  # what GPT-2 computes
+
+
+def test_a_sentencepiece_run_exports_its_tokenizers_special_ids(tmp_path):
+    """No tokenizer.json to read them from: the bos/eos/pad ids come from the tokenizer mega
+    trained with (a sentencepiece --tokenizer-model, given as a relative path), into config.json
+    and generation_config.json."""
+    from tokenizer_files import train_sentencepiece
+
+    from mega.testing import run_mega
+
+    model_file = train_sentencepiece(tmp_path / "tok", vocab_size=500, pad_id=3)
+    llama_like = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
+                  "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                  "--disable-bias-linear"]  # fmt: skip
+    tokenizer = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                 str(model_file.relative_to(tmp_path))]  # fmt: skip
+    _ok(run_mega(["train", *llama_like, *tokenizer, *TRAIN, "--seq-length", "16", "--save",
+                  "ckpt"], tmp_path))  # fmt: skip
+    out = _ok(run_mega(["convert-checkpoint", "ckpt", "hf"], tmp_path))
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # sentencepiece's, pad set
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert {k: config.get(k) for k in ids} == ids
+    assert "special tokens: bos_token_id 1, eos_token_id 2, pad_token_id 3" in out
+    assert "GPTSentencePieceTokenizer" in out  # whence, and that it is not written
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)

@@ -220,7 +220,8 @@ def _special_ids(
     tokenizer: dict[str, Any], source_dir: Path | None, source_config: dict[str, Any]
 ) -> tuple[dict[str, int], str]:
     """The bos/eos/pad ids and where they came from: the source Hugging Face model's config, its
-    tokenizer's named special tokens, or mega's GPT-2 BPE vocabulary (its <|endoftext|>)."""
+    tokenizer's named special tokens, mega's GPT-2 BPE vocabulary (its <|endoftext|>), or else
+    the ids of the tokenizer mega trained with (a sentencepiece model, a WordPiece vocab)."""
     found = {k: source_config[k] for k in SPECIAL if source_config.get(k) is not None}
     if found:
         return found, f"{source_dir}/config.json"
@@ -238,7 +239,8 @@ def _special_ids(
         eod = _json(Path(tokenizer["vocab_file"])).get(GPT2_EOD)
         if isinstance(eod, int):  # GPT-2's own config: bos = eos = <|endoftext|>
             return {"bos_token_id": eod, "eos_token_id": eod}, "the GPT-2 BPE vocab's <|endoftext|>"
-    return {}, ""
+    found = _mega_tokenizer_ids(tokenizer)  # no files to read them from: ask the tokenizer
+    return found, f"the {tokenizer.get('tokenizer_type')} mega trained with" if found else ""
 
 
 GPT2_EOD = "<|endoftext|>"
