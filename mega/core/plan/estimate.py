@@ -39,7 +39,17 @@ _BUS_FACTOR = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "alltoall": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
+    "sendrecv": lambda n: 1.0,  # a point-to-point send: its bytes, once
+    "sendrecv_exposed": lambda n: 1.0,
 }
+# The ring attention's transfers (``--cp-comm-type p2p``, mega.parallel.context.ring): every
+# step posts the next block of keys and values (and in backward the previous block's gradient
+# accumulator) before its attention kernel and waits after it, so a step takes the longer of
+# the two. Summed over a layer's steps, all of equal size: the longer of the ring's attention
+# and its transfers. A transfer with no kernel between its post and its wait (backward's last
+# accumulator, on its way to its owner after the last step) is ``sendrecv_exposed``, counted in
+# full with the other collectives.
+_RING = ("cp", "sendrecv")
 
 
 @dataclass
@@ -78,7 +88,7 @@ def collective_seconds(work: Work, rates: Rates, dims: set[str]) -> float:
         return 0.0
     total = 0.0
     for (dim, kind, size), payload in work.collectives.items():
-        if dim in dims and size > 1:
+        if dim in dims and size > 1 and (dim, kind) != _RING:
             total += payload * _BUS_FACTOR[kind](size) / rates.allreduce_bus_bytes
     return total
 
@@ -87,13 +97,21 @@ _LAYER_DIMS = {"tp", "cp", "tpcp", "ep"}  # collectives inside the layers
 _STEP_DIMS = {"dp", "edp", "dpcp", "edpcp", "embd"}  # once per global batch
 
 
+def ring_seconds(work: Work, rates: Rates) -> float:
+    """Time of ``work``'s ring-attention transfers alone (see ``_RING``)."""
+    if not rates.allreduce_bus_bytes:
+        return 0.0
+    sent = sum(v for (dim, kind, _), v in work.collectives.items() if (dim, kind) == _RING)
+    return sent / rates.allreduce_bus_bytes
+
+
 def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
     """A stretch of ops: GPU time (compute, memory, in-layer collectives) or host launch time,
     whichever is longer."""
     gpu = (
         work.matmul_flops / rates.matmul_flops
         + (work.fp8_matmul_flops / rates.fp8_matmul_flops if work.fp8_matmul_flops else 0.0)
-        + work.attention_flops / attention_rate
+        + max(work.attention_flops / attention_rate, ring_seconds(work, rates))
         + work.memory_bytes / rates.memory_bytes
         + collective_seconds(work, rates, _LAYER_DIMS)
     )

@@ -9,8 +9,11 @@ the optimizer steps, under ``StepTracker``: the peak of the live bytes is the ra
 and the ops seen are its work. Four things differ from a GPU, on purpose:
 
 - attention is ``flash_attention`` (what a fused kernel keeps), not SDPA's math path on meta;
-- point-to-point transfers between pipeline stages are skipped (the received buffers are
-  allocated by the executor as on a GPU);
+  so is each block of context-parallel attention (the ring's one call per step, the all-gather
+  type's blocks), which on meta would take the float32 math path;
+- point-to-point transfers send nothing: a pipeline stage's are skipped (the received buffers
+  are allocated by the executor as on a GPU), the ring attention's are counted (their bytes,
+  hidden behind the ring's kernels where one ran between post and wait: estimate's ``_RING``);
 - nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head,
   without tensor or context parallelism) run eagerly but are counted as their compiled selves
   keep memory (``mega.core.plan.compiled``);
@@ -42,7 +45,15 @@ from mega import BuildContext
 from mega.core.config.sections import RunConfig
 from mega.core.errors import MegaUsageError
 from mega.core.plan.compiled import stand_in_compiled
-from mega.core.plan.tracking import StepTracker, Work, nbytes, planning_sdpa
+from mega.core.plan.tracking import (
+    StepTracker,
+    Work,
+    nbytes,
+    planning_block_backward,
+    planning_block_forward,
+    planning_sdpa,
+)
+from mega.core.plan.tracking import send as plan_send
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import global_batch
 from mega.core.training.build import (
@@ -55,6 +66,7 @@ from mega.core.training.build import (
 from mega.core.training.compile import compiled_units
 from mega.core.training.step import model_forward
 from mega.parallel import comm
+from mega.parallel.context import gather, ring
 from mega.parallel.expert.aux_loss import private_scale
 from mega.parallel.pipeline.actions import Backward, Forward, WeightGrad
 from mega.parallel.pipeline.simulator import simulate
@@ -102,19 +114,55 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def planning_patches() -> Iterator[None]:
-    """Attention that keeps what a fused kernel keeps; pipeline transfers that send nothing; the
-    MoE auxiliary losses' scale of the planner's own."""
+    """Attention that keeps what a fused kernel keeps (SDPA and context parallelism's blocks);
+    point-to-point transfers that send nothing (the ring's counted); the MoE auxiliary losses'
+    scale of the planner's own."""
     sdpa, exchange = F.scaled_dot_product_attention, comm.exchange
+    blocks = [(module, module.block_forward, module.block_backward) for module in (ring, gather)]
+    calls = [0]  # the context-parallel blocks' kernel calls so far
+
+    def block_forward(*args: Any) -> Any:
+        calls[0] += 1
+        return planning_block_forward(*args)
+
+    def block_backward(*args: Any) -> Any:
+        calls[0] += 1
+        return planning_block_backward(*args)
+
+    class Posted(comm.PostedBatch):
+        """A batch posted without waiting: its sends counted at its wait, as hidden behind the
+        attention where a block's kernel was called in between (the ring's), else exposed."""
+
+        def __init__(self, sends: list, group: Any) -> None:
+            super().__init__([])
+            # what a send is counted by, not the tensor: holding it would keep it live
+            self.sends = [(tensor.new_empty(0), nbytes(tensor)) for tensor, _ in sends]
+            self.group, self.posted_at = group, calls[0]
+
+        def wait(self) -> None:
+            sends, self.sends = self.sends, []
+            for anchor, size in sends:
+                plan_send(anchor, size, self.group.group_name, calls[0] > self.posted_at)
 
     def no_transfer(sends: Any, recvs: Any, group: Any, wait: bool = True) -> Any:
-        return None if wait else comm.PostedBatch([])
+        # counted (the ring's; a pipeline's are the simulator's), not sent
+        sends = list(sends) if group is not None else []
+        if not wait:
+            return Posted(sends, group)
+        for tensor, _ in sends:
+            plan_send(tensor, nbytes(tensor), group.group_name, False)
+        return None
 
     F.scaled_dot_product_attention, comm.exchange = planning_sdpa, no_transfer
+    for module, _, _ in blocks:
+        module.block_forward, module.block_backward = block_forward, block_backward
     try:
         with private_scale():
             yield
     finally:
         F.scaled_dot_product_attention, comm.exchange = sdpa, exchange
+        for module, forward, backward in blocks:
+            module.block_forward, module.block_backward = forward, backward
 
 
 def planning_microbatch(

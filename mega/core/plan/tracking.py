@@ -215,6 +215,9 @@ class StepTracker(TorchDispatchMode):
             work.attention_flops += 2.5 * _attention_flops(args[1], args[2], args[6])
             work.ops += 1
             return
+        if func is torch.ops.mega_plan.send.default:
+            self._send(*args[1:4], work)
+            return
         name = func.name()
         namespace, _, op = name.partition("::")
         if namespace == "_c10d_functional":
@@ -252,6 +255,22 @@ class StepTracker(TorchDispatchMode):
             kinds = ("allgather", "reduce_scatter") if sequence_parallel else ("allreduce",)
             for kind in kinds:
                 work.collectives[dim, kind, size] += payload
+
+    def _send(self, size: int, group_name: str, hidden: bool, work: Work) -> None:
+        """A point-to-point send (``mega_plan::send``, the planner's ``comm.exchange``): its
+        bytes under its group's dimension, one NCCL launch; as ``sendrecv`` where attention
+        kernels ran between its post and its wait (the ring's transfers behind its steps),
+        else as ``sendrecv_exposed``. A pipeline stage's sends (``pp``) are the pipeline
+        simulator's, not counted here."""
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group_name)
+        dim = self.group_names.get(group.group_name)
+        if dim is None or dim == "pp":
+            return
+        work.ops += 1
+        kind = "sendrecv" if hidden else "sendrecv_exposed"
+        work.collectives[dim, kind, group.size()] += size
 
     def _functional_collective(self, op: str, args: tuple, out: Any, work: Work) -> None:
         """A functional collective (``mega.parallel.functional_comm``): its group is named by a
@@ -330,6 +349,19 @@ flash_attention_backward = torch.library.custom_op(
 flash_attention_backward.register_fake(_attention_input_grads)
 
 
+# A point-to-point send, counted and not made: ``comm.exchange`` while planning posts one per
+# send of its batch at the batch's wait (the ring attention's blocks of keys and values and
+# their gradient accumulators): ``size`` bytes (``anchor``, any tensor on the device, for the
+# dispatch), ``hidden`` where attention kernels ran in between; the receive buffers are the
+# caller's own allocations.
+def _send(anchor: torch.Tensor, size: int, group_name: str, hidden: bool) -> None:
+    return None
+
+
+send = torch.library.custom_op("mega_plan::send", _send, mutates_args=())
+send.register_fake(_send)
+
+
 def _setup_context(ctx: Any, inputs: Any, output: Any) -> None:
     query, key, value, causal = inputs
     ctx.save_for_backward(query, key, value, *output)
@@ -342,6 +374,49 @@ def _backward(ctx: Any, grad: torch.Tensor, _grad_lse: torch.Tensor) -> Any:
 
 
 flash_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def planning_block_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What replaces a context-parallel block of attention
+    (``mega.parallel.context.blocks.block_forward``) while planning: the fused kernel a GPU
+    block runs (cuDNN's, as ``scaled_dot_product_attention`` picks on an H100 or H200, the
+    kernel the attention rates were calibrated on), out in the inputs' dtype and the float32
+    log-sum-exp, one call. On meta the block would take the float32 math path, which keeps the
+    ``[sq, sk]`` scores no GPU block makes."""
+    heads = q.shape[1]
+    k, v = _expand(k, heads), _expand(v, heads)
+    return flash_attention(q, k, v, mode == "causal")
+
+
+def planning_block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    mode: str,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``block_backward``'s stand-in (see :func:`planning_block_forward`): one backward call;
+    the GQA groups' gradients summed in float32 as the GPU path sums them."""
+    heads, groups = q.shape[1], k.shape[1]
+    dq, dk, dv = flash_attention_backward(
+        dout.to(q.dtype).contiguous(), q, _expand(k, heads), _expand(v, heads),
+        out.to(q.dtype).contiguous(), lse.contiguous(), mode == "causal",
+    )  # fmt: skip
+    if groups != heads:
+        b, _, s, d = dk.shape
+        dk = dk.float().view(b, groups, heads // groups, s, d).sum(2)
+        dv = dv.float().view(b, groups, heads // groups, s, d).sum(2)
+    return dq, dk, dv
+
+
+def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
+    groups = x.shape[1]
+    return x if groups == heads else x.repeat_interleave(heads // groups, dim=1)
 
 
 def planning_sdpa(

@@ -1,0 +1,86 @@
+"""mega plan under context parallelism (``--cp-comm-type p2p``, the ring): the ring's blocks
+planned as the fused kernel a GPU block runs, one call per ring step, and the ring's transfers
+counted (mega.core.plan.shadow's patches, mega.core.plan.estimate's overlap).
+
+The check against the measured CP2 run is in test_plan_recorded.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+import pytest
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run, ring_seconds, work_seconds
+from mega.core.plan.shadow import profile_rank
+from mega.core.plan.tracking import Work
+from mega.core.plugins.manager import make_plugins
+
+LAYERS, H, HEADS, SEQ = 2, 64, 4, 64
+SMALL = (
+    f"--model gpt --num-layers {LAYERS} --hidden-size {H} --num-attention-heads {HEADS}"
+    f" --seq-length {SEQ} --max-position-embeddings {SEQ} --mock-data"
+    " --tokenizer-type NullTokenizer --vocab-size 250 --bf16 --use-distributed-optimizer"
+    " --micro-batch-size 1 --global-batch-size 2 --hidden-dropout 0 --attention-dropout 0"
+)
+
+
+def _profile(args: str, world: int):
+    plugins = make_plugins()
+    argv = [*shlex.split(args), "--nproc-per-node", str(world), "--device", "cuda"]
+    config = resolve_config(argv, plugins, this_machine=False)
+    return config, plugins, profile_rank(config, plugins, 0)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_is_a_share_of_the_sequence_kernels(cp):
+    # the zigzag layout gives every rank 1/cp of the causal work: the ring's calls add up to
+    # the one-GPU kernel's FLOPs over cp; one forward call per ring step and layer (the
+    # ops counted as attention: no float32 math path, which counts no attention FLOPs)
+    _, _, one = _profile(SMALL, 1)
+    _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
+    assert one.forward.attention_flops > 0
+    assert ring.forward.attention_flops == pytest.approx(one.forward.attention_flops / cp)
+    assert ring.backward.attention_flops == pytest.approx(one.backward.attention_flops / cp)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_transfers_are_its_blocks_and_accumulators(cp):
+    # forward: cp - 1 blocks of keys and values (bf16) per layer, each behind a step's kernel;
+    # backward: those again and cp float32 gradient accumulators, of which the last (sent
+    # after the last step, waited for at once) is exposed
+    _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
+    block = 2 * (SEQ // cp) * H * 2  # keys and values, b = 1, heads x d = H, bf16
+    assert ring.forward.collectives["cp", "sendrecv", cp] == LAYERS * (cp - 1) * block
+    assert ring.forward.collectives["cp", "sendrecv_exposed", cp] == 0
+    hidden = ring.backward.collectives["cp", "sendrecv", cp]
+    assert hidden == LAYERS * ((cp - 1) * block + (cp - 1) * 2 * block)
+    assert ring.backward.collectives["cp", "sendrecv_exposed", cp] == LAYERS * 2 * block
+
+
+@pytest.mark.parametrize("sent", [1e8, 1e10])
+def test_ring_transfers_overlap_the_attention(sent):
+    # a ring step takes the longer of its kernel and its transfer: the transfers show only
+    # where they are longer than the attention (1e13 FLOPs: 31 ms; 0.1 GB: 0.3 ms, 10 GB: 28 ms)
+    rates = dataclasses.replace(BUILT_IN["h200"], allreduce_bus_bytes=360e9)
+    work = Work(attention_flops=1e13)
+    attention = work_seconds(work, rates, rates.attention_backward_flops)
+    work.collectives["cp", "sendrecv", 2] += sent
+    transfers = ring_seconds(work, rates)
+    assert transfers == pytest.approx(sent / 360e9)
+    seconds = work_seconds(work, rates, rates.attention_backward_flops)
+    assert seconds == pytest.approx(max(attention, transfers))
+
+
+def test_context_parallel_plans_eager_layers_by_default():
+    # --compile defaults off under CP: the layers' elementwise ops are counted one by one
+    config, plugins, _ = _profile(SMALL + " --context-parallel-size 2", 2)
+    assert config.training.compile is None
+    compiled, *_ = _profile(SMALL + " --context-parallel-size 2 --compile", 2)
+    eager_plan = plan_run(config, plugins, BUILT_IN["h200"])
+    compiled_plan = plan_run(compiled, plugins, BUILT_IN["h200"])
+    eager_bytes = eager_plan.stages[0].profile.forward.memory_bytes
+    assert eager_bytes > compiled_plan.stages[0].profile.forward.memory_bytes
