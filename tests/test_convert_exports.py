@@ -104,8 +104,9 @@ def test_the_hint_trains_and_the_fine_tune_keeps_the_models_positions(tmp_path):
     out = _ok(run_mega(["convert-checkpoint", "hf-llama", "m"], tmp_path))
     hint = next(line for line in out.splitlines() if line.startswith("train from it: "))
     command = shlex.split(hint.removeprefix("train from it: mega ").removesuffix(" ..."))
-    assert "--tokenizer-type" in command
-    _ok(run_mega([*command, *TRAIN, "--seq-length", "32", "--save", "tuned"], tmp_path))
+    assert "--tokenizer-type" not in command  # --use-checkpoint-args brings the tokenizer
+    tuned = _ok(run_mega([*command, *TRAIN, "--seq-length", "32", "--save", "tuned"], tmp_path))
+    assert "tokenizer HuggingFaceTokenizer" in tuned
     out = _ok(run_mega(["convert-checkpoint", "tuned", "back"], tmp_path))
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["max_position_embeddings"] == 128 and "max_position_embeddings: 128" in out
@@ -200,3 +201,23 @@ def test_a_sentencepiece_run_exports_its_tokenizers_special_ids(tmp_path):
     assert "GPTSentencePieceTokenizer" in out  # whence, and that it is not written
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 3)
+
+
+def test_use_checkpoint_args_brings_the_tokenizer_unless_the_run_names_one(tmp_path):
+    """The converted checkpoint's tokenizer (type and file) comes with --use-checkpoint-args;
+    a --tokenizer-type given on the command line still wins, without the saved one's files."""
+    from mega.core.config.resolve import resolve_config
+    from mega.core.convert.convert import convert
+    from mega.core.plugins.manager import make_plugins
+
+    plugins = make_plugins()
+    convert(_hf_gpt2(tmp_path), tmp_path / "m", plugins.checkpoint_converters)
+    load = ["--load", str(tmp_path / "m"), "--finetune", "--use-checkpoint-args", "--mock-data"]
+    config = resolve_config(load, plugins)
+    assert config.tokenizer_name == "HuggingFaceTokenizer"
+    assert config.tokenizer.tokenizer_model == str((tmp_path / "hf-gpt2").resolve())
+    named = resolve_config([*load, "--tokenizer-type", "NullTokenizer", "--vocab-size", "202"],
+                           plugins)  # fmt: skip
+    assert named.tokenizer_name == "NullTokenizer" and named.tokenizer.vocab_size == 202
+    plain = resolve_config(["--load", str(tmp_path / "m"), "--mock-data"], plugins)
+    assert plain.tokenizer_name != "HuggingFaceTokenizer"  # only with --use-checkpoint-args

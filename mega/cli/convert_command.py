@@ -84,9 +84,11 @@ def convert_command(
     for note in report.notes:
         click.echo(note)
     if report.target_format == "mega":
+        name = model.get("name", "gpt")  # --use-checkpoint-args checks the model, not picks it
+        chosen = f" --model {name}" if name != "gpt" else ""
         click.echo(
-            f"train from it: mega train --load {dst} --finetune --use-checkpoint-args"
-            f"{_tokenizer_flags(tokenizer)} ..."
+            f"train from it: mega train{chosen} --load {shlex.quote(str(dst))} --finetune"
+            f" --use-checkpoint-args{_tokenizer_flags(tokenizer)} ..."
         )
     if report.target_format == "megatron":  # a release checkpoint: no optimizer or RNG state
         # Megatron-LM's default bias+GeLU fusion is the tanh GeLU; its flag is not in the args
@@ -102,16 +104,9 @@ def convert_command(
 
 
 def _tokenizer_flags(tokenizer: dict[str, Any]) -> str:
-    """The checkpoint's tokenizer as flags (--use-checkpoint-args takes the model's flags only),
-    or the flag to give when the checkpoint names none."""
-    if not tokenizer.get("tokenizer_type"):
-        return " --tokenizer-type <the tokenizer's>"
-    flags = f" --tokenizer-type {tokenizer['tokenizer_type']}"
-    for key, value in tokenizer.items():
-        if key != "tokenizer_type" and value not in (None, False):
-            flag = "--" + key.replace("_", "-")
-            flags += f" {flag}" if value is True else f" {flag} {shlex.quote(str(value))}"
-    return flags
+    """What the hint adds for the tokenizer: nothing when the checkpoint names one
+    (--use-checkpoint-args brings its type and files), else the flag to give."""
+    return "" if tokenizer.get("tokenizer_type") else " --tokenizer-type <the tokenizer's>"
 
 
 @hookimpl

@@ -6,6 +6,8 @@ length) from the checkpoint's saved ``args``. mega saves its resolved config in 
 checkpoint's ``complete.json`` marker (and in its state); the checkpoint's whole ``model``
 section and its ``--seq-length`` take the place of the defaults. A config file or a flag given on
 the command line still wins, as an argument set on Megatron's command line does for most of them.
+The checkpoint's tokenizer (its ``--tokenizer-type`` and that tokenizer's files) comes too, unless
+the run names a tokenizer (read before the full parse, in ``mega.core.config.resolve``).
 """
 
 from __future__ import annotations

@@ -194,6 +194,10 @@ def resolve_config(
             file_sections[section] = {**file_sections.get(section, {}), **values}
 
     file_data = {**file_sections.get("", {}), **file_sections.get("data", {})}
+    # --use-checkpoint-args: the tokenizer the checkpoint was trained with, unless one is named
+    saved_type, saved_tokenizer = _checkpoint_tokenizer(argv, file_sections, plugins)
+    if saved_type and not selectors.get("--tokenizer-type") and not file_data.get("tokenizer_type"):
+        file_data = {**file_data, "tokenizer_type": saved_type}
     model_name, dataset_name, tokenizer_name = plugin_choice(
         selectors, file_model, file_data, lambda name: plugins.models.get(name).default_dataset
     )
@@ -230,8 +234,9 @@ def resolve_config(
     errors += flag_errors
     # --use-checkpoint-args: the checkpoint's architecture under the file's values and the flags
     ckpt_values, ckpt_errors = _checkpoint_args(
-        file_values, flag_values, table, plugins, model_name
-    )
+        file_values, flag_values, table, plugins, model_name,
+        saved_tokenizer if tokenizer_name == saved_type else {},
+    )  # fmt: skip
     errors += ckpt_errors
     for section, items in ckpt_values.items():
         file_values[section] = {**items, **file_values.get(section, {})}
@@ -284,16 +289,51 @@ def _absolute_tokenizer_paths(section: Any) -> Any:
     return dataclasses.replace(section, **changes) if changes else section
 
 
+def _checkpoint_tokenizer(
+    argv: list[str], file_sections: dict, plugins: Plugins
+) -> tuple[str | None, dict[str, Any]]:
+    """With ``--use-checkpoint-args --load D``: the tokenizer D's saved config names (its
+    ``--tokenizer-type`` and that tokenizer's settings), read before the full parse because the
+    tokenizer decides which flags exist; (None, {}) otherwise."""
+    file = {**file_sections.get("", {}), **file_sections.get("checkpoint", {})}
+    use, load = file.get("use_checkpoint_args"), file.get("load")
+    for i, token in enumerate(argv):
+        name, eq, inline = token.partition("=")
+        if name == "--use-checkpoint-args":
+            use = inline.lower() in ("true", "1") if eq else True
+        elif name == "--load":
+            load = inline if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    if not use or not load:
+        return None, {}
+    from mega.core.checkpoint.checkpoint_args import saved_config
+
+    try:
+        config = saved_config(str(load), plugins.checkpoint_backends) or {}
+    except MegaUsageError:  # reported where the checkpoint's model flags are read
+        return None, {}
+    name = config.get("data", {}).get("tokenizer_type")
+    values = config.get("tokenizer")
+    return (name, dict(values)) if name and isinstance(values, dict) else (name, {})
+
+
 def _checkpoint_args(
-    file_values: dict, flag_values: dict, table: FlagTable, plugins: Plugins, model_name: str
+    file_values: dict,
+    flag_values: dict,
+    table: FlagTable,
+    plugins: Plugins,
+    model_name: str,
+    tokenizer: dict[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """The values ``--use-checkpoint-args`` takes from ``--load``'s checkpoint, converted."""
+    """The values ``--use-checkpoint-args`` takes from ``--load``'s checkpoint, converted;
+    ``tokenizer``: the checkpoint's tokenizer settings, when the run's tokenizer is its."""
     given = {**file_values.get("checkpoint", {}), **flag_values.get("checkpoint", {})}
     if not given.get("use_checkpoint_args") or not given.get("load"):
         return {}, []  # without --load, CheckpointConfig.validate reports it
     from mega.core.checkpoint.checkpoint_args import checkpoint_arg_values
 
     raw, errors = checkpoint_arg_values(given["load"], plugins.checkpoint_backends, model_name)
+    if tokenizer and not errors:
+        raw["tokenizer"] = dict(tokenizer)
     seq_length = raw.get("training", {}).get("seq_length")
     positions = table.by_key.get("max_position_embeddings")
     chosen = {**file_values.get("model", {}), **flag_values.get("model", {})}
