@@ -209,3 +209,82 @@ def test_two_h100_compiled_layouts_speed_within_20_percent(run):
 def test_two_h100_compiled_layouts_memory_within_10_percent(run):
     peak = max(stage.profile.peak_bytes for stage in _plan_h100(run).stages) / GIB
     assert peak == pytest.approx(run["max_memory_gb_per_gpu"], rel=0.10)
+
+
+# 2 H200, 2026-11-27, planned as they ran (compiled by default, CP eager by default, each file's
+# commit). The 1.3B GPT at 16k, CP2 (the ring of one cuDNN call per step) against DP2, checked at
+# issue 47's bounds: 15% tokens/s, 10% peak memory. Planned 28,911 tokens/s per GPU and 32.45
+# GiB against 30,412 and 32.52. Before the planner ran the ring's blocks as the fused kernel (on
+# meta they took the float32 math path: [sq, sk] scores, no attention FLOPs) and counted the
+# ring's transfers, it planned CP2 at 7,308 tokens/s per GPU and 44.08 GiB.
+# DP2 at 16k plans 16% slow (33,532 against 40,161): the attention rates were calibrated at 2,048
+# positions, and on one H100 the DP2 step's cuDNN attention took 360 ms
+# (cp2_16k_profile_h100_2026-11-27) where those rates give 636 ms.
+# layouts_1p3b_16k_cp2_h100_before_ring_rewrite_2026-11-27 is not checked: it measured the ring
+# before its rewrite (one call per block, flash kernels, 20,452 tokens/s per GPU).
+CP_FILES = ("layouts_1p3b_16k_cp2_h200_ring_cudnn_2026-11-27.json",)
+CP_SPEED_MISSES = {
+    "1p3b-16k-2gpu-h200-tp1dp2": "planned 33,532 tokens/s per GPU against 40,161 measured"
+    " (-16.5%): attention rates calibrated at 2,048 positions, slow for 16k",
+}
+# --tp-comm-overlap against its absence, TP2 and TP2 + SP, one run (rows that name the flag ran
+# with it; the others ran without it, the default of that commit). Planned 1.38x to 1.73x the
+# measured tokens/s, as the H100 TP rows above (collectives at their solo rate; SP planned
+# faster than TP2, measured slower): strict xfails with the numbers.
+TP_AB_FILES = ("layouts_1p3b_2gpu_h200_tp_comm_overlap_ab_2026-11-27.json",)
+TP_AB_SPEED_MISSES = {
+    "1p3b-2gpu-h200-tp2dp1": "planned 54,655 tokens/s per GPU against 37,733 (+45%)",
+    "1p3b-2gpu-h200-tp2dp1:--tp-comm-overlap": "planned 54,403 against 39,570 (+37%)",
+    "1p3b-2gpu-h200-tp2dp1-sp": "planned 55,367 against 32,064 (+73%)",
+    "1p3b-2gpu-h200-tp2dp1-sp:--tp-comm-overlap": "planned 53,499 against 33,050 (+62%)",
+}
+
+
+def _h200_runs(files: tuple[str, ...], misses: dict[str, str]):
+    params = []
+    for name in files:
+        prefix = "1p3b-16k-2gpu-h200" if "_16k_" in name else "1p3b-2gpu-h200"
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            key = f"{prefix}-{run['layout']}"
+            marks = pytest.mark.xfail(strict=True, reason=misses[key]) if key in misses else ()
+            params.append(pytest.param(run, id=key, marks=marks))
+    return params
+
+
+_H200_PLANS: dict[str, object] = {}
+
+
+def _plan_h200(run: dict):
+    if run["command"] not in _H200_PLANS:
+        flags = train_flags(run["command"], tp_ran_eager=False)  # compiled by default then
+        argv = [*shlex.split(flags), "--nproc-per-node", str(run["world_size"]), "--device", "cuda"]
+        plugins = make_plugins()
+        config = resolve_config(argv, plugins, this_machine=False)
+        _H200_PLANS[run["command"]] = plan_run(config, plugins, BUILT_IN["h200"])
+    return _H200_PLANS[run["command"]]
+
+
+def _peak_gib(plan) -> float:
+    return max(stage.profile.peak_bytes for stage in plan.stages) / GIB
+
+
+@pytest.mark.parametrize("run", _h200_runs(CP_FILES, CP_SPEED_MISSES))
+def test_two_h200_context_parallel_16k_speed_within_15_percent(run):
+    assert _plan_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)
+
+
+@pytest.mark.parametrize("run", _h200_runs(CP_FILES, {}))
+def test_two_h200_context_parallel_16k_memory_within_10_percent(run):
+    peak = max(run["peak_memory_gib_by_rank"])
+    assert _peak_gib(_plan_h200(run)) == pytest.approx(peak, rel=0.10)
+
+
+@pytest.mark.parametrize("run", _h200_runs(TP_AB_FILES, TP_AB_SPEED_MISSES))
+def test_two_h200_tp_comm_overlap_speed_within_20_percent(run):
+    assert _plan_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.20)
+
+
+@pytest.mark.parametrize("run", _h200_runs(TP_AB_FILES, {}))
+def test_two_h200_tp_comm_overlap_memory_within_10_percent(run):
+    peak = max(run["peak_memory_gib_by_rank"])
+    assert _peak_gib(_plan_h200(run)) == pytest.approx(peak, rel=0.10)
