@@ -1,5 +1,6 @@
 """``mega convert-checkpoint`` from Megatron-LM: megatron-core 0.16.1 (the oracle) builds a
-GPT-2-like and a Llama-like (GQA, SwiGLU, rope, untied) GPT at TP=2 on two CPU ranks, saves each
+GPT-2-like, a Llama-like (GQA, SwiGLU, rope, untied) and a Qwen3-like GPT (also q/k norms, QKV
+biases alone, linear rope scaling) at TP=2 on two CPU ranks, saves each
 in the legacy ``torch`` format (as ``megatron/training/checkpointing.py`` does) and as
 ``torch_dist``, and computes its logits; mega's GPT built from each converted checkpoint gives
 the same logits. Megatron's vocabulary is padded (250 -> 256); the conversion strips the padding.
@@ -67,6 +68,27 @@ MODELS = {
             "vocab_size": None,
         },
     ),
+    # Qwen3-like, with the newer options: q/k norms, QKV biases without the others, linear rope
+    # scaling (mcore's seq_len_interpolation_factor)
+    "qwen": (
+        {
+            "num_attention_heads": 8, "num_query_groups": 4, "ffn_hidden_size": 96,
+            "normalization": "RMSNorm", "layernorm_epsilon": 1e-6, "gated_linear_unit": True,
+            "add_bias_linear": False, "add_qkv_bias": True, "qk_layernorm": True,
+            "activation_func": "silu",
+        },
+        {"share_embeddings_and_output_weights": False, "position_embedding_type": "rope",
+         "rotary_base": 10000, "seq_len_interpolation_factor": 2.0},
+        {
+            "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
+            "add_qkv_bias": True, "qk_layernorm": True,
+            "rotary_seq_len_interpolation_factor": 2.0,
+            "num_attention_heads": 8, "group_query_attention": True, "num_query_groups": 4,
+            "ffn_hidden_size": 96, "position_embedding_type": "rope",
+            "untie_embeddings_and_output_weights": True, "norm_epsilon": 1e-6,
+            "tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1,
+        },
+    ),
 }  # fmt: skip
 
 
@@ -92,8 +114,8 @@ def _args(name: str) -> argparse.Namespace:
     choke on: an enum of megatron's, a torch dtype)."""
     from megatron.core.transformer.enums import AttnBackend
 
-    fields = {"vocab_file": None, "merge_file": None, "tokenizer_model": None, **MODELS[name][2]}
-    return argparse.Namespace(
+    fields = {"vocab_file": None, "merge_file": None, "tokenizer_model": None}
+    return argparse.Namespace(**{**dict(
         num_layers=2, hidden_size=64, kv_channels=None, max_position_embeddings=SEQ * 2,
         seq_length=SEQ, rotary_base=10000, rotary_percent=1.0, rotary_interleaved=False,
         openai_gelu=False, squared_relu=False, onnx_safe=None, add_qkv_bias=False,
@@ -107,7 +129,7 @@ def _args(name: str) -> argparse.Namespace:
         attention_backend=AttnBackend.auto, consumed_train_samples=40, iteration=10,
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
         **fields,
-    )  # fmt: skip
+    ), **MODELS[name][2]})  # fmt: skip
 
 
 def _randomize_norms_and_biases(model: torch.nn.Module, rank: int) -> None:
@@ -152,7 +174,10 @@ def _megatron_rank(rank: int, world_size: int, out: str) -> dict[str, torch.Tens
             attention_dropout=0.0, tensor_model_parallel_size=world_size,
             params_dtype=torch.float32, init_method_std=0.2, **fields,
         )  # fmt: skip
-        spec = get_gpt_layer_local_spec(normalization=fields.get("normalization", "LayerNorm"))
+        spec = get_gpt_layer_local_spec(
+            normalization=fields.get("normalization", "LayerNorm"),
+            qk_layernorm=fields.get("qk_layernorm", False),
+        )
         model = GPTModel(
             config=cfg, transformer_layer_spec=spec, vocab_size=PADDED,
             max_sequence_length=SEQ * 2, parallel_output=False, **model_fields,
@@ -241,7 +266,7 @@ def mega_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fmt", ["legacy", "torch_dist"])
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen"])
 def test_megatron_checkpoints_convert_to_mega_with_megatrons_logits(megatron, tmp_path, name, fmt):
     src = megatron.root / name / fmt
     report = convert(src, tmp_path / "mega", _converters(), read_options=_hints(name))
@@ -253,9 +278,12 @@ def test_megatron_checkpoints_convert_to_mega_with_megatrons_logits(megatron, tm
     model = config["config"]["model"]
     expected = MODELS[name][2]
     assert model["swiglu"] is expected["swiglu"]
-    assert model.get("num_query_groups") == (2 if name == "llama" else None)
+    assert model.get("num_query_groups") == {"llama": 2, "qwen": 4}.get(name)
+    if name == "qwen":  # the newer options, read from the args
+        assert model["qk_layernorm"] and model["add_qkv_bias"]
+        assert model["rotary_seq_len_interpolation_factor"] == 2.0
     assert config["config"]["training"] == {"seq_length": SEQ}
-    if name == "gpt2":  # NullTokenizer: mega has it; the vocabulary is --vocab-size + EOD
+    if name in ("gpt2", "qwen"):  # NullTokenizer: mega has it; the vocabulary is --vocab-size + EOD
         assert config["config"]["data"] == {"tokenizer_type": "NullTokenizer"}
         assert config["config"]["tokenizer"] == {"vocab_size": VOCAB - 1}
     else:
@@ -370,7 +398,7 @@ def test_pipeline_stages_and_virtual_chunks_are_put_in_layer_order(
     ("field", "value", "message"),
     [
         ("squared_relu", True, "--squared-relu is not supported"),
-        ("qk_layernorm", True, "--qk-layernorm is not supported"),
+        ("qk_l2_norm", True, "--qk-l2-norm is not supported"),
         ("num_experts", 8, "MoE (--num-experts) is not supported"),
         ("rotary_percent", 0.5, "--rotary-percent 0.5 is not supported"),
         ("normalization", "FancyNorm", "--normalization FancyNorm is not supported"),
@@ -388,3 +416,64 @@ def test_what_mega_cannot_express_is_a_one_line_error(megatron, tmp_path, field,
         convert(src, tmp_path / "out", _converters(), read_options=_hints("llama"))
     assert message in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "out").exists()
+
+
+def _llama_args(**changes) -> argparse.Namespace:
+    """The Llama-like model's args with ``changes``, no megatron-core run needed."""
+    args = argparse.Namespace(
+        num_layers=2, hidden_size=64, num_attention_heads=8, group_query_attention=True,
+        num_query_groups=2, ffn_hidden_size=96, normalization="RMSNorm", norm_epsilon=1e-6,
+        swiglu=True, add_bias_linear=False, position_embedding_type="rope", rotary_base=10000,
+        untie_embeddings_and_output_weights=True, max_position_embeddings=SEQ * 2,
+    )  # fmt: skip
+    vars(args).update(changes)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"use_rope_scaling": True, "rope_scaling_factor": 32.0},
+         {"use_rope_scaling": True, "rope_scaling_factor": 32.0}),
+        ({"rotary_seq_len_interpolation_factor": 4.0},
+         {"rotary_seq_len_interpolation_factor": 4.0}),
+        ({"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+          "yarn_original_max_position_embeddings": 16, "yarn_beta_fast": 32.0,
+          "yarn_beta_slow": 1.0, "yarn_mscale": 0.707, "yarn_mscale_all_dim": 0.707,
+          "yarn_correction_range_round_to_int": False},
+         {"position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+          "yarn_original_max_position_embeddings": 16, "yarn_mscale": 0.707,
+          "yarn_mscale_all_dim": 0.707, "yarn_correction_range_round_to_int": False}),
+        ({"qk_layernorm": True, "add_qkv_bias": True},
+         {"qk_layernorm": True, "add_qkv_bias": True}),
+    ],
+    ids=["llama3-scaling", "linear", "yarn", "qk-norm-qkv-bias"],
+)  # fmt: skip
+def test_the_newer_gpt_options_are_read_from_the_args(changes, expected):
+    """Each is mega's GPT option of the same name, and the config it makes is valid."""
+    from mega.plugins.convert.megatron_layouts import model_section
+    from mega.plugins.models.gpt import GPTConfig
+
+    model = model_section(_llama_args(**changes), "ckpt")
+    assert {k: model.get(k) for k in expected} == expected
+    config = GPTConfig(**{k: v for k, v in model.items() if k != "name"})
+    assert config.validate() == []
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"position_embedding_type": "yarn", "use_rope_scaling": True},
+         "--use-rope-scaling with --position-embedding-type yarn is not supported"),
+        ({"use_rope_scaling": True, "rotary_seq_len_interpolation_factor": 2.0},
+         "--use-rope-scaling and --rotary-seq-len-interpolation-factor together"),
+        ({"rotary_interleaved": True}, "--rotary-interleaved is not supported"),
+        ({"position_embedding_type": "mrope"}, "--position-embedding-type mrope is not supported"),
+    ],
+)  # fmt: skip
+def test_newer_options_mega_cannot_express_are_refused_in_one_line(changes, message):
+    from mega.plugins.convert.megatron_layouts import model_section
+
+    with pytest.raises(MegaUsageError) as refused:
+        model_section(_llama_args(**changes), "ckpt")
+    assert message in str(refused.value) and "\n" not in str(refused.value)

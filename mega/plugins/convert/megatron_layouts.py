@@ -21,7 +21,6 @@ from mega.core.errors import MegaUsageError
 UNSUPPORTED = (
     ("num_experts", None, "MoE (--num-experts)"),
     ("multi_latent_attention", False, "--multi-latent-attention"),
-    ("qk_layernorm", False, "--qk-layernorm"),
     ("qk_l2_norm", False, "--qk-l2-norm"),
     ("apply_layernorm_1p", False, "--apply-layernorm-1p (zero-centred gamma)"),
     ("layernorm_zero_centered_gamma", False, "zero-centred LayerNorm gamma"),
@@ -30,11 +29,14 @@ UNSUPPORTED = (
     ("squared_relu", False, "--squared-relu"),
     ("quick_geglu", False, "--quick-geglu"),
     ("rotary_interleaved", False, "--rotary-interleaved"),
-    ("use_rope_scaling", False, "--use-rope-scaling"),
-    ("rotary_seq_len_interpolation_factor", None, "--rotary-seq-len-interpolation-factor"),
     ("window_size", None, "sliding-window attention (--window-size)"),
     ("softmax_scale", None, "--softmax-scale"),
     ("mtp_num_layers", None, "multi-token prediction (--mtp-num-layers)"),
+)  # fmt: skip
+# --position-embedding-type yarn: Megatron's args (TransformerConfig's fields), mega's names too
+YARN_FIELDS = (
+    "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings", "yarn_beta_fast",
+    "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim", "yarn_correction_range_round_to_int",
 )  # fmt: skip
 TOKENIZER_FLAGS = {
     "GPT2BPETokenizer": ("vocab_file", "merge_file"),
@@ -60,18 +62,29 @@ def model_section(args: Namespace, where: str) -> dict[str, Any]:
             raise MegaUsageError(f"{where}: {what} is not supported ({name}={get(name)!r})")
     if get("swiglu") and get("openai_gelu"):
         raise MegaUsageError(f"{where}: --swiglu with --openai-gelu is not supported")
+    yarn = get("position_embedding_type") == "yarn"
     rope = get("use_rotary_position_embeddings") or get("position_embedding_type") == "rope"
-    position = "rope" if rope else get("position_embedding_type", "learned_absolute")
-    if position not in ("learned_absolute", "rope"):
+    position = "yarn" if yarn else "rope" if rope else get("position_embedding_type")
+    position = position or "learned_absolute"
+    rope = rope or yarn
+    if position not in ("learned_absolute", "rope", "yarn"):
         raise MegaUsageError(f"{where}: --position-embedding-type {position} is not supported")
+    scalings = [flag for flag, on in (
+        ("--use-rope-scaling", bool(get("use_rope_scaling"))),
+        ("--rotary-seq-len-interpolation-factor",
+         get("rotary_seq_len_interpolation_factor") not in (None, 1, 1.0)),
+    ) if on]  # fmt: skip
+    if scalings and position != "rope":
+        raise MegaUsageError(f"{where}: {scalings[0]} with --position-embedding-type {position}"
+                             " is not supported (mega scales rope positions only)")  # fmt: skip
+    if len(scalings) == 2:
+        raise MegaUsageError(f"{where}: {' and '.join(scalings)} together are not supported")
     if rope and float(get("rotary_percent", 1.0)) != 1.0:
         raise MegaUsageError(f"{where}: --rotary-percent {get('rotary_percent')} is not supported")
     normalization = get("normalization", "LayerNorm")
     if normalization not in ("LayerNorm", "RMSNorm"):
         raise MegaUsageError(f"{where}: --normalization {normalization} is not supported")
     bias = bool(get("add_bias_linear", True))
-    if get("add_qkv_bias") and not bias:
-        raise MegaUsageError(f"{where}: --add-qkv-bias without linear biases is not supported")
     h, heads = get("hidden_size"), get("num_attention_heads")
     model: dict[str, Any] = {
         "name": "gpt",
@@ -99,6 +112,19 @@ def model_section(args: Namespace, where: str) -> dict[str, Any]:
         if float(base) != int(base):
             raise MegaUsageError(f"{where}: --rotary-base {base} is not a whole number")
         model["rotary_base"] = int(base)
+    if get("add_qkv_bias") and not bias:  # with linear biases, QKV has its bias anyway
+        model["add_qkv_bias"] = True
+    if get("qk_layernorm"):  # mcore's q_layernorm/k_layernorm: per head, --normalization's
+        model["qk_layernorm"] = True
+    if get("use_rope_scaling"):  # Llama 3.x's frequency scaling, Megatron's fixed factors
+        model["use_rope_scaling"] = True
+        model["rope_scaling_factor"] = float(get("rope_scaling_factor", 8.0))
+    if "--rotary-seq-len-interpolation-factor" in scalings:  # linear: positions / factor
+        model["rotary_seq_len_interpolation_factor"] = float(
+            get("rotary_seq_len_interpolation_factor")
+        )
+    if yarn:  # mcore's YarnRotaryEmbedding reads these args (TransformerConfig's names)
+        model.update({name: get(name) for name in YARN_FIELDS if get(name) is not None})
     groups = get("num_query_groups") if get("group_query_attention") else None
     if groups and groups != heads:
         model["group_query_attention"], model["num_query_groups"] = True, groups
@@ -188,8 +214,12 @@ def expected_shapes(model: dict[str, Any], vocab: int) -> dict[str, tuple[int, .
                 for kind in norm:
                     shapes[f"{p}pre_mlp_layernorm.{kind}"] = (h,)
             shapes[f"{p}{name}.weight"] = shape
-            if bias:
+            if bias or (name == "self_attention.linear_qkv" and cfg.add_qkv_bias):
                 shapes[f"{p}{name}.bias"] = shape[:1]
+            if name == "self_attention.linear_qkv" and cfg.qk_layernorm:
+                for which in ("q", "k"):
+                    for kind in norm:
+                        shapes[f"{p}self_attention.{which}_layernorm.{kind}"] = (d,)
     for kind in norm:
         shapes[f"decoder.final_layernorm.{kind}"] = (h,)
     if cfg.untie_embeddings_and_output_weights:
