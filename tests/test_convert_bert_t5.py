@@ -234,3 +234,20 @@ def test_a_t5_export_generates_in_transformers_as_the_source_does(tmp_path, toke
     # a T5Config built in code names no start (the hub's t5-small config.json says 0)
     expected = source.generate(prompt, decoder_start_token_id=0, min_new_tokens=8, **greedy)
     assert torch.equal(tokens, expected) and tokens[0, 0] == 0
+
+
+def test_a_t5_decoder_starts_where_its_training_started_it(tmp_path):
+    """Converted from Hugging Face: the source's start (else its pad id); trained in mega: the
+    bos of its tokenizer (mega's T5 data put it first in the decoder's input); else 0."""
+    from tokenizer_files import train_wordpiece
+
+    from mega.plugins.convert.huggingface import _decoder_start
+    from mega.plugins.tokenizers.bert_wordpiece import BertWordPieceTokenizer
+
+    vocab = train_wordpiece(tmp_path / "tok", lowercase=True)
+    tokenizer = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": str(vocab)}
+    bos = BertWordPieceTokenizer(str(vocab), lower_case=True).bos
+    assert _decoder_start(tokenizer, {})[0] == bos != 0
+    assert _decoder_start(tokenizer, {"decoder_start_token_id": 0, "pad_token_id": 5})[0] == 0
+    assert _decoder_start(tokenizer, {"pad_token_id": 5})[0] == 5
+    assert _decoder_start({}, {})[0] == 0
