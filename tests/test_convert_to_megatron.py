@@ -66,6 +66,19 @@ MODELS = {
         },
         {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/data/llama-tokenizer"},
     ),
+    # Qwen3-like: q/k norms, QKV biases alone, linear rope scaling
+    "qwen": (
+        {
+            "num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+            "group_query_attention": True, "num_query_groups": 4, "ffn_hidden_size": 96,
+            "max_position_embeddings": 2 * SEQ, "position_embedding_type": "rope",
+            "rotary_base": 10000, "normalization": "RMSNorm", "norm_epsilon": 1e-6,
+            "swiglu": True, "add_bias_linear": False, "untie_embeddings_and_output_weights": True,
+            "add_qkv_bias": True, "qk_layernorm": True,
+            "rotary_seq_len_interpolation_factor": 2.0,
+        },
+        {"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB - 1},
+    ),
 }  # fmt: skip
 
 
@@ -135,7 +148,8 @@ def _transformer_config(args):
         # Megatron-LM's --bias-gelu-fusion: the tanh GeLU (Megatron-LM takes it from its flags,
         # not from these args: the default, on, for the tanh GeLU; --no-bias-gelu-fusion else)
         bias_activation_fusion=args.bias_gelu_fusion,
-        add_qkv_bias=args.add_qkv_bias, hidden_dropout=args.hidden_dropout,
+        add_qkv_bias=args.add_qkv_bias, qk_layernorm=args.qk_layernorm,
+        hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         params_dtype=args.params_dtype, use_cpu_initialization=True,
     )  # fmt: skip
@@ -163,7 +177,11 @@ def _megatron_rank(rank: int, world_size: int, roots: dict[str, str]) -> dict[st
         args = dist_checkpointing.load_common_state_dict(str(directory))["args"]
         model = GPTModel(
             config=_transformer_config(args),
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization=args.normalization),
+            transformer_layer_spec=get_gpt_layer_local_spec(
+                normalization=args.normalization, qk_layernorm=args.qk_layernorm
+            ),
+            rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+            seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
             vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
             share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
             position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
@@ -223,8 +241,10 @@ def test_the_args_say_the_architecture_and_the_padded_vocabulary(converted, name
     assert args.num_query_groups == fields.get("num_query_groups", fields["num_attention_heads"])
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (1, 1)
     assert args.bias_gelu_fusion is (name == "gpt2")  # the tanh GeLU is the fused one
-    if name == "gpt2":  # Megatron's NullTokenizer adds EOD to --vocab-size
+    if name in ("gpt2", "qwen"):  # Megatron's NullTokenizer adds EOD to --vocab-size
         assert (args.tokenizer_type, args.vocab_size) == ("NullTokenizer", VOCAB - 1)
+        written = (args.qk_layernorm, args.add_qkv_bias, args.rotary_seq_len_interpolation_factor)
+        assert written == ((True, True, 2.0) if name == "qwen" else (False, True, None))
     elif name == "gelu":
         assert (args.tokenizer_type, args.merge_file) == ("GPT2BPETokenizer", "/m.txt")
     else:

@@ -275,7 +275,8 @@ WRITTEN_FIELDS = (
     "position_embedding_type", "rotary_base", "normalization", "norm_epsilon", "swiglu",
     "openai_gelu",
     "untie_embeddings_and_output_weights", "add_bias_linear", "hidden_dropout",
-    "attention_dropout", "init_method_std",
+    "attention_dropout", "init_method_std", "add_qkv_bias", "qk_layernorm", "use_rope_scaling",
+    "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
 )  # fmt: skip
 # Megatron-LM's padding of the vocabulary (its --make-vocab-size-divisible-by default, at TP=1)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -376,7 +377,10 @@ def megatron_args(
         apply_layernorm_1p=False,
         apply_residual_connection_post_layernorm=False,
         apply_query_key_layer_scaling=False,
-        qk_layernorm=False,
+        qk_layernorm=cfg.qk_layernorm,
+        use_rope_scaling=cfg.use_rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
+        rotary_seq_len_interpolation_factor=cfg.rotary_seq_len_interpolation_factor,
         swiglu=cfg.swiglu,
         # the tanh GeLU is the bias+GeLU fusion's (see tanh_gelu); --use-checkpoint-args does
         # not take this from here: an exact-GeLU model needs --no-bias-gelu-fusion there
@@ -386,7 +390,8 @@ def megatron_args(
         squared_relu=False,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         add_bias_linear=cfg.add_bias_linear,
-        add_qkv_bias=cfg.add_bias_linear,  # as Megatron-LM's validate_args keeps them
+        # with linear biases, Megatron-LM's validate_args turns QKV's on too
+        add_qkv_bias=cfg.add_bias_linear or cfg.add_qkv_bias,
         num_experts=None,
         hidden_dropout=cfg.hidden_dropout,
         attention_dropout=cfg.attention_dropout,
