@@ -16,10 +16,9 @@ these functions wait at once (on CUDA: the current stream waits for NCCL's, the 
 so callers, autograd functions included, only ever hold plain tensors. Traced, funcol has
 already put the wait into the graph. Every function takes a group of more than one rank.
 
-The ``start_*`` functions and :func:`wait` are the same collectives split in two, for code that
-computes while one is in flight (``mega.parallel.tensor.overlapped``): the raw
-``_c10d_functional`` ops, whose wait stays where the caller put it, eager and traced alike
-(funcol's own functions insert the wait right after the collective when traced).
+:func:`start_all_gather` and :func:`wait` are the all-gather split in two, taking the group by
+name, for code that holds a name rather than a group (``mega.parallel.tensor.overlapped``, whose
+backward is a custom op that names its group): the raw ``_c10d_functional`` ops.
 """
 
 from __future__ import annotations
@@ -63,13 +62,8 @@ _OPS = torch.ops._c10d_functional
 
 
 def group_name(group: Any) -> str:
-    """The name the ``start_*`` functions take for ``group`` (resolve it outside traced code)."""
+    """The name :func:`start_all_gather` takes for ``group`` (resolve it outside traced code)."""
     return group.group_name
-
-
-def start_all_reduce(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Begin summing ``x`` over group ``name``; :func:`wait` gives the result."""
-    return _OPS.all_reduce(x.contiguous(), "sum", name)
 
 
 def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -77,12 +71,6 @@ def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return _OPS.all_gather_into_tensor(x.contiguous(), size, name)
 
 
-def start_reduce_scatter(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    """Begin summing ``x`` over group ``name`` of ``size`` ranks, keeping this rank's ``1/size``
-    of dim 0."""
-    return _OPS.reduce_scatter_tensor(x.contiguous(), "sum", size, name)
-
-
 def wait(t: torch.Tensor) -> torch.Tensor:
-    """The result of a ``start_*`` collective (on CUDA the current stream waits, not the host)."""
+    """The result of :func:`start_all_gather` (on CUDA the current stream waits, not the host)."""
     return _OPS.wait_tensor(t)

@@ -58,16 +58,6 @@ def _(grad_2d: torch.Tensor, inputs_2d: torch.Tensor, weight: torch.Tensor) -> t
     return torch.empty_like(weight)
 
 
-def weight_gradient(
-    grad_2d: torch.Tensor, inputs_2d: torch.Tensor, weight: torch.Tensor, fused: bool
-) -> torch.Tensor:
-    """The weight's gradient from ``[tokens, out]`` and ``[tokens, in]``: fused into
-    ``weight.main_grad`` (a placeholder returned; ``fused``: the weight opted in) or computed."""
-    if fused:
-        return _weight_grad(grad_2d, inputs_2d, weight)
-    return grad_2d.t().matmul(inputs_2d)
-
-
 def fuses_wgrad(weight: torch.Tensor) -> bool:
     """Whether ``weight``'s gradient GEMM goes into its ``main_grad`` when recorded now."""
     return getattr(weight, "fuse_wgrad", False) and torch.is_grad_enabled() and weight.requires_grad
@@ -88,7 +78,7 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        grad_weight = weight_gradient(grad_2d, x.reshape(-1, x.shape[-1]), weight, True)
+        grad_weight = _weight_grad(grad_2d, x.reshape(-1, x.shape[-1]), weight)
         return grad_input, grad_weight, grad_bias
 
 
