@@ -59,6 +59,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the mega of this checkout, also under torchrun (which puts
 # benchmarks/ first on the path, not the working directory)
+from parallel_layouts import commit  # noqa: E402  (benchmarks/, this script's directory)
 
 MODEL = [
     "--model", "gpt", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -129,25 +130,6 @@ def _dd(directory: Path, megabytes: int) -> dict:
         "dd_s": seconds,
         "dd_write_gb_s": size / seconds / 1e9,
     }
-
-
-def _commit() -> str | None:
-    """The commit measured: ``MEGA_BENCH_COMMIT`` (a copy of the tree without its .git, as on a
-    lent GPU machine), else ``git rev-parse HEAD`` with ``+dirty`` when the tree has changes."""
-    if os.environ.get("MEGA_BENCH_COMMIT"):
-        return os.environ["MEGA_BENCH_COMMIT"]
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True
-        )
-    except OSError:
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _all_ranks(values: list) -> list:
@@ -353,7 +335,7 @@ def main() -> None:
         record = {
             "name": name,
             "date": datetime.date.today().isoformat(),
-            "commit": _commit(),
+            "commit": commit(),
             "command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
             "world_size": topo.world_size,
             "ranks": topo.world_size,

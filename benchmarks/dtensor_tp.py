@@ -75,7 +75,6 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -87,6 +86,7 @@ import torch.nn.functional as F
 
 # the reference GPT's MLP (benchmarks/ is this script's directory, first on sys.path)
 from gpt_throughput import MLP  # noqa: E402
+from parallel_layouts import commit  # noqa: E402
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -316,24 +316,6 @@ def batch(
     return text[:, :-1].contiguous(), text[:, 1:].contiguous()
 
 
-def git_commit() -> str | None:
-    if os.environ.get("MEGA_BENCH_COMMIT"):
-        return os.environ["MEGA_BENCH_COMMIT"]
-    try:
-        proc = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if proc.returncode:
-        return None
-    return proc.stdout.strip() or None
-
-
 # ---------------------------------------------------------------------------- main
 
 
@@ -504,7 +486,7 @@ def main() -> None:
             "gpu_count": world if cuda else 0,
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
             "python": platform.python_version(),
-            "commit": git_commit(),
+            "commit": commit(),
             "precision": "fp32 parameters, gradients and AdamW state; torch.autocast(bfloat16)"
             + ("; FSDP2 bf16 all-gather, fp32 reduce-scatter" if fsdp else ""),
             "embedding": "token embedding RowwiseParallel over the vocabulary, tied output layer"
