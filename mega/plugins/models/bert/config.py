@@ -42,7 +42,8 @@ class BertConfig(GPTConfig):
 
 
 def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
-    """What BERT and T5 refuse of the GPT's flags."""
+    """What BERT and T5 refuse of the GPT's flags. (--untie-embeddings-and-output-weights is
+    BERT's, as megatron-core's BertModel takes it; T5 refuses it itself.)"""
     problems = []
     if cfg.num_experts:
         problems.append(
@@ -58,11 +59,6 @@ def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
     for flag, value in gpt_only:
         if value:
             problems.append(f"{flag}: a GPT (decoder) option; the {model} model has none")
-    if cfg.untie_embeddings_and_output_weights:  # Megatron's pretrain scripts tie them
-        problems.append(
-            f"--untie-embeddings-and-output-weights: the {model} model's output layer always"
-            " reuses the word embeddings (as in Megatron)"
-        )
     return problems
 
 

@@ -3,7 +3,8 @@
 Megatron-core's ``BertModel`` with its local layer spec: word + position (+ token-type)
 embeddings; the GPT's pre-norm transformer layers, attending both ways with the padding
 masked; the masked-LM head (dense, GeLU, layer norm, then the tied word embeddings plus a
-bias); with the binary head, a pooler (dense + tanh on position 0) and a 2-way linear.
+bias, or with ``--untie-embeddings-and-output-weights`` an output weight of its own, as
+megatron-core's ``BertModel`` has); with the binary head, a pooler (dense + tanh on position 0) and a 2-way linear.
 ``--bert-post-layernorm`` builds the original BERT instead (Hugging Face's ``BertModel``): a
 norm on the embeddings and after each residual sum, none at the end of the encoder; megatron-
 core has no such layer, so that variant is checked against transformers (the converter's test).
@@ -113,11 +114,20 @@ class LMHead(nn.Module):
 
 
 class OutputBias(nn.Module):
-    """The output layer's bias ``[V]`` (its weight is the word embeddings)."""
+    """The tied output layer's bias ``[V]`` (its weight is the word embeddings)."""
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.bias = nn.Parameter(torch.empty(vocab_size))
+
+
+def output_layer(cfg: BertConfig, vocab_size: int) -> nn.Module:
+    """The masked-LM output layer's parameters, read by the head (never called): the bias
+    alone when tied; untied, a ``[V, h]`` weight too, megatron-core's ``output_layer.weight``
+    (a Linear so that tensor parallelism splits weight and bias by vocabulary rows together)."""
+    if cfg.untie_embeddings_and_output_weights:
+        return nn.Linear(cfg.hidden_size, vocab_size)  # biased whatever --disable-bias-linear
+    return OutputBias(vocab_size)
 
 
 class FirstToken(nn.Module):
@@ -152,7 +162,7 @@ class BertModel(nn.Module):
             self.embedding = BertEmbedding(cfg, ctx.padded_vocab_size, max_positions)
             self.encoder = bert_encoder(cfg)
             self.lm_head = LMHead(cfg)
-            self.output_layer = OutputBias(ctx.padded_vocab_size)
+            self.output_layer = output_layer(cfg, ctx.padded_vocab_size)
             self.output_head = OutputHead(getattr(ctx.tokenizer, "vocab_size", None))
             self.first_token = self.pooler = self.binary_head = None
             if cfg.bert_binary_head:
@@ -164,12 +174,16 @@ class BertModel(nn.Module):
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Megatron's init (the GPT's, ``megatron_init_``)."""
+        """Megatron's init (the GPT's, ``megatron_init_``): an untied output weight is drawn
+        N(0, std) from its own name, as the word embeddings it replaces."""
         cfg = self.config
         scaled_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         megatron_init_(self, self.seed, cfg.init_method_std, lambda name: scaled_std)
 
     def output_weight(self) -> torch.Tensor:
+        """The ``[V, h]`` matrix that produces logits: the word embeddings when tied."""
+        if self.config.untie_embeddings_and_output_weights:
+            return self.output_layer.weight
         return self.embedding.word_embeddings.weight
 
     def forward(

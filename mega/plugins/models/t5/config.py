@@ -82,6 +82,11 @@ class T5Config(GPTConfig):
             problems.append("--relu with --swiglu or --openai-gelu: give one activation")
         if self.group_query_attention:  # Megatron's cross-attention has one key/value per head
             problems.append("--group-query-attention: the t5 model's attention has no groups")
+        if self.untie_embeddings_and_output_weights:  # Megatron's pretrain_t5 ties them
+            problems.append(
+                "--untie-embeddings-and-output-weights: the t5 model's output layer always"
+                " reuses the word embeddings (as in Megatron)"
+            )
         return problems
 
 
