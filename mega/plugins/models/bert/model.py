@@ -4,7 +4,8 @@ Megatron-core's ``BertModel`` with its local layer spec: word + position (+ toke
 embeddings; the GPT's pre-norm transformer layers, attending both ways with the padding
 masked; the masked-LM head (dense, GeLU, layer norm, then the tied word embeddings plus a
 bias, or with ``--untie-embeddings-and-output-weights`` an output weight of its own, as
-megatron-core's ``BertModel`` has); with the binary head, a pooler (dense + tanh on position 0) and a 2-way linear.
+megatron-core's ``BertModel`` has); with the binary head, a pooler (dense + tanh on position
+0) and a 2-way linear.
 ``--bert-post-layernorm`` builds the original BERT instead (Hugging Face's ``BertModel``): a
 norm on the embeddings and after each residual sum, none at the end of the encoder; megatron-
 core has no such layer, so that variant is checked against transformers (the converter's test).

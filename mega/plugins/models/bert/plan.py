@@ -2,10 +2,10 @@
 
 Tensor parallelism: the masked-LM head's dense and layer norm run replicated (under sequence
 parallelism on ``s/tp`` positions, like the encoder's norms); the tied output's bias is split by
-vocabulary rows with the word embeddings (an untied output layer, weight and bias, column-parallel
-over the vocabulary as the GPT's: the head reads it, never calls it); the pooler reads position 0, so under sequence
-parallelism ``first_token`` gathers the sequence first and the pooler and binary head run
-replicated (as Megatron's ``Pooler``).
+vocabulary rows with the word embeddings (an untied output layer, weight and bias,
+column-parallel over the vocabulary as the GPT's: the head reads it, never calls it); the pooler
+reads position 0, so under sequence parallelism ``first_token`` gathers the sequence first and
+the pooler and binary head run replicated (as Megatron's ``Pooler``).
 
 Pipeline stages: the embeddings on the first; the final norm and every head on the last, which
 keeps its own copy of the word embeddings when they are tied.
