@@ -4,8 +4,10 @@ Hugging Face's BERT is the original, post-norm one: a layer norm on the embeddin
 each residual sum. It converts to mega's ``--bert-post-layernorm`` BERT (Megatron's own BERT is
 pre-norm, which no weight mapping turns into post-norm). Separate query, key and value become
 mega's grouped QKV rows (one group per head); the masked-LM head, pooler and sentence-order
-head map one to one. mega's BERT (as Megatron's) always ties the masked-LM output layer to the
-word embeddings: an untied ``cls.predictions.decoder.weight`` is refused by name.
+head map one to one. The masked-LM output layer is tied to the word embeddings or not as
+``tie_word_embeddings`` says (default true, as transformers'): an untied
+``cls.predictions.decoder.weight`` is mega's ``--untie-embeddings-and-output-weights``
+``output_layer.weight``, both ways.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ EMBEDDINGS = (
     ("embedding.tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
 )
 OUTPUT_BIAS = ("output_layer.bias", "cls.predictions.bias")
-DECODER = "cls.predictions.decoder"  # the masked-LM output layer: weight tied, bias = OUTPUT_BIAS
+DECODER = "cls.predictions.decoder"  # the masked-LM output layer: its bias is OUTPUT_BIAS
+OUTPUT_WEIGHT = ("output_layer.weight", f"{DECODER}.weight")  # untied only
 # BertConfig fields that change the function computed, and what mega's BERT computes. Not here:
 # dropouts, chunk_size_feed_forward (the same function in chunks), pad_token_id (an embedding
 # row's gradient only); sizes, layer_norm_eps and tie_word_embeddings are read.
@@ -63,14 +66,9 @@ BUFFERS = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")  # 
 
 
 def bert_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[dict, dict]:
-    """(mega model section, mega tensors) of a ``BertForPreTraining`` (tied output only)."""
+    """(mega model section, mega tensors) of a ``BertForPreTraining``, tied or untied."""
     refuse_fields(cfg, BERT_FIELDS, where)
-    word = EMBEDDINGS[0][1]
-    if not tied_output(cfg, hf, f"{DECODER}.weight", word, default=True):
-        raise MegaUsageError(
-            f"{where}: {DECODER}.weight is untied from the word embeddings"
-            " (tie_word_embeddings false); mega's BERT always ties its output layer"
-        )
+    tied = tied_output(cfg, hf, OUTPUT_WEIGHT[1], EMBEDDINGS[0][1], default=True)
     hf.ignore(BUFFERS, "a buffer of position or token type ids, not a weight")
     h, layers, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
     model = {
@@ -89,6 +87,7 @@ def bert_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[di
         "attention_dropout": cfg.get("attention_probs_dropout_prob", 0.1),
         "init_method_std": cfg.get("initializer_range", 0.02),
         "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not tied,
         "bert_binary_head": True,
         "bert_post_layernorm": True,
     }
@@ -113,6 +112,8 @@ def bert_to_mega(cfg: dict[str, Any], hf: SourceTensors, where: str) -> tuple[di
     bias = OUTPUT_BIAS[1] if OUTPUT_BIAS[1] in hf else f"{DECODER}.bias"
     out[OUTPUT_BIAS[0]] = get(bias)
     hf.ignore(f"{DECODER}.bias", f"the same parameter as {OUTPUT_BIAS[1]} in transformers")
+    if not tied:  # a missing one is refused by name (_need), never replaced by the embeddings
+        out[OUTPUT_WEIGHT[0]] = get(OUTPUT_WEIGHT[1])
     return model, out
 
 
@@ -172,7 +173,7 @@ def mega_to_bert(
         "initializer_range": model.get("init_method_std", 0.02),
         "layer_norm_eps": model.get("norm_epsilon", 1e-5),
         "position_embedding_type": "absolute",
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": not model.get("untie_embeddings_and_output_weights", False),
     }
     out = {name: mega[target] for target, name in EMBEDDINGS}
     _copy_modules(out, mega.__getitem__, [EMBEDDING_NORM[::-1]])
@@ -190,4 +191,6 @@ def mega_to_bert(
         _copy_modules(out, mega.__getitem__, [(dst + n, src + m) for m, n in LAYER_MODULES])
     _copy_modules(out, mega.__getitem__, [(n, m) for m, n in HEAD_MODULES])
     out[OUTPUT_BIAS[1]] = mega[OUTPUT_BIAS[0]]
+    if not config["tie_word_embeddings"]:
+        out[OUTPUT_WEIGHT[1]] = mega[OUTPUT_WEIGHT[0]]
     return config, out
