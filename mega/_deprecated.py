@@ -1,0 +1,48 @@
+"""Old import paths kept working: a module ``__getattr__`` that hands out a moved name from its
+new home with a ``DeprecationWarning`` naming that home (see "Deprecated" in docs/changelog.md).
+
+An old module becomes a shim of two lines (no torch until a name is used)::
+
+    from mega._deprecated import moved
+
+    __getattr__ = moved(__name__, "mega.core.config.fields", ["option", "field_type"])
+
+The warning points at the line that used the old path. Only the names listed are forwarded: an
+old package's ``__getattr__`` must not answer for its own submodules.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def moved(old: str, new: str, names: Iterable[str], since: str = "2026-11-23") -> Callable:
+    """``__getattr__`` for module ``old``, whose ``names`` moved to module ``new`` on ``since``."""
+    forwarded = frozenset(names)
+
+    def __getattr__(name: str) -> Any:
+        if name not in forwarded:
+            raise AttributeError(f"module {old!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(new), name)
+        # ``from package import name`` first asks hasattr() from inside the import system, then
+        # getattr() from the importing line: warn once, for that line.
+        if not sys._getframe(1).f_code.co_filename.startswith("<frozen importlib"):
+            warnings.warn(
+                f"{old}.{name} is deprecated since {since}: use {new_path(new, name)}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+        return value
+
+    return __getattr__
+
+
+def new_path(module: str, name: str) -> str:
+    """Where to import ``name`` from now: the package face ``mega`` when it exports it."""
+    import mega
+
+    return f"'from {'mega' if name in mega.__all__ else module} import {name}'"
