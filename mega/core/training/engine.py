@@ -78,6 +78,11 @@ class Engine:
         if not plugins.pm.has_plugin("mega-core"):
             plugins.pm.register(CoreHooks(), name="mega-core")
 
+    # for plugins (docs/plugins.md): after setup, the model's padded vocabulary and its
+    # parameter count as printed at startup (the whole model's, without padding rows)
+    padded_vocab = property(lambda self: self.parts.padded_vocab)
+    num_parameters = property(lambda self: self.parts.num_parameters)
+
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
         self.device, self.topology = join_job(cfg)
@@ -92,7 +97,7 @@ class Engine:
         topo = self.topology
         seed_everything(t.seed + 100 * topo.pp_rank + 7919 * topo.group_rank("cp"))
         self.plugins.pm.hook.topology_ready(topology=self.topology)
-        parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
+        self.parts = parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
         self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model
         self.vocab_rows = parts.vocab_rows
         self.executor, self.buffer, self.optimizer = parts.executor, parts.buffer, parts.optimizer
