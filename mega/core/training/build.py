@@ -8,6 +8,8 @@ executor -> learning-rate schedule. Nothing here trains; ``Engine`` owns the loo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +69,21 @@ def build_run(
     return build_parts(config, plugins, topology, device, ctx, splits, display)
 
 
+@contextmanager
+def plugin_imports(kind: str, name: str, registry: Any) -> Iterator[None]:
+    """A plugin's factory that imports what this mega does not have (a name that moved, a
+    dependency not installed) stops the run with one line naming the plugin, not a traceback:
+    the fix is the plugin's version or an install, not the run's flags."""
+    try:
+        yield
+    except ImportError as exc:
+        provider = registry.provider(name) if name in registry else name
+        raise MegaUsageError(
+            f"{kind} '{name}' (plugin '{provider}') failed to import what it needs: {exc}"
+            " (a plugin written for another mega version, or a missing dependency)"
+        ) from None
+
+
 def build_context(
     config: RunConfig,
     plugins: Plugins,
@@ -76,7 +93,8 @@ def build_context(
 ) -> BuildContext:
     """The tokenizer and what the factories are told about the run (a padded vocabulary)."""
     t = config.training
-    tokenizer = plugins.tokenizers.get(config.tokenizer_name).build(config.tokenizer)
+    with plugin_imports("tokenizer", config.tokenizer_name, plugins.tokenizers):
+        tokenizer = plugins.tokenizers.get(config.tokenizer_name).build(config.tokenizer)
     vocab = tokenizer.vocab_size
     divisor = config.data.make_vocab_size_divisible_by * topology.tensor_model_parallel_size
     padded_vocab = padded_vocab_size(vocab, divisor)
@@ -113,7 +131,8 @@ def build_parts(
     vocab = tokenizer.vocab_size
     model_spec = plugins.models.get(config.model_name)
     try:
-        model = model_spec.build(config.model, ctx)  # fp32 on the CPU: the exact seeded init
+        with plugin_imports("model", config.model_name, plugins.models):
+            model = model_spec.build(config.model, ctx)  # fp32 on the CPU: the exact seeded init
     except ValueError as exc:
         raise MegaUsageError(f"model '{config.model_name}': {exc}") from None
     plan = model_spec.parallel_plan(config.model) if model_spec.parallel_plan else None
@@ -206,7 +225,8 @@ def build_data(config: RunConfig, plugins: Plugins, ctx: BuildContext) -> Any:
         split_paths=split_paths(config.data),
     )
     try:
-        return plugins.datasets.get(config.dataset_name).build(config.dataset, request, ctx)
+        with plugin_imports("dataset", config.dataset_name, plugins.datasets):
+            return plugins.datasets.get(config.dataset_name).build(config.dataset, request, ctx)
     except (ValueError, FileNotFoundError) as exc:
         raise MegaUsageError(f"dataset '{config.dataset_name}': {exc}") from None
 
