@@ -34,8 +34,8 @@ def _aligned(n: int) -> int:
 
 
 def bytes_needed(tensors: list[ShardedTensor]) -> int:
-    """The buffer size that holds the pieces of ``tensors``."""
-    return sum(_aligned(_nbytes(p)) for t in tensors for p in t.pieces)
+    """The buffer size that holds the pieces of ``tensors`` (``owned`` ones are not copied)."""
+    return sum(_aligned(_nbytes(p)) for t in tensors for p in t.pieces if not p.owned)
 
 
 class HostCopy:
@@ -74,8 +74,10 @@ class HostCopy:
     def take(self, tensors: list[ShardedTensor]) -> list[ShardedTensor]:
         """The same tensors with pieces copied into the buffer. On CUDA the copies are still in
         flight: :meth:`wait` before reading them, :meth:`before_update` before changing the
-        originals."""
-        device = next((p.data.device for t in tensors for p in t.pieces), torch.device("cpu"))
+        originals. ``owned`` pieces (copies made for this save) are written from as they are."""
+        device = next(
+            (p.data.device for t in tensors for p in t.pieces if not p.owned), torch.device("cpu")
+        )
         self.reserve(bytes_needed(tensors), device)
         assert self._buffer is not None
         cuda = device.type == "cuda"
@@ -88,6 +90,9 @@ class HostCopy:
             for t in tensors:
                 pieces = []
                 for piece in t.pieces:
+                    if piece.owned:
+                        pieces.append(piece)
+                        continue
                     n = _nbytes(piece)
                     view = self._buffer[offset : offset + n].view(piece.data.dtype)
                     view = view.view(piece.data.shape)

@@ -22,10 +22,13 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers only
 @dataclass
 class Piece:
     """A box of the global tensor: where it starts, and its values (shape = the box's shape),
-    a view of the holder's tensor."""
+    a view of the holder's tensor. ``owned``: the values are a copy made for one save, which
+    nothing else changes (a chunk gathered from several ranks, ``shared_chunks``): an async
+    save writes from it without copying it again."""
 
     start: tuple[int, ...]
     data: torch.Tensor
+    owned: bool = False
 
 
 @dataclass
@@ -34,8 +37,9 @@ class ShardedTensor:
 
     ``key``: the stored name, ``/``-separated (``model/decoder.layers.0.mlp.linear_fc1.weight``).
     ``dtype``: the stored dtype (the pieces' dtype when they are written; a load casts).
-    ``chunks``: a chunk shape that cuts the array where the writing layout's shards meet, so no
-    two ranks write one chunk but for distributed-optimizer ranges (a backend may use it).
+    ``chunks``: a chunk shape that cuts the array where the writing layout's shards meet (a
+    backend may use it); distributed-optimizer ranges end anywhere, and a save gathers each chunk
+    they share at one rank (``mega.core.checkpoint.shared_chunks``), so no two ranks write one.
     ``fallback``: a load reads this key when ``key`` is not in the checkpoint (an fp32 master
     from the parameter of a checkpoint written in fp32), and ``optional`` loads leave the pieces
     as they are when neither exists.

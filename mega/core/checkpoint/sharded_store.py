@@ -3,8 +3,11 @@
 Save, on every rank at the same point (it is a collective):
 
 1. rank 0 makes the hidden ``<save>/.iter_0000100.tmp`` (removing a crashed save's leftovers);
-2. the ranks exchange which global tensors they write (key, shape, dtype, chunks); the lowest
-   rank writing a tensor creates its array, so each array is created once;
+2. the ranks exchange the boxes they write: a chunk that several pieces would write in parts
+   (distributed-optimizer ranges end anywhere) is gathered at one rank, which writes it whole
+   (``mega.core.checkpoint.shared_chunks``); then which global tensors they write (key, shape,
+   dtype, chunks): the lowest rank writing a tensor creates its array, so each array is created
+   once;
 3. each rank writes its pieces (``write=True``) through the backend, in parallel;
 4. finalize: each rank waits for its writes, the ranks agree that all succeeded, and rank 0 writes
    ``metadata.json`` (the tensors, the layout, the small state, every rank's RNG state), then
@@ -35,6 +38,7 @@ from typing import Any
 from mega.core.checkpoint.host_copy import HostCopy
 from mega.core.checkpoint.json_state import from_json, to_json
 from mega.core.checkpoint.sharded import ShardedTensor, dtype_name
+from mega.core.checkpoint.shared_chunks import consolidate
 from mega.core.checkpoint.store import MARKER, atomic_write_text, put_in_place
 from mega.core.errors import MegaRunError, MegaUsageError, first_line
 
@@ -61,6 +65,16 @@ def _all_gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
     return gathered
+
+
+def _exchange(ops: list[tuple[bool, int, Any]]) -> None:
+    """Run point-to-point ops ``(send, peer rank, tensor)`` together and wait for them."""
+    dist = _dist()
+    if dist is None or not ops:
+        return
+    p2p = [dist.P2POp(dist.isend if send else dist.irecv, t, peer) for send, peer, t in ops]
+    for work in dist.batch_isend_irecv(p2p):
+        work.wait()
 
 
 def _rank() -> int:
@@ -179,13 +193,16 @@ def start_sharded_save(
         except OSError as exc:
             failure = f"cannot create {tmp}: {exc.strerror or exc}"
     _raise_if_any(failure, iteration)
+    written = consolidate(
+        [t for t in tensors if t.write and t.pieces], _rank(), _all_gather, _exchange
+    )
     arrays: dict[str, dict[str, Any]] = {}
     try:
-        arrays = create_arrays(tmp, tensors, backend)
+        arrays = create_arrays(tmp, written, backend)
     except OSError as exc:
         failure = str(exc)
     _raise_if_any(failure, iteration)
-    written = [t for t in tensors if t.write and t.pieces]
+    written = [t for t in written if t.pieces]
     if host_copy is None:
         wait = backend.write(tmp, written)
     else:
