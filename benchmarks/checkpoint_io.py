@@ -31,6 +31,7 @@ then, in this order:
 
 GB/s is the checkpoint's bytes on disk over the wall time, all ranks together (rank 0 reports;
 ``--dir`` must be one file system that every rank sees, as on one host).
+``written_gb_by_rank``: the bytes of state each rank writes (the save waits for the slowest).
 Rank 0's resident host memory is recorded before the saves and at its peak during them
 (sampled every 20 ms; the pinned ``--async-save`` buffer counts).
 Writes ``<--out>/checkpoint_io_<name>_<date>.json`` (default ``benchmarks/results``) with the
@@ -236,6 +237,11 @@ def main() -> None:
         sum(p.numel() * p.element_size() for p in engine.model.parameters())
         + engine.optimizer.state_bytes()
     )
+    # the bytes each rank's pieces hold to write (a chunk that the pieces of several ranks share
+    # is gathered at one of them first: a part of a chunk moves): the slowest rank sets the pace
+    written_by_rank = _all_ranks(
+        [sum(p.data.numel() * p.data.element_size() for t in tensors if t.write for p in t.pieces)]
+    )
     results: dict = {}
 
     # one checkpoint on disk at a time: the disk holds about 3 of the 1.3B's
@@ -313,6 +319,7 @@ def main() -> None:
                 "checkpoint_gb": gb,
                 "dcp_checkpoint_gb": dcp_bytes / 1e9,
                 "state_gb_rank0": state_bytes / 1e9,
+                "written_gb_by_rank": [n / 1e9 for n in written_by_rank],
                 "mega_save_gb_s": gb / results["mega_save_s"],
                 "mega_load_gb_s": gb / results["mega_load_s"],
                 "dcp_save_gb_s": dcp_bytes / 1e9 / results["dcp_save_s"],
