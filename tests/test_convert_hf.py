@@ -274,7 +274,9 @@ def _converted_gpt2(tmp_path: Path) -> Path:
     return tmp_path / "converted"
 
 
-def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path):
+def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path, mega_cli):
+    """One prompt through the real console entry point (streamed to a pipe, the speed line on
+    stderr); the batch and the refusals in this process, through the same ``main``."""
     from mega.plugins.models.gpt.generate import generate
 
     from conftest import run_mega
@@ -288,24 +290,24 @@ def test_mega_generate_prints_the_greedy_tokens_and_its_speed(tmp_path):
     assert one.stdout.split() == [str(t) for t in [5, 17, 99, *expected[0]]]
     assert re.search(r"\d+ tokens in [\d.]+ s \([\d.]+ tokens/s, cpu\)", one.stderr)
     (tmp_path / "prompts.txt").write_text("5 17 99\n\n1 2\n")
-    batch = run_mega([*base, "--prompts-file", str(tmp_path / "prompts.txt")], tmp_path)
-    assert batch.returncode == 0, batch.stderr
-    lines = batch.stdout.strip().splitlines()
+    batch = mega_cli([*base, "--prompts-file", str(tmp_path / "prompts.txt")])
+    assert batch.exit_code == 0, batch.stderr
+    lines = batch.output.strip().splitlines()
     assert [line.split() for line in lines] == [
         [str(t) for t in [5, 17, 99, *expected[0]]],
         [str(t) for t in [1, 2, *expected[1]]],
     ]
     # GPT-2's 64 learned positions: 3 + 62 fit (the last token is not fed back), 3 + 63 do not
-    too_long = run_mega([*base[:-1], "63", "--prompt", "5 17 99"], tmp_path)
-    assert too_long.returncode == 2 and too_long.stdout == "", too_long.stdout
+    too_long = mega_cli([*base[:-1], "63", "--prompt", "5 17 99"])
+    assert too_long.exit_code == 2 and too_long.output == "", too_long.output
     assert too_long.stderr.strip() == (
         "error: a prompt of 3 tokens plus 63 new ones needs 65 positions; the model learned 64"
         " (lower --max-new-tokens)"
     )
-    fits = run_mega([*base[:-1], "62", "--prompt", "5 17 99"], tmp_path)
-    assert fits.returncode == 0, fits.stderr
-    missing = run_mega(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "1"], tmp_path)
-    assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
+    fits = mega_cli([*base[:-1], "62", "--prompt", "5 17 99"])
+    assert fits.exit_code == 0, fits.stderr
+    missing = mega_cli(["generate", "--load", str(tmp_path / "nowhere"), "--prompt", "1"])
+    assert missing.exit_code == 2 and "no complete checkpoint" in missing.stderr
 
 
 def test_a_converted_model_with_its_tokenizer_generates_without_tokenizer_flags(tmp_path):
