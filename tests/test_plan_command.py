@@ -38,7 +38,7 @@ def test_plan_prints_every_pipeline_stage_and_the_step():
 
 @pytest.mark.parametrize("model", ["gpt", "bert"])
 def test_a_model_alone_is_planned_with_mega_trains_defaults(model):
-    # the README's `mega plan --model gpt`: no --global-batch-size, so the default (micro-batch
+    # docs/commands.md's `mega plan --model gpt`: no --global-batch-size, so the default (micro-batch
     # x data-parallel size) is planned, as mega train would train it (issue 49: a TypeError)
     result = CliRunner().invoke(make_cli(make_plugins()), ["plan", "--model", model])
     assert result.exit_code == 0, result.output

@@ -43,7 +43,7 @@ SPEED_MISSES = {
     # planner's max(GPU, host launches) does not model. Planned 112.0 ms (73,152 tokens/s
     # against 39,187).
     "1gpu-h100-mega": "host syncs and recompiles of the expert loop (not modelled)",
-    # Measured with the in-place c10d all-to-all that torch.compile mis-traced (README: its
+    # Measured with the in-place c10d all-to-all that torch.compile mis-traced (docs/moe.md: its
     # gradient norms are not to be trusted; since replaced by functional collectives), the
     # alltoall dispatcher eager (torch.compiler.disable) with a host sync per layer for the
     # counts. Planned 188.9 ms a step (173,455 tokens/s against 66,351).
