@@ -72,6 +72,15 @@ def _train_and_gather(rank: int, world_size: int, args: list[str], run_dir: str)
     return _train(rank, world_size, args, run_dir)
 
 
+def _commands(rank: int, world_size: int, commands: list[list[str]]) -> list:
+    """``mega COMMAND`` for each command in turn, in this (forked) process: their results. A
+    fork of the test process starts in milliseconds; ``run_mega`` starts an interpreter that
+    imports torch (seconds). Checks of what the console entry point prints keep ``run_mega``."""
+    from mega.testing.commands import invoke, make_test_plugins
+
+    return [invoke(args, make_test_plugins()) for args in commands]
+
+
 def test_plain_tensorstore_and_zarr_read_the_global_tensors_of_a_tp2_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = [*TINY, "--mock-data", "--train-iters", "2", "--tensor-model-parallel-size", "2",
@@ -84,9 +93,9 @@ def test_plain_tensorstore_and_zarr_read_the_global_tensors_of_a_tp2_checkpoint(
         expected = value[: rows.get(name, value.shape[0])].numpy()
         np.testing.assert_array_equal(stored[f"model/{name}"], expected, err_msg=name)
 
-    listed = run_mega(["checkpoint", "inspect", "--json", str(ckpt)], tmp_path)
-    assert listed.returncode == 0, listed.stderr
-    info = json.loads(listed.stdout)
+    ((listed,),) = run_ranks(_commands, 1, [["checkpoint", "inspect", "--json", str(ckpt)]])
+    assert listed.exit_code == 0, listed.stderr
+    info = json.loads(listed.output)
     assert info["iteration"] == 2 and info["layout"]["tensor_model_parallel_size"] == 2
     for key, array in stored.items():
         assert info["tensors"][key]["shape"] == list(array.shape)
@@ -99,11 +108,9 @@ def test_plain_tensorstore_and_zarr_read_the_global_tensors_of_a_tp2_checkpoint(
 
 def test_bf16_weights_are_bfloat16_arrays_next_to_fp32_masters(tmp_path):
     ckpt = tmp_path / "ckpt"
-    done = run_mega(
-        ["train", *TINY, "--mock-data", "--train-iters", "2", "--bf16", "--save", str(ckpt)],
-        tmp_path,
-    )
-    assert done.returncode == 0, done.stderr
+    train = ["train", *TINY, "--mock-data", "--train-iters", "2", "--bf16", "--save", str(ckpt)]
+    ((done,),) = run_ranks(_commands, 1, [train])
+    assert done.exit_code == 0, done.stderr
     name = "decoder.layers.0.mlp.linear_fc1.weight"
     directory = ckpt / "iter_0000002"
     meta = json.loads((directory / f"model/{name}/zarr.json").read_text())
@@ -164,7 +171,9 @@ def test_library_api_saves_at_tp2_and_loads_in_one_process(tmp_path):
 def test_a_damaged_array_is_a_one_line_error_naming_it(tmp_path):
     ckpt = tmp_path / "ckpt"
     args = ["train", *TINY, "--mock-data", "--train-iters", "2"]
-    assert run_mega([*args, "--save", str(ckpt)], tmp_path).returncode == 0
+    ((saved,),) = run_ranks(_commands, 1, [[*args, "--save", str(ckpt)]])
+    assert saved.exit_code == 0, saved.stderr
+    # the damage is read through the console entry point: its stderr whole, C++ writes included
     name = "model/decoder.layers.1.mlp.linear_fc2.weight"
     chunk = next(p for p in (ckpt / "iter_0000002" / name / "c").rglob("*") if p.is_file())
     data = bytearray(chunk.read_bytes())
@@ -183,7 +192,8 @@ def test_only_the_vocabulary_parameters_lose_their_padding_rows(tmp_path):
     """ByteTokenizer's 258 ids pad to 260 (divisor 4); a hidden size and a sequence length of 260
     make the final norm, the biases and the position table 260 rows too: those keep every row
     (they were once cut like the embedding), and mega generate loads the checkpoint in either
-    format to the same greedy text (the same run wrote both)."""
+    format to the same greedy text (the same run wrote both). Each format's train, inspect and
+    generate run in one forked process (not this one: tensorstore, see above)."""
     texts = []
     for fmt in ("zarr", "torch"):
         ckpt = tmp_path / fmt
@@ -191,11 +201,13 @@ def test_only_the_vocabulary_parameters_lose_their_padding_rows(tmp_path):
                 "--num-attention-heads", "4", "--seq-length", "260", "--micro-batch-size", "1",
                 "--train-iters", "1", "--eval-iters", "0", "--make-vocab-size-divisible-by", "4",
                 "--ckpt-format", fmt, "--save", str(ckpt)]  # fmt: skip
-        trained = run_mega(args, tmp_path)
-        assert trained.returncode == 0, trained.stderr
-        listed = run_mega(["checkpoint", "inspect", "--json", str(ckpt)], tmp_path)
-        assert listed.returncode == 0, listed.stderr
-        info = json.loads(listed.stdout)
+        generate = ["generate", "--load", str(ckpt), "--prompt", "a", "--max-new-tokens", "8",
+                    "--greedy"]  # fmt: skip
+        inspect = ["checkpoint", "inspect", "--json", str(ckpt)]
+        ((trained, listed, generated),) = run_ranks(_commands, 1, [args, inspect, generate])
+        assert trained.exit_code == 0, trained.stderr
+        assert listed.exit_code == 0, listed.stderr
+        info = json.loads(listed.output)
         if fmt == "zarr":
             shapes = {k: v["shape"] for k, v in info["tensors"].items()}
         else:  # one pickle: inspect lists the file and its size
@@ -207,10 +219,6 @@ def test_only_the_vocabulary_parameters_lose_their_padding_rows(tmp_path):
         assert shapes["model/embedding.position_embeddings.weight"] == [260, 260]
         assert shapes["model/decoder.final_layernorm.weight"] == [260]
         assert shapes["model/decoder.layers.0.mlp.linear_fc2.bias"] == [260]
-        generated = run_mega(
-            ["generate", "--load", str(ckpt), "--prompt", "a", "--max-new-tokens", "8", "--greedy"],
-            tmp_path,
-        )
-        assert generated.returncode == 0, generated.stderr
-        texts.append(generated.stdout)
+        assert generated.exit_code == 0, generated.stderr
+        texts.append(generated.output)
     assert texts[0] == texts[1] and len(texts[0]) > 1
