@@ -48,3 +48,23 @@ def plugins():
     from mega.core.plugins.manager import make_plugins
 
     return make_plugins()
+
+
+def _commands_in_fork(rank: int, world_size: int, commands: list[list[str]], cwd: str) -> list:
+    import os
+
+    from mega.testing.commands import invoke, make_test_plugins
+
+    os.chdir(cwd)
+    return [invoke(args, make_test_plugins()) for args in commands]
+
+
+def mega_in_fork(commands: list[list[str]], cwd) -> list:
+    """``mega ARGS`` for each of ``commands`` in turn, in one fork of this process started in
+    ``cwd``: their results (``exit_code``, ``output``, ``stderr``). A fork starts in milliseconds
+    where ``run_mega``'s interpreter imports torch (seconds); a fork, not this process, since
+    tensorstore (mega's checkpoints) forbids forking a process that has used it. Checks of what
+    the console entry point itself prints keep ``run_mega``."""
+    from mega.testing.ranks import run_ranks
+
+    return run_ranks(_commands_in_fork, 1, commands, str(cwd), timeout=300)[0]

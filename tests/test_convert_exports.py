@@ -61,17 +61,23 @@ def _hf_llama(tmp_path: Path) -> Path:
     return path
 
 
+def _run(args: list[str], cwd: Path):
+    """``mega ARGS`` in a fork of this process started in ``cwd`` (see conftest.mega_in_fork)."""
+    from conftest import mega_in_fork
+
+    (done,) = mega_in_fork([args], cwd)
+    return done
+
+
 def _ok(done):
-    assert done.returncode == 0, done.stderr
-    return done.stdout
+    assert done.exit_code == 0, done.stderr
+    return done.output
 
 
 def test_special_ids_generation_config_and_tokenizer_are_exported(tmp_path):
-    from mega.testing import run_mega
-
     _hf_gpt2(tmp_path)
-    _ok(run_mega(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
-    out = _ok(run_mega(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
+    _ok(_run(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
     back = tmp_path / "back"
     config = json.loads((back / "config.json").read_text())
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
@@ -85,11 +91,9 @@ def test_special_ids_generation_config_and_tokenizer_are_exported(tmp_path):
 
 
 def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path):
-    from mega.testing import run_mega
-
     _hf_gpt2(tmp_path, tokenizer=False)
-    _ok(run_mega(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
-    out = _ok(run_mega(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
+    _ok(_run(["convert-checkpoint", "hf-gpt2", "m"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "m", "back", "--to", "hf"], tmp_path))
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "transformers will need one" in warnings[0]
     assert (tmp_path / "back" / "generation_config.json").is_file()
@@ -98,16 +102,15 @@ def test_an_export_without_a_tokenizer_says_so_in_one_line(tmp_path):
 def test_the_hint_trains_and_the_fine_tune_keeps_the_models_positions(tmp_path):
     """HF Llama (128 positions) -> mega -> the printed hint, fine-tuned at --seq-length 32 ->
     HF: max_position_embeddings stays 128, the special ids and tokenizer come along."""
-    from mega.testing import run_mega
 
     _hf_llama(tmp_path)
-    out = _ok(run_mega(["convert-checkpoint", "hf-llama", "m"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "hf-llama", "m"], tmp_path))
     hint = next(line for line in out.splitlines() if line.startswith("train from it: "))
     command = shlex.split(hint.removeprefix("train from it: mega ").removesuffix(" ..."))
     assert "--tokenizer-type" not in command  # --use-checkpoint-args brings the tokenizer
-    tuned = _ok(run_mega([*command, *TRAIN, "--seq-length", "32", "--save", "tuned"], tmp_path))
+    tuned = _ok(_run([*command, *TRAIN, "--seq-length", "32", "--save", "tuned"], tmp_path))
     assert "tokenizer HuggingFaceTokenizer" in tuned
-    out = _ok(run_mega(["convert-checkpoint", "tuned", "back"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "tuned", "back"], tmp_path))
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["max_position_embeddings"] == 128 and "max_position_embeddings: 128" in out
     assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
@@ -117,17 +120,15 @@ def test_the_hint_trains_and_the_fine_tune_keeps_the_models_positions(tmp_path):
 def test_a_gpt2_bpe_run_with_relative_tokenizer_paths_exports_its_tokenizer(tmp_path):
     from tokenizer_files import train_gpt2_bpe
 
-    from mega.testing import run_mega
-
     vocab, merges = train_gpt2_bpe(tmp_path / "tok", vocab_size=300)
     model = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4"]
     tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "tok/vocab.json",
                  "--merge-file", "tok/merges.txt"]  # fmt: skip
-    _ok(run_mega(["train", *model, *tokenizer, *TRAIN, "--seq-length", "16", "--save", "ckpt"],
+    _ok(_run(["train", *model, *tokenizer, *TRAIN, "--seq-length", "16", "--save", "ckpt"],
                  tmp_path))  # fmt: skip
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    out = _ok(run_mega(["convert-checkpoint", str(tmp_path / "ckpt"), "hf"], elsewhere))
+    out = _ok(_run(["convert-checkpoint", str(tmp_path / "ckpt"), "hf"], elsewhere))
     assert "warning" not in out
     hf = elsewhere / "hf"
     eod = json.loads(vocab.read_text())["<|endoftext|>"]
@@ -146,17 +147,16 @@ def test_a_gpt2_bpe_run_with_relative_tokenizer_paths_exports_its_tokenizer(tmp_
 def test_a_rope_model_fine_tuned_shorter_exports_the_length_it_was_trained_at(tmp_path):
     """Trained at --seq-length 32 (no --max-position-embeddings), fine-tuned at 16 through the
     hint: the export's max_position_embeddings is 32, not the fine-tune's 16."""
-    from mega.testing import run_mega
 
     llama_like = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
                   "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                   "--disable-bias-linear"]  # fmt: skip
     null = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)]
-    _ok(run_mega(["train", *llama_like, *null, *TRAIN, "--seq-length", "32", "--save", "pre"],
+    _ok(_run(["train", *llama_like, *null, *TRAIN, "--seq-length", "32", "--save", "pre"],
                  tmp_path))  # fmt: skip
-    _ok(run_mega(["train", "--load", "pre", "--finetune", "--use-checkpoint-args", *null, *TRAIN,
+    _ok(_run(["train", "--load", "pre", "--finetune", "--use-checkpoint-args", *null, *TRAIN,
                   "--seq-length", "16", "--save", "tuned"], tmp_path))  # fmt: skip
-    out = _ok(run_mega(["convert-checkpoint", "tuned", "hf"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "tuned", "hf"], tmp_path))
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["max_position_embeddings"] == 32 and "max_position_embeddings: 32" in out
 
@@ -183,17 +183,15 @@ def test_a_sentencepiece_run_exports_its_tokenizers_special_ids(tmp_path):
     and generation_config.json."""
     from tokenizer_files import train_sentencepiece
 
-    from mega.testing import run_mega
-
     model_file = train_sentencepiece(tmp_path / "tok", vocab_size=500, pad_id=3)
     llama_like = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
                   "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
                   "--disable-bias-linear"]  # fmt: skip
     tokenizer = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
                  str(model_file.relative_to(tmp_path))]  # fmt: skip
-    _ok(run_mega(["train", *llama_like, *tokenizer, *TRAIN, "--seq-length", "16", "--save",
+    _ok(_run(["train", *llama_like, *tokenizer, *TRAIN, "--seq-length", "16", "--save",
                   "ckpt"], tmp_path))  # fmt: skip
-    out = _ok(run_mega(["convert-checkpoint", "ckpt", "hf"], tmp_path))
+    out = _ok(_run(["convert-checkpoint", "ckpt", "hf"], tmp_path))
     ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 3}  # sentencepiece's, pad set
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert {k: config.get(k) for k in ids} == ids
