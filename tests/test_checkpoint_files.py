@@ -20,7 +20,7 @@ from mega.testing.ranks import run_ranks
 
 from conftest import TINY, run_mega
 
-# What a user without mega types (README "Checkpoints"): open one array with each library.
+# What a user without mega types (docs/checkpoints.md): open one array with each library.
 READ_WITHOUT_MEGA = r"""
 import json, sys
 import numpy as np
@@ -121,7 +121,7 @@ def test_bf16_weights_are_bfloat16_arrays_next_to_fp32_masters(tmp_path):
 
 
 def _library_save_tp2(rank: int, world_size: int, directory: str) -> dict:
-    """The README's library example: a TP=2 GPT saved with mega.core.checkpoint.api.save."""
+    """docs/checkpoints.md's library example: a TP=2 GPT saved with mega.core.checkpoint.api.save."""
     import torch.distributed as dist
 
     from mega.core.checkpoint.api import save, sharded_state
