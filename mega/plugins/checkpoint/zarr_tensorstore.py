@@ -7,8 +7,10 @@ chunks are errors too (``fill_missing_data_reads`` off; all-zero chunks are writ
 Any zarr v3 reader opens an array; bf16 is zarr's ``bfloat16`` extension type.
 
 Chunks follow the writing layout's shards (``ShardedTensor.chunks``), cut to at most
-``CHUNK_BYTES``, so ranks write disjoint chunk files; only distributed-optimizer ranges, which
-end anywhere, share a chunk at their ends, and tensorstore's conditional writes keep both.
+``CHUNK_BYTES``, so ranks write disjoint chunk files. Distributed-optimizer ranges end anywhere,
+so two ranks' pieces can fall in one chunk: the save gathers such a chunk at one rank, which
+writes it whole (``mega/core/checkpoint/shared_chunks.py``; read-modify-write of a shared chunk
+by two ranks halved the save's speed at DP2).
 
 tensorstore aborts a process that uses it after a ``fork()`` from a parent that had used it:
 :func:`note_fork_unsafe` tells mega's launcher and test ranks to spawn instead.
