@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_mega
+from conftest import TINY, mega_in_fork, run_mega
 
 _AT = TINY.index("--num-layers")
 SHAPE = TINY[:_AT] + TINY[_AT + 2 :]  # every TINY flag but the layers
@@ -23,15 +23,18 @@ def _layers(n: int) -> list[str]:
 def saved(request, tmp_path_factory) -> tuple[str, Path]:
     """(backend, a directory holding ``layers2`` and ``layers4`` checkpoints of it)."""
     root = tmp_path_factory.mktemp(request.param)
-    for n in (2, 4):
-        args = [*ARGS, *_layers(n), "--ckpt-format", request.param, "--save", str(root / f"l{n}")]
-        result = run_mega(["train", *args], root)
-        assert result.returncode == 0, result.stderr
+    runs = [
+        ["train", *ARGS, *_layers(n), "--ckpt-format", request.param, "--save", str(root / f"l{n}")]
+        for n in (2, 4)
+    ]
+    for result in mega_in_fork(runs, root):  # setup: forked, not a fresh interpreter each
+        assert result.exit_code == 0, result.stderr
     return request.param, root
 
 
 def _one_error(result, ranks: int = 1) -> str:
-    """The error line (a launched job adds the other ranks' copies and the launcher's summary)."""
+    """The error line (a launched job adds the other ranks' copies and the launcher's summary),
+    from the real console entry point (``run_mega``): the whole of its stderr is checked."""
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -87,10 +90,13 @@ def test_a_shallower_checkpoint_is_refused_by_name(saved):
 def test_the_same_model_still_loads_without_its_optimizer_state(saved):
     backend, root = saved
     args = [*ARGS, *_layers(4), "--load", str(root / "l4"), "--ckpt-format", backend]
-    for extra in (["--finetune"], ["--no-load-optim", "--train-iters", "3"]):
-        result = run_mega(["train", *args, *extra], root)
-        assert result.returncode == 0, result.stderr
-        assert "loaded checkpoint" in result.stdout
+    runs = [
+        ["train", *args, *extra]
+        for extra in (["--finetune"], ["--no-load-optim", "--train-iters", "3"])
+    ]
+    for result in mega_in_fork(runs, root):
+        assert result.exit_code == 0, result.stderr
+        assert "loaded checkpoint" in result.output
 
 
 def test_pipeline_ranks_pool_their_parameters(saved):
