@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import mega
+
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_layouts import commit  # noqa: E402
 
@@ -92,7 +94,7 @@ def main() -> None:
         result = {
             "date": date, "commit": commit(), "command": " ".join([sys.executable, *sys.argv]),
             "device": torch.cuda.get_device_name(0), "world_size": world,
-            "versions": {"torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))},
+            "versions": {"mega": mega.__version__, "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version()))},
             "python": platform.python_version(),
             "nccl_env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_NCCL"))},
             "results": rows,

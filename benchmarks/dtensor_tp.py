@@ -99,6 +99,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+import mega
+
 LR, BETAS, WEIGHT_DECAY, CLIP = 1e-4, (0.9, 0.999), 0.01, 1.0
 
 
@@ -484,7 +486,11 @@ def main() -> None:
             "command": " ".join(["torchrun", f"--nproc-per-node {world}", *sys.argv]),
             "device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "gpu_count": world if cuda else 0,
-            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+            "versions": {
+                "mega": mega.__version__,
+                "torch": torch.__version__,
+                "cuda": torch.version.cuda,
+            },
             "python": platform.python_version(),
             "commit": commit(),
             "precision": "fp32 parameters, gradients and AdamW state; torch.autocast(bfloat16)"
