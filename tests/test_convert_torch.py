@@ -13,7 +13,7 @@ from mega.core.convert.convert import convert
 from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
 
-from conftest import TINY, lm_losses, run_mega
+from conftest import TINY, lm_losses, mega_in_fork
 
 # ByteTokenizer: 258 real ids, padded to 384 in the model. One LR schedule for every run length,
 # so that a resumed run continues the uninterrupted one's
@@ -36,9 +36,9 @@ def _tensors(path: Path, fmt: str) -> dict[str, torch.Tensor]:
 def torch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     cwd = tmp_path_factory.mktemp("torch-run")
     args = ["train", *TRAIN, "--train-iters", "3", "--save", "ckpt", "--ckpt-format", "torch"]
-    result = run_mega(args, cwd)
-    assert result.returncode == 0, result.stderr
-    return cwd, result.stdout
+    (result,) = mega_in_fork([args], cwd)
+    assert result.exit_code == 0, result.stderr
+    return cwd, result.output
 
 
 def test_torch_checkpoints_store_the_real_vocabulary(torch_run):
@@ -67,34 +67,39 @@ def test_a_converted_torch_checkpoint_trains_from_the_same_weights(torch_run, tm
     cwd, _ = torch_run
     convert(cwd / "ckpt", tmp_path / "zarr", _converters())
     convert(tmp_path / "zarr", tmp_path / "weights", _converters(), to="mega-torch")
-    first = {}
-    for name in ("ckpt", "weights"):
-        load = str(cwd / "ckpt") if name == "ckpt" else str(tmp_path / "weights")
-        args = ["train", *TRAIN, "--train-iters", "2", "--load", load, "--finetune"]
-        result = run_mega([*args, "--run-dir", f"r-{name}"], tmp_path)
-        assert result.returncode == 0, result.stderr
-        first[name] = lm_losses(result.stdout)[1]
-    assert first["ckpt"] == first["weights"]
+    runs = [
+        ["train", *TRAIN, "--train-iters", "2", "--load", load, "--finetune", "--run-dir", run]
+        for load, run in ((str(cwd / "ckpt"), "r-ckpt"), (str(tmp_path / "weights"), "r-weights"))
+    ]
+    first = []
+    for result in mega_in_fork(runs, tmp_path):
+        assert result.exit_code == 0, result.stderr
+        first.append(lm_losses(result.output)[1])
+    assert first[0] == first[1]
 
 
 def test_resuming_a_torch_checkpoint_continues_the_run(torch_run, tmp_path):
     """The padding rows cut at save are grown back at load: 3 + 2 iterations print the losses of
     an uninterrupted 5-iteration run."""
     cwd, _ = torch_run
-    whole = run_mega(["train", *TRAIN, "--train-iters", "5", "--run-dir", "w"], tmp_path)
-    resumed = run_mega(
-        ["train", *TRAIN, "--train-iters", "5", "--load", str(cwd / "ckpt"), "--run-dir", "r"],
+    whole, resumed = mega_in_fork(
+        [
+            ["train", *TRAIN, "--train-iters", "5", "--run-dir", "w"],
+            ["train", *TRAIN, "--train-iters", "5", "--load", str(cwd / "ckpt"), "--run-dir", "r"],
+        ],
         tmp_path,
     )
-    assert whole.returncode == 0 and resumed.returncode == 0, resumed.stderr
-    assert lm_losses(resumed.stdout)[5] == lm_losses(whole.stdout)[5]
+    assert whole.exit_code == 0 and resumed.exit_code == 0, resumed.stderr
+    assert lm_losses(resumed.output)[5] == lm_losses(whole.output)[5]
 
 
 def test_a_weights_only_torch_checkpoint_needs_finetune(torch_run, tmp_path):
     cwd, _ = torch_run
     convert(cwd / "ckpt", tmp_path / "weights", _converters(), to="mega-torch")
-    result = run_mega(["train", *TRAIN, "--train-iters", "2", "--load", "weights"], tmp_path)
-    assert result.returncode == 2
+    (result,) = mega_in_fork(
+        [["train", *TRAIN, "--train-iters", "2", "--load", "weights"]], tmp_path
+    )
+    assert result.exit_code == 2
     assert "holds weights only" in result.stderr and "--finetune" in result.stderr
 
 
