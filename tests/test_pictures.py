@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY, run_mega
+from conftest import TINY, mega_in_fork, run_mega
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (mega[plot])"
@@ -25,13 +25,20 @@ def png_size(path: Path) -> tuple[int, int]:
 
 @needs_matplotlib
 def test_plot_draws_several_runs_on_the_same_axes(tmp_path: Path):
-    for name, lr in (("tp1", "1e-3"), ("tp2-resumed", "3e-3")):
-        result = run_mega(["train", *RUN, "--lr", lr, "--run-dir", name], tmp_path)
-        assert result.returncode == 0, result.stderr
-
-    svg = run_mega(["plot", "tp1", "tp2-resumed", "--output", "cmp.svg"], tmp_path, timeout=120)
-    assert svg.returncode == 0, svg.stderr
-    assert svg.stdout.strip() == "wrote cmp.svg: loss, lr, grad_norm, tokens_per_s of 2 run(s)"
+    # mega's commands in one fork of this process (conftest.mega_in_fork), not five interpreters
+    *trained, svg, png = mega_in_fork(
+        [
+            ["train", *RUN, "--lr", "1e-3", "--run-dir", "tp1"],
+            ["train", *RUN, "--lr", "3e-3", "--run-dir", "tp2-resumed"],
+            ["plot", "tp1", "tp2-resumed", "--output", "cmp.svg"],
+            ["plot", "tp1", "--output", "one.png", "--metrics", "loss,lr"],
+        ],
+        tmp_path,
+    )
+    for result in trained:
+        assert result.exit_code == 0, result.stderr
+    assert svg.exit_code == 0, svg.stderr
+    assert svg.output.strip() == "wrote cmp.svg: loss, lr, grad_norm, tokens_per_s of 2 run(s)"
     text = (tmp_path / "cmp.svg").read_text()
     for label in ["tp1", "tp2-resumed", "tp1 (validation)", "tp2-resumed (validation)",
                   "lm loss", "learning rate", "grad norm", "tokens per second", "iteration"]:  # fmt: skip
@@ -42,8 +49,7 @@ def test_plot_draws_several_runs_on_the_same_axes(tmp_path: Path):
             assert f'<g id="{run}-{panel}">' in text, (run, panel)
         assert f'<g id="{run}-loss-validation">' in text
 
-    png = run_mega(["plot", "tp1", "--output", "one.png", "--metrics", "loss,lr"], tmp_path)
-    assert png.returncode == 0, png.stderr
+    assert png.exit_code == 0, png.stderr
     width, height = png_size(tmp_path / "one.png")
     assert 600 <= width <= 1500 and 300 <= height <= 900, (width, height)
     assert (tmp_path / "one.png").stat().st_size > 10_000  # drawn curves, not an empty frame
