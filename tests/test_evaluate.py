@@ -12,7 +12,7 @@ import pytest
 from mega.core.training.engine import last_evaluation_batch
 from mega.testing.ranks import free_port
 
-from conftest import TINY, run_mega
+from conftest import TINY, mega_in_fork, run_mega
 
 TRAIN = [
     *[a for a in TINY if a not in ("--eval-iters", "0")], "--mock-data", "--train-iters", "10",
@@ -33,15 +33,22 @@ def eval_lines(stdout: str) -> dict[tuple[str, str], str]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     cwd = tmp_path_factory.mktemp("run")
     args = ["train", *TRAIN, "--save", "ckpt", "--save-interval", "5", "--ckpt-format", "zarr"]
-    result = run_mega(args, cwd)
-    assert result.returncode == 0, result.stderr
-    return cwd, eval_lines(result.stdout)
+    (result,) = mega_in_fork([args], cwd)
+    assert result.exit_code == 0, result.stderr
+    return cwd, eval_lines(result.output)
 
 
 def evaluate(cwd: Path, *args: str) -> tuple[dict, str]:
-    result = run_mega(["evaluate", *args], cwd)
-    assert result.returncode == 0, result.stderr
-    return eval_lines(result.stdout), result.stdout
+    """``mega evaluate ARGS`` in a fork of this process, as the training ran (the losses printed
+    by both are compared digit for digit); a launched layout (``--nproc-per-node``) through the
+    real console entry point."""
+    if "--nproc-per-node" in args:
+        launched = run_mega(["evaluate", *args], cwd)
+        assert launched.returncode == 0, launched.stderr
+        return eval_lines(launched.stdout), launched.stdout
+    (result,) = mega_in_fork([["evaluate", *args]], cwd)
+    assert result.exit_code == 0, result.stderr
+    return eval_lines(result.output), result.output
 
 
 def test_the_last_checkpoint_gives_the_end_of_training_losses(trained):
