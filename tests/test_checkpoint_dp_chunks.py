@@ -100,18 +100,18 @@ def test_dp2_every_chunk_is_written_by_one_rank_in_one_box(tmp_path: Path, flags
     assert written == sum(prod(a["shape"]) for a in arrays.values())
 
 
-def test_chunk_grid_is_the_zarr_backends():
-    from mega.plugins.checkpoint.zarr_tensorstore import _chunk_shape
-
-    for shape, chunks, itemsize in [
-        ((50175, 2048), None, 4),
-        ((8192, 2048), (4096, 2048), 4),
-        ((50304, 2048), (25152, 2048), 2),
-        ((2048,), None, 4),
-        ((), None, 4),
-        ((7, 1 << 24), None, 4),
-    ]:
-        assert list(chunk_grid(shape, chunks, itemsize)) == _chunk_shape(shape, chunks, itemsize)
+def test_chunk_grid_cuts_the_first_dimension_to_a_divisor_under_64_mib():
+    # the zarr backend creates its arrays with this grid (zarr_tensorstore.create)
+    expected = {
+        ((50175, 2048), None, 4): (5575, 2048),  # 50175 = 9 x 5575; 5575 x 8 KiB < 64 MiB
+        ((8192, 2048), (4096, 2048), 4): (4096, 2048),  # 32 MiB: kept
+        ((50304, 2048), (25152, 2048), 2): (12576, 2048),  # 48 MiB after one halving
+        ((2048,), None, 4): (2048,),
+        ((), None, 4): (),
+        ((7, 1 << 24), None, 4): (1, 1 << 24),  # a row over the bound stays one row
+    }
+    for (shape, chunks, itemsize), grid in expected.items():
+        assert chunk_grid(shape, chunks, itemsize) == grid, (shape, chunks)
 
 
 def test_plan_gives_a_chunk_that_two_ranks_share_to_the_one_holding_most():

@@ -34,18 +34,20 @@ def _randomise_norms(model: torch.nn.Module) -> None:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.5, 0.5)
 
 
-def _bert(tmp_path: Path, vocab: int = VOCAB) -> Path:
+def _bert(tmp_path: Path, vocab: int = VOCAB, tied: bool = True) -> Path:
+    """A tiny BertForPreTraining; untied, its decoder weight is its own draw, so reading the
+    word embeddings in its place would show in the logits."""
     config = transformers.BertConfig(
         vocab_size=vocab, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=80, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, initializer_range=0.2,
+        attention_probs_dropout_prob=0.0, initializer_range=0.2, tie_word_embeddings=tied,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.BertForPreTraining(config).eval()
     _randomise_norms(model)
     with torch.no_grad():  # a visible output bias
         model.cls.predictions.bias.uniform_(-1.0, 1.0)
-    path = tmp_path / "hf-bert"
+    path = tmp_path / ("hf-bert" if tied else "hf-bert-untied")
     model.save_pretrained(path)
     return path
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_convert_bert_t5 import PADDED, VOCAB, _bert_batch, _randomise_norms, converted_model
+from test_convert_bert_t5 import PADDED, VOCAB, _bert, _bert_batch, converted_model
 
 from mega.core.convert.convert import convert
 from mega.core.plugins.manager import make_plugins
@@ -41,24 +41,6 @@ def _converters():
     return make_plugins().checkpoint_converters
 
 
-def _hf_bert(tmp_path: Path, tied: bool) -> Path:
-    """test_convert_bert_t5's tiny BERT, tied or untied; untied, the decoder's weight is its
-    own draw, so that reading the word embeddings in its place would show in the logits."""
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=80, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, initializer_range=0.2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.BertForPreTraining(config).eval()
-    _randomise_norms(model)
-    with torch.no_grad():  # a visible output bias
-        model.cls.predictions.bias.uniform_(-1.0, 1.0)
-    path = tmp_path / f"hf-bert-{'tied' if tied else 'untied'}"
-    model.save_pretrained(path)
-    return path
-
-
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:
     return safetensors_torch.load_file(str(path / "model.safetensors"))
 
@@ -81,7 +63,7 @@ def _mega_outputs(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_bert_keeps_its_output_layer_tied_or_untied_both_ways(tmp_path, tied):
-    hf = _hf_bert(tmp_path, tied)
+    hf = _bert(tmp_path, tied=tied)
     original = _safetensors(hf)
     assert (DECODER in original) is not tied  # save_pretrained drops a tied copy
     report = convert(hf, tmp_path / "m", _converters())  # fails on an unaccounted tensor

@@ -15,8 +15,9 @@ send it their parts (point to point), and the owner writes the chunk as one box,
 (``Piece.owned``); every rank writes its pieces less those chunks. Every chunk is then written
 by one rank in one box. The chunk grid is the backend's: the tensor's ``chunks`` (its whole shape
 when none) with the first dimension cut to a divisor of itself so that a chunk holds at most
-``CHUNK_BYTES`` (the zarr backend's rule); the arrays concerned are created with that grid named
-explicitly, so that no backend cuts it differently. The stored arrays are as before.
+``CHUNK_BYTES``, the rule the zarr backend creates its arrays with (it calls :func:`chunk_grid`);
+the arrays concerned are created with that grid named explicitly, so that no backend cuts it
+differently. The stored arrays are as before.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from mega.core.checkpoint.sharded import Piece, ShardedTensor
 
-CHUNK_BYTES = 64 << 20  # the zarr backend's largest chunk
+CHUNK_BYTES = 64 << 20  # a chunk file is at most this large (fewer, larger files write faster)
 BATCH_BYTES = 256 << 20  # chunks gathered at once: bounds the device memory it takes
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)

@@ -7,7 +7,8 @@ chunks are errors too (``fill_missing_data_reads`` off; all-zero chunks are writ
 Any zarr v3 reader opens an array; bf16 is zarr's ``bfloat16`` extension type.
 
 Chunks follow the writing layout's shards (``ShardedTensor.chunks``), cut to at most
-``CHUNK_BYTES``, so ranks write disjoint chunk files. Distributed-optimizer ranges end anywhere,
+``CHUNK_BYTES`` (``mega.core.checkpoint.shared_chunks.chunk_grid``), so ranks write disjoint
+chunk files. Distributed-optimizer ranges end anywhere,
 so two ranks' pieces can fall in one chunk: the save gathers such a chunk at one rank, which
 writes it whole (``mega/core/checkpoint/shared_chunks.py``; read-modify-write of a shared chunk
 by two ranks halved the save's speed at DP2).
@@ -26,7 +27,6 @@ from mega.core.checkpoint.sharded import dtype_name
 from mega.core.errors import first_line
 from mega.parallel.fork_safety import note_fork_unsafe
 
-CHUNK_BYTES = 64 << 20  # a chunk file is at most this large (fewer, larger files write faster)
 READ_WINDOW_BYTES = 1 << 30  # reads in flight at once: bounds the host memory a load takes
 
 
@@ -56,22 +56,6 @@ def _torch(array: Any) -> Any:
     if array.dtype.name == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))
-
-
-def _chunk_shape(shape: tuple[int, ...], chunks: tuple[int, ...] | None, itemsize: int) -> list:
-    """``chunks`` (or the whole shape), its first dimension cut to a divisor of itself so that a
-    chunk holds at most CHUNK_BYTES."""
-    chunk = [max(1, c) for c in (chunks or shape)] or []
-    if not chunk:
-        return []
-    row = itemsize
-    for c in chunk[1:]:
-        row *= c
-    rows = chunk[0]
-    while rows > 1 and rows * row > CHUNK_BYTES:
-        rows = next(d for d in range(rows // 2, 0, -1) if chunk[0] % d == 0)
-    chunk[0] = rows
-    return chunk
 
 
 def _spec(path: Path, **extra: Any) -> dict[str, Any]:
@@ -108,6 +92,9 @@ def create(directory: Path, tensors: list[Any]) -> None:
     above them."""
     import torch
 
+    # the one chunk rule, which the save's gathering of shared chunks plans with too
+    from mega.core.checkpoint.shared_chunks import chunk_grid
+
     ts = _ts()
     _groups(directory, [t.key for t in tensors])
     futures = []
@@ -118,7 +105,9 @@ def create(directory: Path, tensors: list[Any]) -> None:
             "data_type": dtype_name(t.dtype),
             "chunk_grid": {
                 "name": "regular",
-                "configuration": {"chunk_shape": _chunk_shape(t.global_shape, t.chunks, itemsize)},
+                "configuration": {
+                    "chunk_shape": list(chunk_grid(t.global_shape, t.chunks, itemsize))
+                },
             },
             "codecs": [
                 {"name": "bytes", "configuration": {"endian": "little"}},
