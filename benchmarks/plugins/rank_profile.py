@@ -55,6 +55,7 @@ class _RankProfile:
             sizes |= {"cp": p.context_parallel_size, "ep": p.expert_model_parallel_size}
             layout = "-".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "single"
             layout += "-sp" if p.sequence_parallel else ""
+            layout += "-eager" if engine.config.training.compile is False else ""
             out = Path(out, f"{layout}-world{engine.topology.world_size}")
             out.mkdir(parents=True, exist_ok=True)
             table = kernel_table(self.profiler, STEPS)
