@@ -54,7 +54,6 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 LAYOUTS = {
     "tp2": (GPT, TP2),
     "tp2-sp": (GPT, [*TP2, "--sequence-parallel"]),
-    "tp2-sp-overlap": (GPT, [*TP2, "--sequence-parallel", "--tp-comm-overlap"]),
     "ep2-alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (MOE, ["--expert-model-parallel-size", "2"]),
     # the ring (cuDNN blocks, one call per step) compiled around and eager, against one GPU;

@@ -54,7 +54,7 @@ def parallelize(
             plan,
             topology,
             sequence_parallel=parallel.sequence_parallel,
-            comm_overlap=parallel.tp_comm_overlap is True,  # off unless asked for
+            comm_overlap=parallel.tp_comm_overlap is not False,  # on unless turned off
         )
     apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, build_dispatcher)
     if topology.context_parallel_size > 1:

@@ -440,8 +440,8 @@ class ParallelConfig:
         None,
         "Overlap the tensor-parallel collectives of backward with the weight-gradient GEMMs"
         " (column-parallel layers; with --sequence-parallel they also keep only their token"
-        " block for backward, re-gathered then, which saves memory). Off by default, as in"
-        " Megatron: on 4 H100 it made TP2 x DP2 + SP slower (docs/performance.md).",
+        " block for backward, re-gathered then, which saves memory). Default: on with"
+        " --tensor-model-parallel-size > 1.",
     )
     use_distributed_optimizer: bool = option(
         False, "Shard fp32 master weights and Adam state over the data-parallel ranks."
