@@ -127,3 +127,39 @@ def test_plan_gives_a_chunk_that_two_ranks_share_to_the_one_holding_most():
     alone = [{"b": ((4, 3), 4, (2, 3), [((2 * r, 0), (2, 3))])} for r in (0, 1)]
     assert plan(alone) == {}
     assert list(product(range(2), range(1))) == cells(((0, 0), (4, 3)), (2, 3))
+
+
+def _two_pieces_in_one_chunk(device: str) -> list:
+    # a [4, 3] float tensor of one chunk, written by this rank as two pieces (rows 0-1, 2-3)
+    from mega.core.checkpoint.sharded import Piece, ShardedTensor
+
+    full = torch.arange(12, dtype=torch.float32, device=device).view(4, 3)
+    pieces = [Piece((0, 0), full[:2]), Piece((2, 0), full[2:])]
+    return [ShardedTensor("a", (4, 3), torch.float32, pieces, chunks=(4, 3))]
+
+
+def _consolidated(device: str, pinned: bool) -> torch.Tensor:
+    from mega.core.checkpoint.shared_chunks import consolidate
+
+    def exchange(ops: list) -> None:
+        assert not ops  # one rank: nothing travels
+
+    (tensor,) = consolidate(_two_pieces_in_one_chunk(device), 0, lambda v: [v], exchange,
+                            pinned=pinned)  # fmt: skip
+    (piece,) = tensor.pieces  # the chunk, whole, owned: a copy on the host
+    assert piece.owned and piece.start == (0, 0) and piece.data.device.type == "cpu"
+    assert torch.equal(piece.data, torch.arange(12, dtype=torch.float32).view(4, 3))
+    return piece.data
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_chunk_of_two_pieces_is_written_whole_from_a_host_copy(pinned: bool):
+    _consolidated("cpu", pinned)
+
+
+@pytest.mark.gpu
+def test_an_async_save_gathers_chunks_into_pinned_memory():
+    # pageable copies made the DP2 async save's stall 3.8-5.0 s on 2 H100 (0.5-0.6 before the
+    # chunks were gathered); pinned, the copies run while the next batch is exchanged
+    assert _consolidated("cuda", pinned=True).is_pinned()
+    assert not _consolidated("cuda", pinned=False).is_pinned()

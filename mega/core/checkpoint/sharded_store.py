@@ -194,7 +194,11 @@ def start_sharded_save(
             failure = f"cannot create {tmp}: {exc.strerror or exc}"
     _raise_if_any(failure, iteration)
     written = consolidate(
-        [t for t in tensors if t.write and t.pieces], _rank(), _all_gather, _exchange
+        [t for t in tensors if t.write and t.pieces],
+        _rank(),
+        _all_gather,
+        _exchange,
+        pinned=host_copy is not None,
     )
     arrays: dict[str, dict[str, Any]] = {}
     try:

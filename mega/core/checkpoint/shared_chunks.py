@@ -126,13 +126,25 @@ def plan(described: list[dict[str, Any]]) -> dict[str, tuple[tuple, dict]]:
     return shared_arrays
 
 
+def _to_host(data: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A host copy of a gathered chunk. ``pinned`` (an async save, whose step waits for this):
+    on CUDA into page-locked memory, still in flight on the current stream; pageable copies
+    made the stall of a 1.3B GPT's DP2 async save 3.8-5.0 s on 2 H100 instead of 0.5-0.6."""
+    if not (pinned and data.is_cuda):
+        return data.cpu()
+    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    return host.copy_(data, non_blocking=True)
+
+
 def consolidate(
-    tensors: list[ShardedTensor], rank: int, gather: Any, exchange: Any
+    tensors: list[ShardedTensor], rank: int, gather: Any, exchange: Any, *, pinned: bool = False
 ) -> list[ShardedTensor]:
     """``tensors`` (this rank's, to be written) with every chunk that several pieces touch
     written whole by its owner (see the module docstring). A collective: ``gather(value)`` is
     every rank's value, and ``exchange(ops)`` runs point-to-point ops ``(send, peer, tensor)``
-    (every rank calls it at the same points, with the ops it takes part in)."""
+    (every rank calls it at the same points, with the ops it takes part in). ``pinned``: the
+    owned chunks' host copies go to page-locked memory, each batch's in flight while the next
+    is exchanged; they are complete when this returns."""
     shared_arrays = plan(gather(describe(tensors)))
     if not shared_arrays:
         return tensors
@@ -150,7 +162,7 @@ def consolidate(
             target.copy_(received.view(target.dtype).view(target.shape))
         for name in filling:  # complete: to the host (the backend writes from there anyway)
             piece = owned[name]
-            owned[name] = Piece(piece.start, piece.data.cpu(), owned=True)
+            owned[name] = Piece(piece.start, _to_host(piece.data, pinned), owned=True)
         ops.clear()
         landing.clear()
         filling.clear()
@@ -184,6 +196,8 @@ def consolidate(
             if in_flight >= BATCH_BYTES:
                 flush()
     flush()
+    if pinned and torch.cuda.is_available():
+        torch.cuda.current_stream().synchronize()  # the pinned copies, once for all batches
     out = []
     for t in tensors:
         if t.key not in shared_arrays:
