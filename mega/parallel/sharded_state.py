@@ -11,8 +11,9 @@ Who writes what is decided here, identically on every rank, so each value is wri
 - a tensor-parallel replicated tensor (a norm weight, a row-parallel bias): TP rank 0;
 - the last pipeline stage's copy of a tied embedding: never (the first stage writes it);
 - a tensor that every data-parallel rank holds (the model, the optimizer without
-  ``--use-distributed-optimizer``): one DP rank per tensor, in turn, so the writing is spread
-  (an expert-parallel tensor: one expert-data-parallel rank, each EP rank its experts);
+  ``--use-distributed-optimizer``): one DP rank per tensor, the largest tensors first to the
+  rank with the fewest bytes so far, so the writing is spread by size (an expert-parallel
+  tensor: one expert-data-parallel rank, each EP rank its experts);
 - a distributed-optimizer range: the rank that owns it.
 """
 
@@ -61,6 +62,26 @@ def _pieces(
     return pieces
 
 
+def replica_writers(model: torch.nn.Module, size: int, expert: bool) -> dict[str, int]:
+    """Which of ``size`` replica ranks writes each parameter (expert-parallel ones when
+    ``expert``, the rest otherwise): largest first, each to the rank with the fewest bytes so
+    far (ties: the lowest rank). Taking turns by index gave DP rank 0 of a GPT every large
+    matrix (each layer has 12 parameters, its four weights at even positions): on 2 H100 it
+    wrote 10.5 GB of a 1.3B GPT's checkpoint and rank 1 7.9, and the save waits for the
+    slowest. The same on every rank of the group: it reads only the names and shapes."""
+    params = [
+        (name, param.numel() * param.element_size())
+        for name, param in model.named_parameters()
+        if bool(getattr(param, "expert_parallel", False)) == expert
+    ]
+    load, writers = [0] * size, {}
+    for name, nbytes in sorted(params, key=lambda item: -item[1]):  # stable: ties by order
+        rank = min(range(size), key=lambda r: load[r])
+        writers[name] = rank
+        load[rank] += nbytes
+    return writers
+
+
 def training_tensors(
     model: torch.nn.Module,
     optimizer: Any,
@@ -80,8 +101,10 @@ def training_tensors(
     distributed = optimizer is not None and optimizer.buffer.distributed
     states = optimizer.flat_states() if with_optimizer and optimizer is not None else {}
     mixed = "master" in states
+    dense_writer = replica_writers(model, dp, expert=False)
+    expert_writer = replica_writers(model, edp, expert=True)
     tensors = []
-    for index, (name, param) in enumerate(model.named_parameters()):
+    for name, param in model.named_parameters():
         spec = getattr(param, "shard", None)
         row_limit = rows.get(name)
         shape = global_shape(spec, tuple(param.shape), row_limit)
@@ -90,9 +113,9 @@ def training_tensors(
         tp_split = spec is not None and spec.group == "tp"
         unique = (tp_split or tp_rank == 0) and not getattr(param, "tied_copy", False)
         if getattr(param, "expert_parallel", False):  # replicas: the expert-data-parallel ranks
-            replica_turn = index % edp == edp_rank
+            replica_turn = expert_writer[name] == edp_rank
         else:
-            replica_turn = index % dp == dp_rank
+            replica_turn = dense_writer[name] == dp_rank
         data = param.detach()
         start = (0,) * data.dim()
         key, fallback = f"model/{name}", None
