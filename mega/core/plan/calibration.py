@@ -40,6 +40,9 @@ class Rates:
     # FP8 GEMMs (torch._scaled_mm) of the same shapes; 0: not measured (a calibration saved
     # before mega planned FP8 runs)
     fp8_matmul_flops: float = 0.0
+    # what one NCCL collective costs beyond its bytes (launch and synchronisation): a 1 MiB
+    # collective's time; 0: not measured (a calibration saved before it was counted)
+    collective_latency_seconds: float = 0.0
 
     @property
     def kind(self) -> str:
@@ -57,6 +60,14 @@ class Rates:
 # GPUs was lent to measure NCCL's all-reduce: its rate is NVLink 4's 450 GB/s per direction at
 # the 80% that NCCL's ring reaches on large messages, an assumption until measured.
 _NVLINK4_ALLREDUCE = 0.8 * 450e9
+# A collective's time is this latency plus its bus bytes at the rate above. The latency is the
+# mean of the 1 MiB all-reduce, all-gather and reduce-scatter on 2 and 4 H100 (NVLink 4,
+# benchmarks/collective_bandwidth.py: collectives_2gpu_2026-11-27.json 87, 91, 94 us;
+# collectives_4gpu_h100_second_2026-11-27.json 84, 71, 78 us). With it the model gives the 32 MiB
+# and 1 GiB rows of the same files within 10% (2 GPUs: 0.180 ms for a 32 MiB all-reduce against
+# 0.200 measured, 0.138 for the all-gather against 0.140); without it a 32 MiB all-gather was
+# planned at a third of its time, and the TP layouts' dozens per layer fast.
+_NVLINK4_COLLECTIVE_LATENCY = 84e-6
 
 
 def _measured(
@@ -81,8 +92,9 @@ def _measured(
         host_op_seconds=host,
         allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
         source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11);"
-        " all-reduce assumed (NVLink 4)",
+        " all-reduce assumed (NVLink 4), collective latency measured on H100 pairs",
         fp8_matmul_flops=fp8[1],
+        collective_latency_seconds=_NVLINK4_COLLECTIVE_LATENCY,
     )
 
 
@@ -247,8 +259,8 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
     name = torch.cuda.get_device_name()
     fp8 = torch.cuda.get_device_capability() >= MIN_CAPABILITY  # FP8 tensor cores
     forward, backward = _attention_rates()
+    known = BUILT_IN.get(gpu_kind(name))
     if allreduce_bus_bytes is None:
-        known = BUILT_IN.get(gpu_kind(name))
         allreduce_bus_bytes = known.allreduce_bus_bytes if known else 0.0
     return Rates(
         gpu=name,
@@ -260,6 +272,8 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         allreduce_bus_bytes=allreduce_bus_bytes,
         source=f"measure_rates, torch {torch.__version__}",
         fp8_matmul_flops=_fp8_matmul_rate() if fp8 else 0.0,
+        # like the all-reduce rate, a collective's latency needs two GPUs: the built-in one's
+        collective_latency_seconds=known.collective_latency_seconds if known else 0.0,
     )
 
 

@@ -90,6 +90,7 @@ def collective_seconds(work: Work, rates: Rates, dims: set[str]) -> float:
     for (dim, kind, size), payload in work.collectives.items():
         if dim in dims and size > 1 and (dim, kind) != _RING:
             total += payload * _BUS_FACTOR[kind](size) / rates.allreduce_bus_bytes
+            total += work.launches[dim, kind, size] * rates.collective_latency_seconds
     return total
 
 

@@ -73,6 +73,8 @@ class Work:
     collectives: dict[tuple[str, str, int], float] = field(
         default_factory=lambda: defaultdict(float)
     )
+    # the same keys -> how many collectives were launched (each costs NCCL's latency)
+    launches: dict[tuple[str, str, int], float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, other: Work, factor: float = 1.0) -> None:
         """Add ``factor`` times ``other``."""
@@ -83,6 +85,13 @@ class Work:
         self.ops += factor * other.ops
         for key, value in other.collectives.items():
             self.collectives[key] += factor * value
+        for key, value in other.launches.items():
+            self.launches[key] += factor * value
+
+    def collective(self, key: tuple[str, str, int], payload: float) -> None:
+        """One collective launch moving ``payload`` bytes of full-size tensors."""
+        self.collectives[key] += payload
+        self.launches[key] += 1
 
     def scaled(self, factor: float) -> Work:
         out = Work()
@@ -231,7 +240,7 @@ class StepTracker(TorchDispatchMode):
                 # the full-size side: all-reduce's tensor, all-gather's output, the input of
                 # a reduce-scatter or all-to-all (the time model applies the algorithm's factor)
                 payload = max(sum(map(nbytes, _tensors(a))) for a in args[:2])
-                work.collectives[dim, kind, group.size()] += payload
+                work.collective((dim, kind, group.size()), payload)
             return
         work.ops += 1
         work.memory_bytes += sum(nbytes(t) for t in _tensors((args, kwargs)))
@@ -254,7 +263,7 @@ class StepTracker(TorchDispatchMode):
             payload = tokens * in_features * grad_out.element_size()
             kinds = ("allgather", "reduce_scatter") if sequence_parallel else ("allreduce",)
             for kind in kinds:
-                work.collectives[dim, kind, size] += payload
+                work.collective((dim, kind, size), payload)
 
     def _send(self, size: int, group_name: str, hidden: bool, work: Work) -> None:
         """A point-to-point send (``mega_plan::send``, the planner's ``comm.exchange``): its
@@ -270,7 +279,7 @@ class StepTracker(TorchDispatchMode):
             return
         work.ops += 1
         kind = "sendrecv" if hidden else "sendrecv_exposed"
-        work.collectives[dim, kind, group.size()] += size
+        work.collective((dim, kind, group.size()), size)
 
     def _functional_collective(self, op: str, args: tuple, out: Any, work: Work) -> None:
         """A functional collective (``mega.parallel.functional_comm``): its group is named by a
@@ -288,7 +297,7 @@ class StepTracker(TorchDispatchMode):
         if dim is not None:
             # the full-size side, as for the c10d ops: all-gather's output, the others' input
             payload = max(nbytes(args[0]), sum(map(nbytes, _tensors(out))))
-            work.collectives[dim, kind, group.size()] += payload
+            work.collective((dim, kind, group.size()), payload)
 
 
 # torch.ops._c10d_functional's collectives, by the kinds the time model knows
