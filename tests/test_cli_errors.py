@@ -43,6 +43,15 @@ def test_global_batch_not_divisible(tmp_path: Path):
     )
 
 
+def test_global_batch_smaller_than_one_micro_batch_is_one_line(tmp_path: Path):
+    # it also means zero micro-batches per step: one cause, said once
+    args = [*TINY, "--micro-batch-size", "16", "--global-batch-size", "8"]
+    result = run_mega(["train", *args], tmp_path)
+    assert_one_line_error(
+        result, "--global-batch-size (8) must be divisible by --micro-batch-size (16)"
+    )
+
+
 def test_load_missing_directory(tmp_path: Path):
     result = run_mega(["train", *TINY, "--load", str(tmp_path / "nowhere")], tmp_path)
     assert_one_line_error(result, "--load", "no such directory")

@@ -58,6 +58,37 @@ def test_search_without_a_global_batch_searches_the_default_one():
     assert all("--global-batch-size 16" in line for line in lines), lines
 
 
+def test_search_does_not_hold_the_global_batch_to_a_micro_batch_it_replaces():
+    # global batch 8, no --micro-batch-size: the default 16 does not divide 8, which stopped
+    # --search before it tried a layout (it picks the micro-batch itself)
+    from mega.cli.plan_search import without_micro_batch
+
+    args = ["--global-batch-size", "8", "--micro-batch-size=16", "--nproc-per-node", "4"]
+    assert without_micro_batch(args) == ["--global-batch-size", "8", "--nproc-per-node", "4"]
+    args = [
+        "plan",
+        "--model",
+        "gpt",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--num-attention-heads",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--gpus",
+        "1",
+        "--no-compile",
+        "--search",
+        "--top",
+        "1",
+    ]  # fmt: skip  (eager: counted faster)
+    result = CliRunner().invoke(make_cli(make_plugins()), args)
+    assert result.exit_code == 0, result.output
+    assert [line for line in result.output.splitlines() if line.startswith("1. mega train")]
+
+
 def test_search_prints_runnable_train_commands_fastest_first():
     # A global batch of 2 (micro-batch 1, so that the flags resolve at data-parallel 2), not
     # SMALL's 8: each layout is then searched at micro-batch 1 and 2 only, not up to 8, and every

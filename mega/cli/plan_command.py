@@ -98,7 +98,14 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
         memory_gib = GPU_MEMORY_GIB[kind]
     from mega.core.config.resolve import resolve_config
 
-    config = resolve_config(args, plugins, this_machine=False)  # planned for --gpu's kind
+    base = args
+    if search and any(a.split("=")[0] == "--global-batch-size" for a in args):
+        # the search picks the micro-batch: the flags' (or the default 16) must not fail the
+        # global batch it will divide (the default's global batch depends on it: kept otherwise)
+        from mega.cli.plan_search import without_micro_batch
+
+        base = [*without_micro_batch(args), "--micro-batch-size", "1"]
+    config = resolve_config(base, plugins, this_machine=False)  # planned for --gpu's kind
     if search:
         from mega.cli.plan_search import print_search
 

@@ -46,20 +46,27 @@ class Candidate:
     peak_bytes: int
 
 
-def _without_layout(args: list[str]) -> list[str]:
+def _without(args: list[str], valued: tuple[str, ...], switches: tuple[str, ...] = ()) -> list[str]:
+    """``args`` less the flags ``valued`` (with their values) and ``switches``."""
     out, i = [], 0
     while i < len(args):
         word = args[i]
-        name = word.split("=", 1)[0]
-        if name in _VALUED:
+        if word.split("=", 1)[0] in valued:
             i += 1 if "=" in word else 2
             continue
-        if word in _SWITCHES:
-            i += 1
-            continue
-        out.append(word)
+        if word not in switches:
+            out.append(word)
         i += 1
     return out
+
+
+def _without_layout(args: list[str]) -> list[str]:
+    return _without(args, _VALUED, _SWITCHES)
+
+
+def without_micro_batch(args: list[str]) -> list[str]:
+    """``args`` less ``--micro-batch-size`` (and its value)."""
+    return _without(args, ("--micro-batch-size",))
 
 
 def _divisors(n: int) -> list[int]:

@@ -28,13 +28,18 @@ def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True)
     if t.micro_batch_size < 1 or (t.global_batch_size is not None and t.global_batch_size < 1):
         # reported by the training section; every later check counts micro-batches in them
         return errors
-    errors += parallel_problems(config, plugins)
+    layout_problems = parallel_problems(config, plugins)
     dp = config.data_parallel_size
     if config.global_batch_size % (t.micro_batch_size * dp):
-        errors.append(
+        # a global batch smaller than one micro-batch per DP rank also leaves the schedule no
+        # micro-batch: one cause, said once
+        zero = "the number of micro-batches must be at least 1 (got 0)"
+        layout_problems = [p for p in layout_problems if p != zero]
+        layout_problems.append(
             f"--global-batch-size ({config.global_batch_size}) must be divisible by"
             f" --micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"
         )
+    errors += layout_problems
     s = config.scheduler
     sample_problems = sample_schedule_problems(config)
     errors += sample_problems
