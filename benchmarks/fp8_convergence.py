@@ -118,23 +118,29 @@ def report(curves_path: Path, out: Path, window: int, name: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     png = out / f"{name}_{date}.png"
     plot(curves, png)
-    result = {
-        "date": date,
-        "commands": {n: c["command"] for n, c in curves.items()},
-        "corpus": saved["corpus"],
-        "curves_source": saved.get("source", "metrics.jsonl of each run"),
-        "final_window": window,
-        "final_loss": {n: round(v, 5) for n, v in final.items()},
-        **{
-            f"{n}_vs_bf16_final_loss_rel_diff": round((final[n] - final["bf16"]) / final["bf16"], 5)
-            for n in final
-            if n != "bf16"
-        },
-        "last_iteration_loss": {n: v[-1] for n, v in losses.items()},
-        "median_tokens_per_s": speed,
-        "losses": losses,
-        "plot": png.name,
-    }
+    from result_file import with_provenance  # the date, commit, device, versions
+
+    result = with_provenance(
+        {
+            "date": date,
+            "commands": {n: c["command"] for n, c in curves.items()},
+            "corpus": saved["corpus"],
+            "curves_source": saved.get("source", "metrics.jsonl of each run"),
+            "final_window": window,
+            "final_loss": {n: round(v, 5) for n, v in final.items()},
+            **{
+                f"{n}_vs_bf16_final_loss_rel_diff": round(
+                    (final[n] - final["bf16"]) / final["bf16"], 5
+                )
+                for n in final
+                if n != "bf16"
+            },
+            "last_iteration_loss": {n: v[-1] for n, v in losses.items()},
+            "median_tokens_per_s": speed,
+            "losses": losses,
+            "plot": png.name,
+        }
+    )
     path = out / f"{name}_{date}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))

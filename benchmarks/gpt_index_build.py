@@ -203,29 +203,33 @@ def main() -> None:
         except PackageNotFoundError:
             pass
     today = datetime.date.today().isoformat()
-    result = {
-        "date": today,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "python": platform.python_version(),
-        "machine": {
-            "arch": platform.machine(),
-            "cpu": _cpu_model(),
-            "cores": os.cpu_count(),
-            "system": platform.platform(),
-        },
-        "versions": versions,
-        "corpus": {
-            "tokens": args.tokens,
-            "documents": documents,
-            "lengths": "lognormal(mean 1000, sigma 1.0)",
-            "bin": "sparse uint16",
-        },
-        "seq_length": SEQ_LENGTH,
-        "split": SPLIT,
-        "seed": SEED,
-        "targets_s": {"build": TARGET_BUILD_S, "reload": TARGET_RELOAD_S},
-        "results": rows,
-    }
+    from result_file import with_provenance  # the date, commit, device, versions
+
+    result = with_provenance(
+        {
+            "date": today,
+            "command": " ".join([sys.executable, *sys.argv]),
+            "python": platform.python_version(),
+            "machine": {
+                "arch": platform.machine(),
+                "cpu": _cpu_model(),
+                "cores": os.cpu_count(),
+                "system": platform.platform(),
+            },
+            "versions": versions,
+            "corpus": {
+                "tokens": args.tokens,
+                "documents": documents,
+                "lengths": "lognormal(mean 1000, sigma 1.0)",
+                "bin": "sparse uint16",
+            },
+            "seq_length": SEQ_LENGTH,
+            "split": SPLIT,
+            "seed": SEED,
+            "targets_s": {"build": TARGET_BUILD_S, "reload": TARGET_RELOAD_S},
+            "results": rows,
+        }
+    )
     out = Path(__file__).parent / "results" / f"gpt_index_build_{today}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -512,35 +512,39 @@ def main() -> None:
                     if mega["peak_memory_gib"]
                     else None,
                 }
+    from result_file import with_provenance  # the date, commit, device, versions
+
     from mega import __version__
 
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
-        "versions": {"mega": __version__, "torch": torch.__version__, **optional_versions()},
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "python": platform.python_version(),
-        # compiler settings given through the environment change the kernels being timed
-        "environment": {
-            k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "TORCH_"))
-        },
-        "settings": {
-            "layers": args.layers,
-            "hidden": args.hidden,
-            "heads": args.heads,
-            "seq": args.seq,
-            "vocab": args.vocab,
-            "micro_batch": args.mbs,
-            "global_batch": args.gbs,
-            "warmup": args.warmup,
-            "timed_steps": args.iters,
-            "peak_tflops": PEAK_TFLOPS,
-        },  # fmt: skip
-        "summary": summary,
-        "results": rows,
-    }
+    result = with_provenance(
+        {
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+            "versions": {"mega": __version__, "torch": torch.__version__, **optional_versions()},
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+            "python": platform.python_version(),
+            # compiler settings given through the environment change the kernels being timed
+            "environment": {
+                k: v for k, v in os.environ.items() if k.startswith(("TORCHINDUCTOR_", "TORCH_"))
+            },
+            "settings": {
+                "layers": args.layers,
+                "hidden": args.hidden,
+                "heads": args.heads,
+                "seq": args.seq,
+                "vocab": args.vocab,
+                "micro_batch": args.mbs,
+                "global_batch": args.gbs,
+                "warmup": args.warmup,
+                "timed_steps": args.iters,
+                "peak_tflops": PEAK_TFLOPS,
+            },  # fmt: skip
+            "summary": summary,
+            "results": rows,
+        }
+    )
     path = Path(args.out) / f"{args.name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     for row in rows:

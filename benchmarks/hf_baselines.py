@@ -176,10 +176,11 @@ def write_result(
     """``<args.out>/<name>_<date>.json`` with the command, device, versions, ``settings``,
     ``summary`` and ``rows``; prints the profiles and the summary."""
     import transformers
+    from result_file import with_provenance  # the date, commit, device, versions
 
     from mega import __version__
 
-    result = {
+    result = with_provenance({
         "date": datetime.date.today().isoformat(),
         "command": " ".join([sys.executable, *sys.argv]),
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
@@ -192,7 +193,7 @@ def write_result(
         "settings": {**settings, "peak_tflops": PEAK_TFLOPS},
         "summary": summary,
         "results": rows,
-    }  # fmt: skip
+    })  # fmt: skip
     path = Path(args.out) / f"{name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     for row in rows:

@@ -25,10 +25,8 @@ Speed is the median over the iterations after ``--warmup``. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -36,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from result_file import commit, write_json  # noqa: F401  (re-exported: other scripts import them here)
 
 MODEL = [
     "--model", "gpt", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
@@ -215,48 +215,6 @@ def write_result(rows: list[dict], args: argparse.Namespace, out: Path) -> Path:
                 row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 4
             )
     return write_json(out, args.name, {"results": rows})
-
-
-def commit() -> str | None:
-    """The commit measured: ``MEGA_BENCH_COMMIT`` (a copy of the tree without its .git, as on a
-    lent GPU machine), else ``git rev-parse HEAD`` with ``+dirty`` when the tree has changes."""
-    if os.environ.get("MEGA_BENCH_COMMIT"):
-        return os.environ["MEGA_BENCH_COMMIT"]
-    here = Path(__file__).parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True
-        )
-    except OSError:
-        return None
-    if head.returncode:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
-def write_json(out: Path, name: str, fields: dict) -> Path:
-    """``out/<name>_<date>.json``: the date, command, device, versions, then ``fields``."""
-    import torch
-
-    from mega import __version__
-
-    date = datetime.date.today().isoformat()
-    result = {
-        "date": date,
-        "commit": commit(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "gpus": torch.cuda.device_count(),
-        "versions": {"mega": __version__, "torch": torch.__version__},
-        "python": platform.python_version(),
-        **fields,
-    }
-    path = out / f"{name}_{date}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
 
 
 def main() -> None:

@@ -34,14 +34,18 @@ def main() -> None:
     rates = measure_rates()
     seconds = time.perf_counter() - start
     props = torch.cuda.get_device_properties(0)
-    result = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join([sys.executable, *sys.argv]),
-        "device": f"{props.name}, {props.total_memory // 2**20} MiB",
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
-        "seconds": round(seconds, 1),
-        "rates": dataclasses.asdict(rates),
-    }
+    from result_file import with_provenance  # the date, commit, device, versions
+
+    result = with_provenance(
+        {
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join([sys.executable, *sys.argv]),
+            "device": f"{props.name}, {props.total_memory // 2**20} MiB",
+            "versions": {"torch": torch.__version__, "cuda": torch.version.cuda},
+            "seconds": round(seconds, 1),
+            "rates": dataclasses.asdict(rates),
+        }
+    )
     path = Path(args.out) / f"{args.name}_{result['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

@@ -450,23 +450,27 @@ def main() -> None:
     from importlib.metadata import version
 
     today = datetime.date.today().isoformat()
-    result = {
-        "date": today,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "python": platform.python_version(),
-        "machine": machine(),
-        "versions": {p: version(p) for p in ("mega", "tokenizers", "numpy")},
-        "corpus": {
-            size: {"path": str(p), "bytes": p.stat().st_size} for size, p in corpora.items()
-        },
-        "tokenizer": {"type": args.tokenizer_type, "vocab": str(vocab), "merges": str(merges)},
-        "comparison": comparison,
-        "raw_encode_batch_baseline_runs": baseline_runs,
-        "raw_reference_runs": reference,
-        "preprocess_100M_runs": default_runs,
-        "preprocess_other_runs": other + large,
-        "target": "end-to-end MB/s >= 0.8 x raw encode_batch MB/s; RSS flat from 100 MB to 1 GB",
-    }
+    from result_file import with_provenance  # the date, commit, device, versions
+
+    result = with_provenance(
+        {
+            "date": today,
+            "command": " ".join([sys.executable, *sys.argv]),
+            "python": platform.python_version(),
+            "machine": machine(),
+            "versions": {p: version(p) for p in ("mega", "tokenizers", "numpy")},
+            "corpus": {
+                size: {"path": str(p), "bytes": p.stat().st_size} for size, p in corpora.items()
+            },
+            "tokenizer": {"type": args.tokenizer_type, "vocab": str(vocab), "merges": str(merges)},
+            "comparison": comparison,
+            "raw_encode_batch_baseline_runs": baseline_runs,
+            "raw_reference_runs": reference,
+            "preprocess_100M_runs": default_runs,
+            "preprocess_other_runs": other + large,
+            "target": "end-to-end MB/s >= 0.8 x raw encode_batch MB/s; RSS flat from 100 MB to 1 GB",
+        }
+    )
     if not args.no_save:
         path = Path(__file__).parent / "results" / f"preprocess_throughput_{today}.json"
         path.parent.mkdir(exist_ok=True)

@@ -54,16 +54,19 @@ def main() -> None:
     }
     print(json.dumps(row))
     import torch
+    from result_file import with_provenance  # the date, commit, device, versions
 
-    record = {
-        "date": datetime.date.today().isoformat(),
-        "command": shlex.join(command[:1] + command[1:-2]),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
-        "results": [row],
-    }
+    record = with_provenance(
+        {
+            "date": datetime.date.today().isoformat(),
+            "command": shlex.join(command[:1] + command[1:-2]),
+            "machine": platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "versions": {"torch": torch.__version__, "python": platform.python_version()},
+            "results": [row],
+        }
+    )
     path = Path(args.out) / f"{args.name}_{record['date']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")

@@ -50,15 +50,19 @@ def main() -> None:
     import rich  # noqa: F401
 
     today = datetime.date.today().isoformat()
-    result = {
-        "date": today,
-        "command": " ".join([sys.executable, *sys.argv]),
-        "python": platform.python_version(),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "versions": {p: version(p) for p in ("mega", "click", "pluggy", "rich")},
-        "target_s": TARGET_S,
-        "results": rows,
-    }
+    from result_file import with_provenance  # the date, commit, device, versions
+
+    result = with_provenance(
+        {
+            "date": today,
+            "command": " ".join([sys.executable, *sys.argv]),
+            "python": platform.python_version(),
+            "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "versions": {p: version(p) for p in ("mega", "click", "pluggy", "rich")},
+            "target_s": TARGET_S,
+            "results": rows,
+        }
+    )
     out = Path(__file__).parent / "results" / f"startup_time_{today}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

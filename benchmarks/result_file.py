@@ -1,0 +1,70 @@
+"""What every result file under benchmarks/results records about the run that made it, so that
+a number can be traced to the code it measured: the date, the commit, the command, the device,
+mega's, torch's and Python's versions. The scripts here import it as a sibling (``python
+benchmarks/<script>.py`` and torchrun put this directory on ``sys.path``)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def commit() -> str | None:
+    """The commit measured: ``MEGA_BENCH_COMMIT`` (a copy of the tree without its .git, as on a
+    lent GPU machine), else ``git rev-parse HEAD`` with ``+dirty`` when the tree has changes."""
+    if os.environ.get("MEGA_BENCH_COMMIT"):
+        return os.environ["MEGA_BENCH_COMMIT"]
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True
+        )
+    except OSError:
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def provenance() -> dict[str, Any]:
+    """The date, commit, command, device (``cpu`` without CUDA), GPU count and versions."""
+    import torch
+
+    from mega import __version__
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit(),
+        "command": " ".join([sys.executable, *sys.argv]),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count(),
+        "versions": {"mega": __version__, "torch": torch.__version__},
+        "python": platform.python_version(),
+    }
+
+
+def with_provenance(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with :func:`provenance`'s fields added where it has none of its own (a script
+    that records its own date or versions keeps them)."""
+    own_versions = result.get("versions")
+    out = {**provenance(), **result}
+    if isinstance(own_versions, dict):  # a script's versions of other packages: add mega's
+        out["versions"] = {**provenance()["versions"], **own_versions}
+    return out
+
+
+def write_json(out: Path, name: str, fields: dict) -> Path:
+    """``out/<name>_<date>.json``: :func:`provenance`, then ``fields``."""
+    result = {**provenance(), **fields}
+    path = Path(out) / f"{name}_{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path

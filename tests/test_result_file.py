@@ -1,0 +1,68 @@
+"""benchmarks/result_file.py: every result file names the commit, device and versions it measured."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture
+def result_file(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import result_file
+
+    yield result_file
+    sys.modules.pop("result_file", None)
+
+
+def test_a_result_records_where_it_came_from(result_file, monkeypatch, tmp_path):
+    monkeypatch.setenv("MEGA_BENCH_COMMIT", "abc1234")  # a tree without .git, as on a GPU machine
+    path = result_file.write_json(tmp_path, "demo", {"results": [1]})
+    written = json.loads(path.read_text())
+    assert path.name == f"demo_{written['date']}.json"
+    assert written["commit"] == "abc1234" and written["results"] == [1]
+    assert {"mega", "torch"} <= set(written["versions"]) and written["device"]
+
+
+def test_a_scripts_own_fields_win_and_its_versions_gain_megas(result_file, monkeypatch):
+    monkeypatch.setenv("MEGA_BENCH_COMMIT", "abc1234")
+    own = {"command": "mega train ...", "versions": {"transformers": "4.57"}}
+    merged = result_file.with_provenance(own)
+    assert merged["command"] == "mega train ..." and merged["commit"] == "abc1234"
+    assert merged["versions"]["transformers"] == "4.57" and "mega" in merged["versions"]
+
+
+def test_every_script_that_writes_a_result_file_adds_the_provenance():
+    # a script writing its own JSON result without it would record no commit (issue 51);
+    # ab_trees.py records the commit of each of the two trees it compares (commit_of)
+    writers = [
+        p.name
+        for p in BENCHMARKS.glob("*.py")
+        if ".write_text(json.dumps(" in p.read_text() and p.name != "result_file.py"
+    ]
+    missing = [
+        name
+        for name in writers
+        if not {"with_provenance", "write_json", "commit", "commit_of"}
+        & set(_names(BENCHMARKS / name))
+    ]
+    assert writers and not missing, missing
+
+
+def _names(path: Path) -> list[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    imported = [
+        alias.asname or alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    ]
+    defined = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
+    return imported + defined
