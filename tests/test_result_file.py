@@ -66,3 +66,22 @@ def _names(path: Path) -> list[str]:
     ]
     defined = [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)]
     return imported + defined
+
+
+def test_a_result_file_renders_as_a_page_that_says_how_old_it_is(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import render_results
+
+    rows = [{"layout": "tp1dp2", "tokens_per_s": 115131, "step_ms": 284.6, "lm_loss": [1.0]},
+            {"layout": "tp2dp1-mb8", "tokens_per_s": 97559, "per_gpu_vs_tp1dp2": 0.8474}]  # fmt: skip
+    path = tmp_path / "demo_2026-11-27.json"
+    path.write_text(json.dumps({"date": "2026-11-27", "commit": None, "results": rows}))
+    page = render_results.render(path).splitlines()
+    assert page[0] == "# demo_2026-11-27"
+    assert "does not record the commit" in page[2]
+    header = next(line for line in page if line.startswith("| layout"))
+    assert header == "| layout | tokens_per_s | step_ms | per_gpu_vs_tp1dp2 |"
+    assert "| tp2dp1-mb8 | 97,559 |  | 0.8474 |" in page
+    assert page[-1] == "In the JSON only: `lm_loss`."
+    # a commit this checkout does not have is said so, not taken for current
+    assert "does not have" in render_results.freshness("0" * 40)
