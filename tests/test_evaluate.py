@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mega.core.training.engine import last_evaluation_batch
+from mega.core.training.evaluation import last_evaluation_batch
 from mega.testing.ranks import free_port
 
 from conftest import TINY, mega_in_fork, run_mega

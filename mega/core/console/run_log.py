@@ -53,6 +53,23 @@ class RunLog:
             run_dir = f"runs/{c.model_name}-{comm.from_rank0(time.strftime('%Y%m%d-%H%M%S'))}"
         self.run_dir = Path(run_dir)
 
+    def startup_panel(self, num_parameters: int) -> None:
+        """The run's summary before the first step: model, data, batch, layout, directory."""
+        cfg, t = self.config, self.config.training
+        self.display.panel(
+            "mega",
+            [
+                f"model {cfg.model_name}: {num_parameters:,} parameters,"
+                f" {cfg.precision.params_dtype}",
+                f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
+                f"global batch {cfg.global_batch_size} = {cfg.num_microbatches} micro-batches x"
+                f" {t.micro_batch_size}",
+                f"{self.topology.describe()} on {device_text(self.device)},"
+                f" schedule {cfg.parallel.parallel}",
+                f"run directory {self.run_dir}",
+            ],
+        )
+
     def open(self, plugins: Any, iteration: int = 0) -> None:
         """Write the resolved config and plugin versions; open the metrics sinks (rank 0).
         ``iteration``: where training starts (a loaded checkpoint's). Appending to a run's

@@ -11,7 +11,6 @@ by the one executor: there is one step path whatever the layout.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,14 @@ from mega.core.checkpoint.state import (
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
-from mega.core.console.run_log import RunLog, device_text
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.console.run_log import RunLog
+from mega.core.errors import MegaRunError
 from mega.core.plan.check import start_plan_check
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
 from mega.core.training.cpu_math import warm_up_vector_math
+from mega.core.training.evaluation import Evaluation
 from mega.core.training.exit_conditions import ExitConditions
 from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
@@ -52,7 +52,7 @@ class CoreHooks:
         return engine.run_step(microbatches, iteration)
 
 
-class Engine:
+class Engine(Evaluation):
     """One training run. ``train()`` builds everything (``setup``) and runs the loop."""
 
     def __init__(self, config: RunConfig, plugins: Plugins, display: Display | None = None):
@@ -114,19 +114,7 @@ class Engine:
             load_run(self, cfg.checkpoint.load)
         prepare_async_save(self)
         self.log.open(self.plugins, self.iteration)
-        gbs = cfg.global_batch_size
-        self.display.panel(
-            "mega",
-            [
-                f"model {cfg.model_name}: {parts.num_parameters:,} parameters,"
-                f" {cfg.precision.params_dtype}",
-                f"data {cfg.dataset_name}, tokenizer {cfg.tokenizer_name}, seq {t.seq_length}",
-                f"global batch {gbs} = {cfg.num_microbatches} micro-batches x {t.micro_batch_size}",
-                f"{self.topology.describe()} on {device_text(self.device)},"
-                f" schedule {cfg.parallel.parallel}",
-                f"run directory {self.run_dir}",
-            ],
-        )
+        self.log.startup_panel(parts.num_parameters)
 
     # ------------------------------------------------------------------ one step
 
@@ -305,89 +293,8 @@ class Engine:
             return torch.zeros(len(self.loss_names), device=self.device)
         return torch.stack(losses).mean(dim=0)
 
-    # ------------------------------------------------------------------ evaluation
-
-    @torch.no_grad()
-    def evaluate(self, source: Any, first_sample: int) -> dict[str, float]:
-        """Each loss part's mean (``{"lm loss": ...}``) over ``--eval-iters`` global batches
-        starting at ``first_sample``."""
-        t, gbs = self.config.training, self.config.global_batch_size
-        self.model.eval()
-        losses = []
-        for k in range(t.eval_iters):
-            batch = self._microbatches(source, first_sample + k * gbs, gbs)
-            losses += self.executor.forward_only(batch)
-        self.model.train()
-        means = self.log.dp_mean([self._batch_loss(losses)])[0]
-        return dict(zip(self.loss_names, means, strict=True))
-
-    def _evaluate(self, source: Any, first_sample: int, label: str) -> float:
-        """Evaluate and print the line; returns the first part (the lm loss)."""
-        started = time.perf_counter()
-        losses = self.evaluate(source, first_sample)
-        self.interval.excluded += time.perf_counter() - started  # not training time
-        self.log.evaluation_line(label, losses, self.iteration)
-        return next(iter(losses.values()))
-
-    def _final_evaluation(self) -> None:
-        t = self.config.training
-        first = (self.config.train_iters // t.eval_interval) * t.eval_iters
-        self._evaluate_splits(first * self.config.global_batch_size, "at the end of training")
-
-    def _evaluate_splits(self, first_valid: int, when: str) -> dict[str, float]:
-        """The validation split from sample ``first_valid`` and the test split from its start:
-        ``{"valid"/"test": loss}`` of those that exist."""
-        losses: dict[str, float] = {}
-        if not self.config.training.eval_iters:
-            return losses
-        if self.splits.valid is not None:
-            label = f"validation loss {when}"
-            losses["valid"] = self._evaluate(self.splits.valid, first_valid, label)
-        if self.splits.test is not None:
-            losses["test"] = self._evaluate(self.splits.test, 0, f"test loss {when}")
-        return losses
-
-    def evaluate_checkpoint(self, iteration: int) -> dict[str, float]:
-        """``mega evaluate``: set up (loading ``--load``), then evaluate on the validation
-        batches of the last evaluation the run printed with the checkpoint's weights (it was
-        written after ``iteration`` steps); ``{"valid"/"test": loss}``."""
-        error: BaseException | None = None
-        t = self.config.training
-        batches = last_evaluation_batch(
-            iteration, self.config.train_iters, t.eval_interval, t.eval_iters
-        )
-        try:
-            self.setup()
-            first = batches * self.config.global_batch_size
-            losses = self._evaluate_splits(first, f"of the checkpoint at iteration {iteration}")
-            if not losses:
-                raise MegaUsageError(
-                    "nothing to evaluate: the data has no validation or test split (see --split)"
-                )
-            return losses
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            self._shut_down(error)
-
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> Path:
         self._stop_if_nonfinite()
         return save_run(self)
-
-
-def last_evaluation_batch(iteration: int, train_iters: int, interval: int, eval_iters: int) -> int:
-    """The validation global batch where the evaluation of a checkpoint written after
-    ``iteration`` steps starts: the one the run's last evaluation with those weights started at.
-
-    Every evaluation goes on where the previous one stopped (Megatron's valid iterator). At
-    ``train_iters`` the run's last word on these weights is its end-of-training evaluation, after
-    the periodic ones; at an ``--eval-interval`` multiple before it, that iteration's periodic
-    one. Other weights were never evaluated: they get the batches the next evaluation would use.
-    """
-    done = iteration // interval  # periodic evaluations up to and including this iteration
-    if 0 < iteration < train_iters and iteration % interval == 0:
-        done -= 1
-    return done * eval_iters
