@@ -85,3 +85,26 @@ def test_a_result_file_renders_as_a_page_that_says_how_old_it_is(monkeypatch, tm
     assert page[-1] == "In the JSON only: `lm_loss`."
     # a commit this checkout does not have is said so, not taken for current
     assert "does not have" in render_results.freshness("0" * 40)
+
+
+def test_a_trace_summary_splits_the_span_into_compute_nccl_both_and_idle(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_summary
+
+    def kernel(name: str, ts: float, dur: float, tid: int) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    # one step: a GEMM 0-100 us, NCCL 50-150 us on its own stream, idle 150-200, a GEMM 200-300
+    trace = {"traceEvents": [kernel("gemm", 0, 100, 7), kernel("ncclDevKernel_AllGather", 50, 100, 21),
+                             kernel("gemm", 200, 100, 7), {"ph": "X", "cat": "cpu_op", "name": "x",
+                                                           "ts": 0, "dur": 999, "tid": 1}]}  # fmt: skip
+    s = trace_summary.summarize(trace, steps=1)
+    assert s["gpu_span_ms"] == pytest.approx(0.3) and s["compute_busy_ms"] == pytest.approx(0.2)
+    assert s["nccl_busy_ms"] == pytest.approx(0.1) and s["nccl_beside_compute_ms"] == pytest.approx(
+        0.05
+    )
+    assert s["idle_ms"] == pytest.approx(0.05)
+    assert (
+        s["streams"]["7"]["kernels"] == 2
+        and s["nccl_kernels"]["ncclDevKernel_AllGather"]["per_step"] == 1
+    )

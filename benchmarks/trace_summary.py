@@ -1,0 +1,105 @@
+"""Where a rank's step went, from a Chrome trace of torch.profiler (``MEGA_RANK_PROFILE_TRACE=1``
+of benchmarks/plugins/rank_profile.py writes one):
+
+    python benchmarks/trace_summary.py DIR/tp2-sp-world2/trace_rank0.json[.gz] [--steps 2]
+
+Per step: the GPU's span; the time some compute kernel runs, some NCCL kernel runs, both at once,
+and neither (idle: the GPU waits for the host, when the host is behind); per stream its kernels
+and busy time; the NCCL kernels by name. On 4 H100 it showed a compiled TP2 + SP step idle for
+half its span (docs/performance.md, "Why TP was slow at micro-batch 4").
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+Interval = tuple[float, float]
+
+
+def union(intervals: list[Interval]) -> list[Interval]:
+    """The intervals merged where they overlap, in order."""
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def total(intervals: list[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def overlap(x: list[Interval], y: list[Interval]) -> float:
+    """The time two merged interval lists share."""
+    i = j = 0
+    shared = 0.0
+    while i < len(x) and j < len(y):
+        shared += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return shared
+
+
+def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Milliseconds per step (see the module docstring)."""
+    kernels = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    ]
+    if not kernels:
+        raise SystemExit("no GPU kernels in this trace (a CPU run, or CUDA activity not recorded)")
+    is_nccl = [("nccl" in e["name"].lower()) for e in kernels]
+    a = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    span = max(end for _, end in a) - min(start for start, _ in a)
+    compute = union([iv for iv, n in zip(a, is_nccl, strict=True) if not n])
+    nccl = union([iv for iv, n in zip(a, is_nccl, strict=True) if n])
+    streams: dict[Any, list[Interval]] = collections.defaultdict(list)
+    counts: collections.Counter = collections.Counter()
+    by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for event, interval, n in zip(kernels, a, is_nccl, strict=True):
+        streams[event["tid"]].append(interval)
+        counts[event["tid"]] += 1
+        if n:
+            name = event["name"].split("(")[0]
+            by_name[name][0] += 1
+            by_name[name][1] += event["dur"]
+    ms = 1e-3 / steps
+    return {
+        "gpu_span_ms": span * ms,
+        "compute_busy_ms": total(compute) * ms,
+        "nccl_busy_ms": total(nccl) * ms,
+        "nccl_beside_compute_ms": overlap(compute, nccl) * ms,
+        "idle_ms": (span - total(union(compute + nccl))) * ms,
+        "streams": {
+            str(tid): {"kernels": counts[tid] // steps, "busy_ms": total(union(iv)) * ms}
+            for tid, iv in streams.items()
+        },
+        "nccl_kernels": {
+            name: {"per_step": c // steps, "ms": d * ms, "mean_us": d / c}
+            for name, (c, d) in sorted(by_name.items(), key=lambda kv: -kv[1][1])
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--steps", type=int, default=2, help="steps the trace holds")
+    args = parser.parse_args()
+    opener = gzip.open if args.trace.suffix == ".gz" else open
+    with opener(args.trace, "rt") as f:
+        print(json.dumps(summarize(json.load(f), args.steps), indent=1))
+
+
+if __name__ == "__main__":
+    main()
