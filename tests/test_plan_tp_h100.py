@@ -59,16 +59,15 @@ def layout_argv(command: str, world_size: int, overlap_default: bool) -> list[st
     return [*kept, "--nproc-per-node", str(world_size), "--device", "cuda"]
 
 
-def _runs(misses: dict[str, str]):
+def _runs():
     params = []
     for name, overlap_default in FILES.items():
         gpus = name.split("_")[2]
         for run in json.loads((RESULTS / name).read_text())["results"]:
             key = f"{gpus}-{run['layout']}"
-            marks = pytest.mark.xfail(strict=True, reason=misses[key]) if key in misses else ()
             argv = layout_argv(run["command"], run["world_size"], overlap_default)
             params.append(
-                pytest.param(run, argv, id=f"{'_'.join(name.split('_')[4:-1])}-{key}", marks=marks)
+                pytest.param(run, argv, key, id=f"{'_'.join(name.split('_')[4:-1])}-{key}")
             )
     return params
 
@@ -85,12 +84,14 @@ def _plan(argv: list[str]):
     return _PLANS[key]
 
 
-@pytest.mark.parametrize(("run", "argv"), _runs(SPEED_MISSES))
-def test_tensor_parallel_layouts_speed_within_15_percent(run, argv):
-    assert _plan(argv).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)
-
-
-@pytest.mark.parametrize(("run", "argv"), _runs({}))
-def test_tensor_parallel_layouts_memory_within_10_percent(run, argv):
-    peak = max(stage.profile.peak_bytes for stage in _plan(argv).stages) / GIB
+# one test per row, so that each layout is planned once (the plans take most of the time)
+@pytest.mark.parametrize(("run", "argv", "key"), _runs())
+def test_tensor_parallel_layouts_within_15_percent_speed_and_10_percent_memory(run, argv, key):
+    plan = _plan(argv)
+    peak = max(stage.profile.peak_bytes for stage in plan.stages) / GIB
     assert peak == pytest.approx(max(run["peak_memory_gib_by_rank"]), rel=0.10)
+    planned, measured = plan.tokens_per_second, run["tokens_per_s"]
+    if key in SPEED_MISSES:  # still missed, and by more than the bound: fixing it shows here
+        assert planned > 1.15 * measured, SPEED_MISSES[key]
+    else:
+        assert planned == pytest.approx(measured, rel=0.15)
