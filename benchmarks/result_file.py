@@ -55,10 +55,10 @@ def provenance() -> dict[str, Any]:
 def with_provenance(result: dict[str, Any]) -> dict[str, Any]:
     """``result`` with :func:`provenance`'s fields added where it has none of its own (a script
     that records its own date or versions keeps them)."""
-    own_versions = result.get("versions")
-    out = {**provenance(), **result}
-    if isinstance(own_versions, dict):  # a script's versions of other packages: add mega's
-        out["versions"] = {**provenance()["versions"], **own_versions}
+    ours = provenance()
+    out = {**ours, **result}
+    if isinstance(result.get("versions"), dict):  # a script's versions of other packages
+        out["versions"] = {**ours["versions"], **result["versions"]}
     return out
 
 

@@ -59,14 +59,14 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     if not kernels:
         raise SystemExit("no GPU kernels in this trace (a CPU run, or CUDA activity not recorded)")
     is_nccl = [("nccl" in e["name"].lower()) for e in kernels]
-    a = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
-    span = max(end for _, end in a) - min(start for start, _ in a)
-    compute = union([iv for iv, n in zip(a, is_nccl, strict=True) if not n])
-    nccl = union([iv for iv, n in zip(a, is_nccl, strict=True) if n])
+    spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
+    span = max(end for _, end in spans) - min(start for start, _ in spans)
+    compute = union([iv for iv, n in zip(spans, is_nccl, strict=True) if not n])
+    nccl = union([iv for iv, n in zip(spans, is_nccl, strict=True) if n])
     streams: dict[Any, list[Interval]] = collections.defaultdict(list)
     counts: collections.Counter = collections.Counter()
     by_name: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
-    for event, interval, n in zip(kernels, a, is_nccl, strict=True):
+    for event, interval, n in zip(kernels, spans, is_nccl, strict=True):
         streams[event["tid"]].append(interval)
         counts[event["tid"]] += 1
         if n:

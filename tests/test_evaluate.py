@@ -129,3 +129,11 @@ def test_bad_input_is_one_line(trained, args, message):
 )
 def test_last_evaluation_batch(iteration, batch):
     assert last_evaluation_batch(iteration, train_iters=10, interval=5, eval_iters=2) == batch
+
+
+def test_last_evaluation_batchs_old_path_warns_and_forwards():
+    import mega.core.training.engine as engine
+    import mega.core.training.evaluation as evaluation
+
+    with pytest.warns(DeprecationWarning, match="since 2026-11-27: use .*training.evaluation"):
+        assert engine.last_evaluation_batch is evaluation.last_evaluation_batch

@@ -14,6 +14,7 @@ from mega.core.training.lr_schedule import validate_schedule_args
 from mega.core.training.sample_schedule import sample_schedule_problems, schedule_lengths
 from mega.parallel.checks import parallel_problems
 from mega.parallel.distributed import process_place
+from mega.parallel.pipeline.schedules import NO_MICROBATCHES
 
 
 def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True) -> list[str]:
@@ -33,8 +34,7 @@ def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True)
     if config.global_batch_size % (t.micro_batch_size * dp):
         # a global batch smaller than one micro-batch per DP rank also leaves the schedule no
         # micro-batch: one cause, said once
-        zero = "the number of micro-batches must be at least 1 (got 0)"
-        layout_problems = [p for p in layout_problems if p != zero]
+        layout_problems = [p for p in layout_problems if p != NO_MICROBATCHES.format(0)]
         layout_problems.append(
             f"--global-batch-size ({config.global_batch_size}) must be divisible by"
             f" --micro-batch-size ({t.micro_batch_size}) x data-parallel size ({dp})"

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mega import hookimpl
+from mega._deprecated import moved
 from mega.core.checkpoint.state import (
     finish_pending_save,
     load_run,
@@ -42,6 +43,11 @@ from mega.core.training.step import StepResult
 from mega.parallel.distributed import join_job
 from mega.parallel.expert.stats import router_metrics
 from mega.parallel.topology import Topology
+
+# moved to mega.core.training.evaluation with the rest of evaluation (2026-11-27)
+__getattr__ = moved(
+    __name__, "mega.core.training.evaluation", ["last_evaluation_batch"], since="2026-11-27"
+)
 
 
 class CoreHooks:

@@ -20,6 +20,10 @@ VPP_FLAG = "--virtual-pipeline-model-parallel-size"
 VPP_LAYERS_FLAG = "--num-layers-per-virtual-pipeline-stage"
 
 
+# a schedule needs a micro-batch (mega.core.config.validate recognises the 0 case)
+NO_MICROBATCHES = "the number of micro-batches must be at least 1 (got {})"
+
+
 def pipeline_schedules(plugins: Any) -> dict[str, PipelineScheduleSpec]:
     """The schedules that split a model over pipeline ranks (every one but those with
     ``max_pp == 1``, such as ``no-pipelining``), by name."""
@@ -63,7 +67,7 @@ def table_problems(
             f" --parallel interleaved, or drop {VPP_FLAG}/{VPP_LAYERS_FLAG}"
         )
     if m < 1:
-        problems.append(f"the number of micro-batches must be at least 1 (got {m})")
+        problems.append(NO_MICROBATCHES.format(m))
     if problems:
         return problems
     needed = spec.min_microbatches(pp, vpp)
