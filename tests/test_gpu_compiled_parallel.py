@@ -6,8 +6,7 @@ functions (``dist.all_reduce`` on a clone, ``all_gather_into_tensor`` into a buf
 ``all_to_all_single`` into a buffer), ``torch.compile`` mis-traced them on GPUs: on 2 H100
 (torch 2.11) a compiled TP2 1.3B GPT had a first gradient norm of 0.387 where eager TP2 had
 5.661, and a compiled EP2 MoE 3.19 where eager had 5.67, while the same runs on CPU ranks (gloo)
-traced correctly. The layers now use out-of-place collectives as custom ops
-(``mega.parallel.functional_comm``; PyTorch's functional collectives before session 32).
+traced correctly. The layers now use functional collectives (``mega.parallel.functional_comm``).
 The first gradient norm is what catches it: the loss of step 1 does not see the gradient.
 Skipped without 2 CUDA GPUs.
 """

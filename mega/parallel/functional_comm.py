@@ -1,27 +1,24 @@
 """Out-of-place collectives for code that ``torch.compile`` traces: the model's own
 communication (tensor-parallel mappings, the vocab-parallel loss, the expert all-to-all).
 
-Each is a custom op (``mega::all_gather``, ``mega::reduce_scatter``, ``mega::all_reduce``,
-``mega::all_to_all``) that allocates its result and runs c10d's collective into it: a traced
-graph sees a pure function of its input, opaque, that the compiler neither looks into nor
-reorders across its data dependencies. On CUDA the compute stream waits for NCCL's (c10d's
-synchronous form), the host does not.
+They are PyTorch's functional collectives (``torch.distributed._functional_collectives``): each
+returns a new tensor and writes into nothing, so a traced graph sees a pure function of its
+input followed by a ``wait_tensor``, and inductor may move the wait to where the result is first
+used. The in-place c10d calls (``dist.all_reduce`` on a clone, ``all_gather_into_tensor`` into a
+buffer, ``all_to_all_single`` into a buffer) are correct in eager but were mis-traced inside
+compiled layers on GPUs: on 2 H100 (torch 2.11) a compiled TP2 1.3B GPT had a first gradient
+norm of 0.387 where eager TP2 and DP2 had 5.66, and a compiled EP2 MoE 3.19 where eager had 5.67;
+through these functions both matched eager. On the CPU (gloo) the old calls traced correctly,
+so only the GPU test (``tests/test_gpu_compiled_parallel.py``) tells the two apart.
 
-Why not the in-place c10d calls (``dist.all_reduce`` on a clone, ``all_gather_into_tensor`` into
-a buffer) straight in the model: they are correct in eager but were mis-traced inside compiled
-layers on GPUs (2 H100, torch 2.11: a compiled TP2 1.3B GPT had a first gradient norm of 0.387
-where eager TP2 and DP2 had 5.66; a compiled EP2 MoE 3.19 where eager had 5.67). On the CPU
-(gloo) they traced correctly, so only the GPU test (``tests/test_gpu_compiled_parallel.py``)
-tells the two apart. Inside an op, dynamo never traces them.
+Eager, a functional collective returns an ``AsyncCollectiveTensor`` that waits at its first use;
+these functions wait at once (on CUDA: the current stream waits for NCCL's, the host does not),
+so callers, autograd functions included, only ever hold plain tensors. Traced, funcol has
+already put the wait into the graph. Every function takes a group of more than one rank.
 
-Why not PyTorch's functional collectives (``torch.distributed._functional_collectives``), which
-also trace correctly and were these functions until session 32: their host cost. On an H100
-host (torch 2.11) an all-gather and its ``wait_tensor`` took 143-192 us of CPU time per call
-where c10d's took 27-34 us; a compiled TP2 + SP layer at micro-batch 4 issues ~10 collectives
-per micro-batch, and that layout was host-bound (``docs/performance.md``). Through these ops a
-call costs c10d's plus one custom-op dispatch.
-
-Every function takes a group of more than one rank, or (``*_by_name``) its ``group_name``.
+:func:`start_all_gather` and :func:`wait` are the all-gather split in two, taking the group by
+name, for code that holds a name rather than a group (``mega.parallel.tensor.overlapped``, whose
+backward is a custom op that names its group): the raw ``_c10d_functional`` ops.
 """
 
 from __future__ import annotations
@@ -29,88 +26,51 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
+import torch.distributed._functional_collectives as funcol
 
-from mega.parallel.comm import all_gather_into, reduce_scatter_into
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-def group_name(group: Any) -> str:
-    """The name the ``*_by_name`` functions take for ``group`` (resolve it outside traced code)."""
-    return group.group_name
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to *_single and warns on the old
+# names; 2.11 has only the old ones
+_ALL_GATHER = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_REDUCE_SCATTER = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 
 
-@torch.library.custom_op("mega::all_reduce", mutates_args=())
-def _all_reduce(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
-    out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=_REDUCE_OPS[op], group=_resolve_process_group(name))
-    return out
-
-
-@_all_reduce.register_fake
-def _(x: torch.Tensor, op: str, name: str) -> torch.Tensor:
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.custom_op("mega::all_gather", mutates_args=())
-def _all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] * size, *x.shape[1:]))
-    all_gather_into(out, x.contiguous(), _resolve_process_group(name))
-    return out
-
-
-@_all_gather.register_fake
-def _(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    return x.new_empty((x.shape[0] * size, *x.shape[1:]))
-
-
-@torch.library.custom_op("mega::reduce_scatter", mutates_args=())
-def _reduce_scatter(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    reduce_scatter_into(out, x.contiguous(), _resolve_process_group(name))
-    return out
-
-
-@_reduce_scatter.register_fake
-def _(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    return x.new_empty((x.shape[0] // size, *x.shape[1:]))
-
-
-@torch.library.custom_op("mega::all_to_all", mutates_args=())
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], name: str) -> torch.Tensor:
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    group = _resolve_process_group(name)
-    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
-    return out
-
-
-@_all_to_all.register_fake
-def _(x: torch.Tensor, send: list[int], recv: list[int], name: str) -> torch.Tensor:
-    return x.new_empty((sum(recv), *x.shape[1:]))
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def all_reduced(x: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
-    """``x`` reduced (``"sum"``, ``"max"``, ``"min"``) over ``group``, as a new tensor."""
-    return _all_reduce(x, op, group_name(group))
+    """``x`` reduced (``"sum"``, ``"max"``...) over ``group``, as a new tensor."""
+    return _waited(funcol.all_reduce(x.contiguous(), op, group))
 
 
 def all_gathered(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Every rank's ``x`` concatenated along dim 0, in group order."""
-    return all_gathered_by_name(x, group.size(), group_name(group))
-
-
-def all_gathered_by_name(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-    """:func:`all_gathered` over the group ``name`` of ``size`` ranks."""
-    return _all_gather(x, size, name)
+    return _waited(_ALL_GATHER(x.contiguous(), 0, group))
 
 
 def reduce_scattered(x: torch.Tensor, group: Any) -> torch.Tensor:
     """``x`` summed over ``group``; this rank's ``1/size`` of dim 0."""
-    return _reduce_scatter(x, group.size(), group_name(group))
+    return _waited(_REDUCE_SCATTER(x.contiguous(), "sum", 0, group))
 
 
 def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
     """Rows ``send[r]`` of ``x`` (in order) to rank ``r``; ``recv[r]`` rows arrive from it."""
-    return _all_to_all(x, list(send), list(recv), group_name(group))
+    return _waited(funcol.all_to_all_single(x.contiguous(), recv, send, group))
+
+
+_OPS = torch.ops._c10d_functional
+
+
+def group_name(group: Any) -> str:
+    """The name :func:`start_all_gather` takes for ``group`` (resolve it outside traced code)."""
+    return group.group_name
+
+
+def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Begin concatenating every rank's ``x`` along dim 0 over group ``name`` of ``size`` ranks."""
+    return _OPS.all_gather_into_tensor(x.contiguous(), size, name)
+
+
+def wait(t: torch.Tensor) -> torch.Tensor:
+    """The result of :func:`start_all_gather` (on CUDA the current stream waits, not the host)."""
+    return _OPS.wait_tensor(t)

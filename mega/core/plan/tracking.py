@@ -229,7 +229,7 @@ class StepTracker(TorchDispatchMode):
             return
         name = func.name()
         namespace, _, op = name.partition("::")
-        if namespace == "_c10d_functional" or name in _MEGA_COLLECTIVES:
+        if namespace == "_c10d_functional":
             self._functional_collective(op, args, out, work)
             return
         if name.startswith("c10d::"):
@@ -282,9 +282,8 @@ class StepTracker(TorchDispatchMode):
         work.collective((dim, kind, group.size()), size)
 
     def _functional_collective(self, op: str, args: tuple, out: Any, work: Work) -> None:
-        """An out-of-place collective (``mega.parallel.functional_comm``'s ops, or PyTorch's
-        functional ones): its group is named by its last argument, its result is a new tensor;
-        ``wait_tensor`` moves nothing."""
+        """A functional collective (``mega.parallel.functional_comm``): its group is named by a
+        string, its result is a new tensor; ``wait_tensor`` moves nothing."""
         kind = _FUNCTIONAL_KINDS.get(op)
         if kind is None:
             return
@@ -301,20 +300,12 @@ class StepTracker(TorchDispatchMode):
             work.collective((dim, kind, group.size()), payload)
 
 
-# torch.ops._c10d_functional's collectives and mega's (mega.parallel.functional_comm), by the
-# kinds the time model knows
+# torch.ops._c10d_functional's collectives, by the kinds the time model knows
 _FUNCTIONAL_KINDS = {
     "all_reduce": "allreduce", "all_gather_into_tensor": "allgather",
     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "alltoall",
     "broadcast": "broadcast",
-    "all_gather": "allgather", "reduce_scatter": "reduce_scatter", "all_to_all": "alltoall",
 }  # fmt: skip
-_MEGA_COLLECTIVES = {
-    "mega::all_reduce",
-    "mega::all_gather",
-    "mega::reduce_scatter",
-    "mega::all_to_all",
-}
 
 
 def _grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:

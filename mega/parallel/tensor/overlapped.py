@@ -32,8 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from mega.parallel.comm import all_gather_into, reduce_scatter_into
-from mega.parallel.functional_comm import all_gathered_by_name
+from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
 from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad
 
@@ -41,7 +40,7 @@ from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad
 def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     """``[b, s/tp, h]`` token blocks of every rank as ``[b, s, h]`` (block ``r`` of the flat
     tokens from rank ``r``: ``mega.parallel.tensor.mappings``' layout)."""
-    flat = all_gathered_by_name(x.reshape(-1, x.shape[-1]), size, name)
+    flat = wait(start_all_gather(x.reshape(-1, x.shape[-1]), size, name))
     return flat.view(x.shape[0], -1, x.shape[-1])
 
 
@@ -63,12 +62,12 @@ def _column_parallel_backward(
     inputs = x_2d
     if sequence_parallel:  # X travels while dX is computed
         inputs = x_2d.new_empty(x_2d.shape[0] * size, x_2d.shape[1])
-        gathering = all_gather_into(inputs, x_2d, group, async_op=True)
+        gathering = dist.all_gather_into_tensor(inputs, x_2d, group=group, async_op=True)
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
     grad_in = grad_2d.mm(weight)  # [tokens, in], this rank's share
     if sequence_parallel:
         grad_x = grad_in.new_empty(x_2d.shape)
-        reducing = reduce_scatter_into(grad_x, grad_in, group, async_op=True)
+        reducing = dist.reduce_scatter_tensor(grad_x, grad_in, group=group, async_op=True)
     else:
         grad_x = grad_in
         reducing = dist.all_reduce(grad_x, group=group, async_op=True)
