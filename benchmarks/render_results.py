@@ -2,9 +2,9 @@
 
     python benchmarks/render_results.py benchmarks/results/NAME.json [...] --out docs/results
 
-Each page: where the numbers came from (date, commit, device, versions, the command), whether
-mega's code has changed since the measured commit (as of the commit the page is rendered at),
-and the file's rows as a table of their plain fields (text, numbers, flags; nested fields stay
+Each page: where the numbers came from (date, commit, device, versions, the command), the file's
+``note`` if it has one, whether mega's code has changed since the measured commit (as of the
+commit the page is rendered at), and the file's rows as a table of their plain fields (text, numbers, flags; nested fields stay
 in the JSON, which the page names).
 """
 
@@ -80,6 +80,8 @@ def render(path: Path) -> str:
     lines += [f"- {name}: {value}" for name, value in facts if value]
     if data.get("command"):
         lines += ["", "```", data["command"], "```"]
+    if data.get("note"):  # what the run showed, in the measurer's words
+        lines += ["", str(data["note"])]
     rows = data.get("results")
     if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
         lines += ["", *table(rows)]

@@ -165,6 +165,19 @@ def test_an_async_save_gathers_chunks_into_pinned_memory():
     assert not _consolidated("cuda", pinned=False).is_pinned()
 
 
+def test_the_chunks_to_pin_before_the_first_async_save_are_the_ones_the_save_gathers():
+    # prepare_pinned_copies pins these sizes at setup: they must be what consolidate owns
+    from mega.core.checkpoint.shared_chunks import consolidate, owned_chunk_bytes
+
+    tensors = _two_pieces_in_one_chunk("cpu")
+    sizes = owned_chunk_bytes(tensors, 0, lambda v: [v])
+    (tensor,) = consolidate(tensors, 0, lambda v: [v], lambda ops: None)
+    owned = [p.data.numel() * p.data.element_size() for p in tensor.pieces if p.owned]
+    assert sizes == owned == [48]
+    # the other rank of a two-rank plan owns nothing of it
+    assert owned_chunk_bytes(tensors, 1, lambda v: [v]) == []
+
+
 def test_replicated_weights_are_spread_over_the_dp_ranks_by_bytes():
     # a GPT layer's 12 parameters, its four matrices at even positions: taking turns by index
     # gave DP rank 0 every matrix (10.5 GB of a 1.3B GPT's checkpoint against 7.9 on rank 1)

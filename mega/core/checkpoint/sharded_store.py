@@ -38,7 +38,7 @@ from typing import Any
 from mega.core.checkpoint.host_copy import HostCopy
 from mega.core.checkpoint.json_state import from_json, to_json
 from mega.core.checkpoint.sharded import ShardedTensor, dtype_name
-from mega.core.checkpoint.shared_chunks import consolidate
+from mega.core.checkpoint.shared_chunks import consolidate, owned_chunk_bytes, warm_pinned_copies
 from mega.core.checkpoint.store import MARKER, atomic_write_text, put_in_place
 from mega.core.errors import MegaRunError, MegaUsageError, first_line
 
@@ -80,6 +80,14 @@ def _exchange(ops: list[tuple[bool, int, Any]]) -> None:
 def _rank() -> int:
     dist = _dist()
     return dist.get_rank() if dist is not None else 0
+
+
+def prepare_pinned_copies(tensors: list[ShardedTensor]) -> None:
+    """Before the first ``--async-save`` on CUDA (every rank; a collective): pin the host memory
+    that the save's gathered shared chunks will be copied into (:mod:`.shared_chunks`), so the
+    step starting that save does not wait for it."""
+    written = [t for t in tensors if t.write and t.pieces]  # what start_sharded_save consolidates
+    warm_pinned_copies(owned_chunk_bytes(written, _rank(), _all_gather))
 
 
 def _array_meta(t: ShardedTensor) -> dict[str, Any]:

@@ -15,7 +15,12 @@ from mega.core.checkpoint.resume_checks import (
     data_order,
     nothing_to_train,
 )
-from mega.core.checkpoint.sharded_store import load_sharded, read_metadata, start_sharded_save
+from mega.core.checkpoint.sharded_store import (
+    load_sharded,
+    prepare_pinned_copies,
+    read_metadata,
+    start_sharded_save,
+)
 from mega.core.checkpoint.store import (
     find_checkpoint,
     iteration_dir,
@@ -318,14 +323,16 @@ def _host_copy(engine: Any) -> HostCopy:
 
 
 def prepare_async_save(engine: Any) -> None:
-    """``--async-save`` on a GPU: allocate and pin the host buffer before the first step (for GBs
-    of state that takes seconds), so that the step starting the first save does not wait for it."""
+    """``--async-save`` on a GPU: allocate and pin the host buffer, and the host copies of the
+    chunks this rank gathers (``shared_chunks``), before the first step (for GBs of state that
+    takes seconds), so that the step starting the first save does not wait for it."""
     cfg = engine.config.checkpoint
     backend = engine.plugins.checkpoint_backends.get(cfg.ckpt_format)
     if not (cfg.save and cfg.async_save and backend.sharded and engine.device.type == "cuda"):
         return
     written = [t for t in sharded_tensors(engine) if t.write]
     _host_copy(engine).reserve(bytes_needed(written), engine.device)
+    prepare_pinned_copies(written)
 
 
 def finish_pending_save(engine: Any) -> Path | None:
