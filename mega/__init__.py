@@ -11,10 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import pluggy
-
 from mega.core.config.fields import option
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.core.plugins.hookspecs import hookimpl
 from mega.core.plugins.specs import (
     BuildContext,
     CheckpointBackendSpec,
@@ -28,11 +26,10 @@ from mega.core.plugins.specs import (
     PipelineScheduleSpec,
     TokenizerSpec,
 )
+from mega.errors import MegaRunError, MegaUsageError
 from mega.parallel.plan import ParallelPlan
 
 __version__ = "0.1.0"
-
-hookimpl = pluggy.HookimplMarker("mega")
 
 # Loaded on first use (``mega --help`` and plugin discovery must not pay for them, and some
 # import torch): name -> the module defining it.
@@ -47,8 +44,8 @@ _LAZY = {
     "LazyTensor": "mega.core.convert.weights",
     "ModelWeights": "mega.core.convert.weights",
     "SourceTensors": "mega.core.convert.weights",
-    "Piece": "mega.core.checkpoint.sharded",
-    "ShardedTensor": "mega.core.checkpoint.sharded",
+    "Piece": "mega.parallel.sharded",
+    "ShardedTensor": "mega.parallel.sharded",
     # pipeline schedules: the actions of a table, placing transfers, proving a table runs
     "Action": "mega.parallel.pipeline.actions",
     "Backward": "mega.parallel.pipeline.actions",

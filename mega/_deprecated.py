@@ -43,6 +43,5 @@ def moved(old: str, new: str, names: Iterable[str], since: str = "2026-11-23") -
 
 def new_path(module: str, name: str) -> str:
     """Where to import ``name`` from now: the package face ``mega`` when it exports it."""
-    import mega
-
-    return f"'from {'mega' if name in mega.__all__ else module} import {name}'"
+    face = sys.modules["mega"]  # imported before any of its submodules, this one included
+    return f"'from {'mega' if name in face.__all__ else module} import {name}'"

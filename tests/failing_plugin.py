@@ -16,7 +16,7 @@ import signal
 from typing import Any
 
 from mega import hookimpl
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.errors import MegaRunError, MegaUsageError
 
 
 @hookimpl

@@ -47,7 +47,7 @@ def import_edges() -> dict[str, set[str]]:
                 for alias in node.names:
                     child = f"{base}.{alias.name}"
                     targets.add(child if child in modules else base)
-        edges[module] = {t for t in map(owner, targets) if t and t not in (module, "mega")}
+        edges[module] = {t for t in map(owner, targets) if t and t != module}
     return edges
 
 
@@ -104,6 +104,33 @@ def test_core_imports_no_plugin_or_cli():
         for a, targets in edges.items()
         for b in targets
         if layer(a) == "core" and layer(b) in ("plugins", "cli")
+    )
+    assert wrong == []
+
+
+def test_parallel_is_the_ground_floor():
+    # mega.parallel (collectives, parallel layers, schedules, the distributed optimizer) is what
+    # core's training builds on: it imports nothing from core, the plugins or the CLI. What both
+    # need lives in parallel or beside the package face (mega.errors).
+    edges = import_edges()
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if layer(a) == "parallel" and layer(b) in ("core", "plugins", "cli")
+    )
+    assert wrong == []
+
+
+def test_the_package_face_is_imported_only_from_above_it():
+    # mega/__init__.py re-exports core's and parallel's names for plugin authors; core and
+    # parallel import the defining modules, never the face (an arrow back up)
+    edges = import_edges()
+    wrong = sorted(
+        f"{a} -> {b}"
+        for a, targets in edges.items()
+        for b in targets
+        if layer(a) in ("core", "parallel") and b == "mega"
     )
     assert wrong == []
 

@@ -11,11 +11,11 @@ import torch
 
 from mega import CheckpointBackendSpec
 from mega.core.checkpoint.host_copy import HostCopy, bytes_needed
-from mega.core.checkpoint.sharded import Piece, ShardedTensor
 from mega.core.checkpoint.sharded_store import load_sharded, start_sharded_save
 from mega.core.checkpoint.store import read_marker
-from mega.core.errors import MegaRunError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaRunError
+from mega.parallel.sharded import Piece, ShardedTensor
 
 
 def _tensors(weight: torch.Tensor, moment: torch.Tensor) -> list[ShardedTensor]:

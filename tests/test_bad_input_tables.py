@@ -319,7 +319,7 @@ class DiskFullFormat:
 def test_a_write_that_fails_is_one_line_exit_1_and_leaves_nothing(inputs, tmp_path):
     """Not bad input (exit 1, MegaRunError): DST's file system failing mid-write."""
     from mega.core.convert.convert import convert
-    from mega.core.errors import MegaRunError
+    from mega.errors import MegaRunError
     from mega.testing.commands import make_test_plugins
 
     converters = make_test_plugins(DiskFullFormat()).checkpoint_converters

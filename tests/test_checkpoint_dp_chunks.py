@@ -131,7 +131,7 @@ def test_plan_gives_a_chunk_that_two_ranks_share_to_the_one_holding_most():
 
 def _two_pieces_in_one_chunk(device: str) -> list:
     # a [4, 3] float tensor of one chunk, written by this rank as two pieces (rows 0-1, 2-3)
-    from mega.core.checkpoint.sharded import Piece, ShardedTensor
+    from mega.parallel.sharded import Piece, ShardedTensor
 
     full = torch.arange(12, dtype=torch.float32, device=device).view(4, 3)
     pieces = [Piece((0, 0), full[:2]), Piece((2, 0), full[2:])]

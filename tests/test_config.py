@@ -8,7 +8,7 @@ import pytest
 
 from mega.core.config.flags import FlagTable
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 
 def test_defaults_are_the_quickstart(plugins):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.parallel.context.layout import global_order, rank_positions, split_microbatch
 from mega.testing import run_mega
 

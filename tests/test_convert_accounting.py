@@ -19,8 +19,8 @@ from test_convert_bert_t5 import _bert, _bert_logits
 from test_convert_hf import VOCAB, _hf_logits, _mega_logits, _tokens, mega_model
 
 from mega.core.convert.convert import convert
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 transformers = pytest.importorskip("transformers")
 

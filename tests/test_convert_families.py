@@ -16,8 +16,8 @@ import torch
 from test_convert_hf import VOCAB, _hf_greedy, _hf_logits
 
 from mega.core.convert.convert import convert
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mega.core.convert.convert import convert
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,8 +22,8 @@ import torch
 from megatron_cpu import megatron_on_cpu
 
 from mega.core.convert.convert import convert
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.testing.ranks import run_ranks
 
 # megatron-core is imported only inside its ranks (~7 s, and it patches torch there)

@@ -21,7 +21,7 @@ from test_convert_hf import (
 )
 
 from mega.core.convert.convert import convert
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 transformers = pytest.importorskip("transformers")
 

@@ -24,8 +24,8 @@ from megatron_cpu import megatron_on_cpu
 
 from mega.core.convert.convert import convert
 from mega.core.convert.weights import LazyTensor, ModelWeights
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.testing.ranks import run_ranks
 
 # megatron-core is imported only inside its rank (~7 s, and it patches torch there)

@@ -81,8 +81,8 @@ DRIFT = ("unknown flag", "flag --", "unexpected argument")
 
 def test_every_documented_train_command_uses_flags_that_exist():
     from mega.core.config.resolve import resolve_config
-    from mega.core.errors import MegaUsageError
     from mega.core.plugins.manager import make_plugins
+    from mega.errors import MegaUsageError
 
     plugins = make_plugins()
     commands = documented_commands("train")

@@ -10,7 +10,7 @@ import torch
 
 from mega import BuildContext
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.fp8.apply import apply_fp8
 from mega.parallel.fp8.linear import fp8_linear

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mega.core.errors import closest
+from mega.errors import closest
 from mega.parallel.topology import layout_problems
 
 

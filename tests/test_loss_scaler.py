@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from mega.core.errors import MegaUsageError
-from mega.core.training.loss_scaler import (
+from mega.errors import MegaUsageError
+from mega.parallel.loss_scaler import (
     ConstantLossScaler,
     DynamicLossScaler,
     found_inf_or_nan,

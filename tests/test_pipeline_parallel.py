@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 from parallel_runs import EQUIVALENCE, assert_same_training, layout_run
 

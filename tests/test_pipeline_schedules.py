@@ -14,8 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from mega import PipelineScheduleSpec, hookimpl
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.parallel.pipeline import (
     Backward,
     Forward,

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 from mega import ModelSpec, hookimpl
 from mega.cli import make_cli
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 SMALL = (
     "--model gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"

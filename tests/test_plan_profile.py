@@ -188,7 +188,7 @@ def test_rates_without_an_fp8_rate_refuse_an_fp8_plan_by_name():
     # a calibration saved before mega planned FP8 runs has none
     import dataclasses
 
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     config, plugins = _config(SMALL + " --device cuda --fp8-format hybrid", 1)
     rates = dataclasses.replace(BUILT_IN["h100"], fp8_matmul_flops=0.0)

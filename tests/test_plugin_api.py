@@ -166,6 +166,24 @@ def test_a_plugin_on_the_old_paths_loads_with_deprecation_warnings(tmp_path: Pat
     assert result.bubble_fraction == pytest.approx(0.5)
 
 
+# moved on 2026-11-27 so that mega.parallel imports nothing from mega.core (issue 50, item 1)
+MOVED_BELOW_CORE = {
+    "mega.core.errors": ("mega.errors", ["MegaUsageError", "first_line", "unknown_name_message"]),
+    "mega.core.training.loss_scaler": ("mega.parallel.loss_scaler", ["DynamicLossScaler"]),
+    "mega.core.checkpoint.sharded": ("mega.parallel.sharded", ["Piece", "dtype_name"]),
+}
+
+
+@pytest.mark.parametrize("old", MOVED_BELOW_CORE)
+def test_names_moved_below_core_keep_their_old_path_with_a_warning(old: str):
+    home, names = MOVED_BELOW_CORE[old]
+    module = importlib.import_module(old)
+    for name in names:
+        with pytest.warns(DeprecationWarning, match=f"{old}.{name} is deprecated since 2026-11-27"):
+            value = getattr(module, name)
+        assert value is getattr(importlib.import_module(home), name)
+
+
 def test_parallel_spec_is_gone_with_a_pointer_to_its_replacement():
     with pytest.raises(ImportError, match="PipelineScheduleSpec.*register_parallel"):
         exec("from mega import ParallelSpec", {})

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from mega import ModelSpec, TokenizerSpec, hookimpl
-from mega.core.errors import MegaUsageError
 from mega.core.plugins import hookspecs
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 
 
 def test_builtins_register_through_entry_points(plugins):

@@ -42,7 +42,7 @@ DOCS = [
 FAILING_TOKENIZER = """
 from dataclasses import dataclass
 from mega import TokenizerSpec, hookimpl
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.core.config.fields import option
 
 @dataclass(kw_only=True)

@@ -76,7 +76,9 @@ def test_a_result_file_renders_as_a_page_that_says_how_old_it_is(monkeypatch, tm
             {"layout": "tp2dp1-mb8", "tokens_per_s": 97559, "per_gpu_vs_tp1dp2": 0.8474}]  # fmt: skip
     path = tmp_path / "demo_2026-11-27.json"
     note = "TP2 at micro-batch 8 reaches 0.85x of DP2."
-    path.write_text(json.dumps({"date": "2026-11-27", "commit": None, "note": note, "results": rows}))
+    path.write_text(
+        json.dumps({"date": "2026-11-27", "commit": None, "note": note, "results": rows})
+    )
     page = render_results.render(path).splitlines()
     assert note in page
     assert page[0] == "# demo_2026-11-27"

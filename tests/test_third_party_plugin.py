@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.testing.ranks import free_port
 
 from conftest import LAUNCHER_VARS, TINY, lm_losses

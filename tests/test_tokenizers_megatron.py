@@ -21,8 +21,8 @@ from tokenizer_files import (
     train_wordpiece,
 )
 
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import make_plugins
+from mega.errors import MegaUsageError
 from mega.plugins.tokenizers.bert_wordpiece import BertWordPieceTokenizer
 from mega.plugins.tokenizers.gpt2_bpe import GPT2BPEConfig, GPT2BPETokenizer
 from mega.plugins.tokenizers.huggingface import HuggingFaceTokenizer, HuggingFaceTokenizerConfig

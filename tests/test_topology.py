@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.parallel.topology import build_topology, group_ranks, layout_problems
 
 from conftest import TINY

@@ -210,7 +210,7 @@ def test_validate_config_hook_errors_are_collected(plugins):
             return ["strict plugin: --seq-length must be 64"]
 
     plugins.pm.register(Strict(), name="strict")
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     with pytest.raises(MegaUsageError) as info:
         resolve_config([*TINY, "--fp16", "--bf16"], plugins)
@@ -251,7 +251,7 @@ def test_shutdown_fires_when_setup_fails(tmp_path: Path):
             seen.append(type(exc).__name__)
 
     plugins = make_plugins(extra=[("watch", Watch())])
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     # the validation text (2 documents, ~4k bytes) cannot fill one 8k-token window
     args = [*TINY, "--seq-length", "8192", "--max-position-embeddings", "8192", "--eval-iters", "1"]
@@ -261,7 +261,7 @@ def test_shutdown_fires_when_setup_fails(tmp_path: Path):
 
 
 def test_nan_in_fp32_stops_before_the_update(tmp_path: Path):
-    from mega.core.errors import MegaRunError
+    from mega.errors import MegaRunError
 
     plugins = make_plugins(extra=[("nan", PoisonedGPT("gpt-nan", call=2, factor=float("nan")))])
     args = [*TINY, "--model", "gpt-nan", "--train-iters", "4", "--micro-batch-size", "8"]

@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from mega.core.errors import MegaRunError, MegaUsageError, first_line, unknown_name_message
+from mega.errors import MegaRunError, MegaUsageError, first_line, unknown_name_message
 
 
 class MegaGroup(click.Group):

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from mega import hookimpl
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 
 def _bytes_on_disk(path: Path) -> int:

@@ -21,7 +21,7 @@ from mega import hookimpl
 from mega.cli.flag_command import flag_command
 from mega.core.config.fields import default_of, option
 from mega.core.config.sections import TrainingConfig
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 DEFAULT_SAMPLES = "0:3"
 

@@ -58,7 +58,7 @@ def checkpoint_to_evaluate(
     names; without the run's data (but with its tokenizer) when ``other_data``."""
     from mega.core.checkpoint.checkpoint_args import saved_config
     from mega.core.checkpoint.store import MARKER, find_checkpoint, peek_marker
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     if not load:
         raise MegaUsageError("mega evaluate needs --load CHECKPOINT")
@@ -84,7 +84,7 @@ def evaluate_command(args_list: list[str], plugins: Any) -> None:
     """Validation/test loss and perplexity of a checkpoint (mega train's flags)."""
     from mega.cli import launch
     from mega.core.config.resolve import resolve_config
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     given = _given(args_list)
     data = given.get("data", {})

@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from mega import hookimpl
-from mega.core.errors import MegaUsageError, first_line
+from mega.errors import MegaUsageError, first_line
 
 
 def _prompts(prompt: tuple[str, ...], prompts_file: Path | None) -> list[str]:

@@ -54,7 +54,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mega.core.config.sections import RunConfig
-from mega.core.errors import MegaRunError, MegaUsageError, first_line
+from mega.errors import MegaRunError, MegaUsageError, first_line
 from mega.parallel.distributed import process_place, url_host
 
 START_METHODS = ("fork", "spawn", "forkserver")

@@ -16,7 +16,7 @@ import click
 from mega import hookimpl
 from mega.cli.flag_command import flag_command
 from mega.cli.train_command import _help_sections as _train_help_sections
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 GIB = 2**30
 # what a plan may fill of a GPU: the rest is the CUDA context, NCCL's buffers and the caching

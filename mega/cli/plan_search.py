@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mega.core.config.resolve import resolve_config
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 # flags a layout sets: removed from the user's before a layout's are added (value-taking first)
 _VALUED = (

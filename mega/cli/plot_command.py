@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from mega import hookimpl
-from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.errors import MegaUsageError, unknown_name_message
 
 # name on the command line -> (key in metrics.jsonl, axis label)
 METRICS = {

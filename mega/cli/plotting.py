@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 FORMATS = ("png", "svg", "pdf")
 INSTALL = "pip install 'mega[plot]' (or pip install matplotlib)"

@@ -47,7 +47,7 @@ def _help_sections(args: list[str], plugins: Any) -> tuple[str, dict[str, type]]
 
 def build_tokenizer(name: str, spec, config):
     """The tokenizer, or one ``error:`` line when it does not load (bad file, wrong format)."""
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     try:
         return spec.build(config)

@@ -15,7 +15,7 @@ import shutil
 import click
 
 from mega import hookimpl
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.errors import MegaRunError, MegaUsageError
 
 DEFAULT_WIDTH = 100
 

@@ -62,7 +62,7 @@ def train_command(args_list: list[str], plugins: Any) -> None:
     """Train a model (Megatron-LM flags; `mega train --help` lists them)."""
     from mega.cli import launch
     from mega.core.config.resolve import resolve_config
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
     from mega.parallel.distributed import process_place
 
     try:

@@ -106,7 +106,7 @@ def join_job(config: Any) -> tuple[Any, Any]:
     its topology; returns ``(torch.device, Topology)``."""
     import torch
 
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
     from mega.parallel.topology import build_topology
 
     place = process_place()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.parallel.context.apply import apply_context_parallel
 from mega.parallel.expert.apply import apply_expert_parallel
 from mega.parallel.pipeline.layout import PipelineLayout

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from mega.core.checkpoint.sharded import Piece, ShardedTensor
 from mega.parallel.boxes import flat_boxes, global_shape, place
 from mega.parallel.shard import ShardSpec
+from mega.parallel.sharded import Piece, ShardedTensor
 from mega.parallel.topology import Topology
 
 

@@ -20,10 +20,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mega.core.checkpoint.sharded import ShardedTensor
 from mega.core.checkpoint.sharded_store import load_sharded, start_sharded_save
 from mega.core.checkpoint.store import MARKER
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
+from mega.parallel.sharded import ShardedTensor
 
 
 def sharded_state(

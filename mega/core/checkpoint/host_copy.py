@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mega.core.checkpoint.sharded import Piece, ShardedTensor
+from mega.parallel.sharded import Piece, ShardedTensor
 
 ALIGN = 64  # bytes: every piece starts on a cache line
 

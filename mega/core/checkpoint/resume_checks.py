@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 # (section, key) of the resolved config whose change alters the data a resumed run sees
 DATA_ORDER_KEYS = (

@@ -37,10 +37,10 @@ from typing import Any
 
 from mega.core.checkpoint.host_copy import HostCopy
 from mega.core.checkpoint.json_state import from_json, to_json
-from mega.core.checkpoint.sharded import ShardedTensor, dtype_name
 from mega.core.checkpoint.shared_chunks import consolidate, owned_chunk_bytes, warm_pinned_copies
 from mega.core.checkpoint.store import MARKER, atomic_write_text, put_in_place
-from mega.core.errors import MegaRunError, MegaUsageError, first_line
+from mega.errors import MegaRunError, MegaUsageError, first_line
+from mega.parallel.sharded import ShardedTensor, dtype_name
 
 METADATA = "metadata.json"
 FORMAT = "mega-sharded/1"
@@ -385,7 +385,7 @@ def save_streamed(
     each ``(tensor, load)`` pair is a ShardedTensor without pieces and the function that loads
     its global values, called just before that tensor is written and dropped after. The same
     directory layout, metadata and marker as :func:`start_sharded_save`."""
-    from mega.core.checkpoint.sharded import Piece
+    from mega.parallel.sharded import Piece
 
     tmp = final.parent / f".{final.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mega.core.checkpoint.sharded import Piece, ShardedTensor
+from mega.parallel.sharded import Piece, ShardedTensor
 
 CHUNK_BYTES = 64 << 20  # a chunk file is at most this large (fewer, larger files write faster)
 BATCH_BYTES = 256 << 20  # chunks gathered at once: bounds the device memory it takes

@@ -32,9 +32,9 @@ from mega.core.checkpoint.store import (
 from mega.core.checkpoint.strict import model_flag_changes, state_dict_mismatch
 from mega.core.config.resolve import resolved_as_dict
 from mega.core.console.metrics import IntervalStats
-from mega.core.errors import MegaUsageError, first_line
 from mega.core.training.lr_schedule import LRSchedule
 from mega.core.training.rng import capture_rng_state, restore_rng_state
+from mega.errors import MegaUsageError, first_line
 
 FORMAT = "mega-torch/1"
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MARKER = "complete.json"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mega.core.config.fields import default_of, field_type
-from mega.core.errors import closest
+from mega.errors import closest
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,8 @@ from typing import Any
 from mega.core.config.flags import FlagTable
 from mega.core.config.sections import CORE_SECTIONS, PLUGIN_SECTIONS, RunConfig
 from mega.core.config.validate import job_world_size, validate_run
-from mega.core.errors import MegaUsageError, closest
 from mega.core.plugins.manager import Plugins
+from mega.errors import MegaUsageError, closest
 from mega.parallel.pipeline.setup import default_schedule
 
 DEFAULT_MODEL = "gpt"

@@ -8,10 +8,10 @@ from typing import Any
 from mega.core.checkpoint.store import validate_checkpoint_dirs
 from mega.core.config.run_checks import run_problems, schedule_inputs_ok
 from mega.core.config.sections import RunConfig
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import Plugins
 from mega.core.training.lr_schedule import validate_schedule_args
 from mega.core.training.sample_schedule import sample_schedule_problems, schedule_lengths
+from mega.errors import MegaUsageError
 from mega.parallel.checks import parallel_problems
 from mega.parallel.distributed import process_place
 from mega.parallel.pipeline.schedules import NO_MICROBATCHES

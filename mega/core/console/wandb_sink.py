@@ -24,7 +24,7 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            from mega.core.errors import MegaUsageError
+            from mega.errors import MegaUsageError
 
             raise MegaUsageError(MISSING) from None
         from mega.core.console.metrics import TensorBoardSink

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mega.core.convert.weights import LazyTensor, ModelWeights, SourceTensors
-from mega.core.errors import MegaRunError, MegaUsageError
+from mega.errors import MegaRunError, MegaUsageError
 
 
 @dataclass

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mega.core.errors import MegaUsageError, first_line
+from mega.errors import MegaUsageError, first_line
 
 if TYPE_CHECKING:  # importing torch is left to the moment a tensor is touched
     import torch

@@ -298,7 +298,7 @@ def calibration_path() -> Path:
 def rates_for(kind: str | None) -> Rates:
     """The rates of GPU ``kind``: this machine's calibration if it is of that kind (or if no kind
     is given), else the built-in table's; h200's when neither names one."""
-    from mega.core.errors import MegaUsageError
+    from mega.errors import MegaUsageError
 
     path = calibration_path()
     if path.exists():

@@ -121,10 +121,10 @@ def _plan_from_stdin() -> dict[str, Any]:
         os.nice(10)  # the run comes first
     except OSError:
         pass
-    from mega.core.errors import MegaUsageError
     from mega.core.plan.calibration import BUILT_IN, rates_for
     from mega.core.plan.estimate import plan_run
     from mega.core.plugins.manager import make_plugins
+    from mega.errors import MegaUsageError
 
     try:
         # memory needs no rates; a kind without built-in ones plans with the default's

@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mega.core.config.sections import RunConfig
-from mega.core.errors import MegaUsageError
 from mega.core.plan.calibration import Rates
 from mega.core.plan.shadow import RankProfile, profile_rank
 from mega.core.plan.tracking import Work
 from mega.core.plugins.manager import Plugins
+from mega.errors import MegaUsageError
 from mega.parallel.pipeline.simulator import simulate
 
 # fp32 master, first and second moments read and written, the fp32 gradient read, the bf16

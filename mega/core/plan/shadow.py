@@ -41,9 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mega import BuildContext
 from mega.core.config.sections import RunConfig
-from mega.core.errors import MegaUsageError
 from mega.core.plan.compiled import stand_in_compiled
 from mega.core.plan.tracking import (
     StepTracker,
@@ -55,6 +53,7 @@ from mega.core.plan.tracking import (
 )
 from mega.core.plan.tracking import send as plan_send
 from mega.core.plugins.manager import Plugins
+from mega.core.plugins.specs import BuildContext
 from mega.core.training.batches import global_batch
 from mega.core.training.build import (
     build_context,
@@ -65,6 +64,7 @@ from mega.core.training.build import (
 )
 from mega.core.training.compile import compiled_units
 from mega.core.training.step import model_forward
+from mega.errors import MegaUsageError
 from mega.parallel import comm
 from mega.parallel.context import gather, ring
 from mega.parallel.expert.aux_loss import private_scale

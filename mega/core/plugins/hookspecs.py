@@ -23,6 +23,7 @@ from typing import Any
 import pluggy
 
 hookspec = pluggy.HookspecMarker("mega")
+hookimpl = pluggy.HookimplMarker("mega")  # plugins take it from the package face, ``mega``
 
 
 # --------------------------------------------------------------------------- registration

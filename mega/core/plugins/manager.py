@@ -21,9 +21,9 @@ from typing import Any
 
 import pluggy
 
-from mega.core.errors import MegaUsageError, unknown_name_message
 from mega.core.plugins import hookspecs
 from mega.core.plugins.registry import REGISTRY_HOOKS, DuplicateNameError, Registry
+from mega.errors import MegaUsageError, unknown_name_message
 
 GROUP = "mega"
 BUILTIN_DIST = "mega"

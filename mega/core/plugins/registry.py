@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.errors import MegaUsageError, unknown_name_message
 
 T = TypeVar("T")
 

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from mega import BuildContext, DataRequest
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
-from mega.core.errors import MegaUsageError
 from mega.core.plugins.manager import Plugins
+from mega.core.plugins.specs import BuildContext, DataRequest
 from mega.core.training.batches import requested_samples
 from mega.core.training.compile import compile_model
 from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters
@@ -27,6 +26,7 @@ from mega.core.training.parameter_count import unpadded_parameter_count
 from mega.core.training.sample_schedule import schedule_lengths
 from mega.core.training.step import loss_parts, model_forward
 from mega.core.training.vocab import padded_vocab_size
+from mega.errors import MegaUsageError
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import MixedPrecisionAdamW
 from mega.parallel.parallelize import parallelize

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from mega import hookimpl
 from mega._deprecated import moved
 from mega.core.checkpoint.state import (
     finish_pending_save,
@@ -28,8 +27,8 @@ from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog
-from mega.core.errors import MegaRunError
 from mega.core.plan.check import start_plan_check
+from mega.core.plugins.hookspecs import hookimpl
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
@@ -40,6 +39,7 @@ from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
 from mega.core.training.sample_schedule import batch_schedule, schedule_increment
 from mega.core.training.step import StepResult
+from mega.errors import MegaRunError
 from mega.parallel.distributed import join_job
 from mega.parallel.expert.stats import router_metrics
 from mega.parallel.topology import Topology

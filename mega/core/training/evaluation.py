@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 
 class Evaluation:

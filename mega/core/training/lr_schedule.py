@@ -34,7 +34,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from mega.core.errors import MegaUsageError, unknown_name_message
+from mega.errors import MegaUsageError, unknown_name_message
 
 DECAY_STYLES: tuple[str, ...] = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES: tuple[str, ...] = ("exponential", "linear", "cosine", "minus_sqrt")

@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from mega.core.training.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 from mega.parallel import comm
 from mega.parallel.data.flat_adamw import adamw_flat_
 from mega.parallel.data.flat_sgd import sgd_flat_
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+from mega.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 
 
 @dataclass

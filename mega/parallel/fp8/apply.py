@@ -14,7 +14,7 @@ import re
 
 from torch import nn
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.parallel.fp8.checks import ALIGNMENT
 from mega.parallel.linear import Linear
 from mega.parallel.plan import COLUMN, ROW, ParallelPlan, layer_lists

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.autograd.variable import Variable
 
-from mega.core.errors import MegaRunError
+from mega.errors import MegaRunError
 from mega.parallel import comm
 from mega.parallel.expert.aux_loss import set_backward_scale
 from mega.parallel.pipeline import (

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega.core.errors import MegaUsageError, unknown_name_message
-from mega.core.plugins.specs import PipelineScheduleSpec
+from mega.errors import MegaUsageError, unknown_name_message
 from mega.parallel.pipeline.actions import Table
 from mega.parallel.pipeline.layout import layout_problems
+from mega.parallel.pipeline.spec import PipelineScheduleSpec
 
 PP_FLAG = "--pipeline-model-parallel-size"
 VPP_FLAG = "--virtual-pipeline-model-parallel-size"

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mega.core.plugins.specs import PipelineScheduleSpec
 from mega.parallel.pipeline.layout import (
     FIRST,
     LAST,
@@ -26,6 +25,7 @@ from mega.parallel.pipeline.layout import (
     virtual_stages_per_rank,
 )
 from mega.parallel.pipeline.schedules import pipeline_schedules, table_problems
+from mega.parallel.pipeline.spec import PipelineScheduleSpec
 from mega.parallel.plan import no_plan_message
 
 

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from mega import CheckpointBackendSpec, hookimpl
-from mega.core.checkpoint.sharded import dtype_name
-from mega.core.errors import first_line
+from mega.errors import first_line
 from mega.parallel.fork_safety import note_fork_unsafe
+from mega.parallel.sharded import dtype_name
 
 READ_WINDOW_BYTES = 1 << 30  # reads in flight at once: bounds the host memory a load takes
 

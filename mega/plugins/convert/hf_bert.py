@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega.core.convert.weights import LazyTensor, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.convert.hf_layouts import (
     _lazy,
     _need,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mega.core.convert.weights import LazyTensor, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 GPT2 = "GPT2LMHeadModel"
 LLAMA = "LlamaForCausalLM"

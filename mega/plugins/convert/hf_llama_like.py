@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from mega.core.convert.weights import LazyTensor, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.convert.hf_layouts import (
     QWEN2,
     QWEN3,

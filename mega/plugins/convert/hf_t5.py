@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mega.core.convert.weights import LazyTensor, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.convert.hf_layouts import (
     _lazy,
     _need,

@@ -21,7 +21,7 @@ from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
 from mega.core.convert.weights import ModelWeights, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 # torch (through hf_layouts and safetensors_files) is imported when a conversion runs, not
 # when `mega --help` loads this plugin

@@ -10,7 +10,7 @@ from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
 from mega.core.convert.weights import LazyTensor, ModelWeights
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 PREFIX = "model/"
 
@@ -31,9 +31,9 @@ def detect(path: Path) -> bool:
 def read(path: Path) -> ModelWeights:
     import torch
 
-    from mega.core.checkpoint.sharded import Piece, ShardedTensor
     from mega.core.checkpoint.sharded_store import read_metadata
     from mega.core.checkpoint.store import read_marker
+    from mega.parallel.sharded import Piece, ShardedTensor
 
     directory, marker, backend = read_marker(path, _backends())
     if not marker.get("sharded"):
@@ -64,9 +64,9 @@ def read(path: Path) -> ModelWeights:
 
 
 def write(path: Path, weights: ModelWeights) -> None:
-    from mega.core.checkpoint.sharded import ShardedTensor
     from mega.core.checkpoint.sharded_store import save_streamed
     from mega.core.checkpoint.store import iteration_dir, write_tracker
+    from mega.parallel.sharded import ShardedTensor
 
     tensors = [
         (ShardedTensor(PREFIX + name, t.shape, t.dtype), t.load)

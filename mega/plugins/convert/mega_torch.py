@@ -14,7 +14,7 @@ from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
 from mega.core.convert.weights import LazyTensor, ModelWeights
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 BACKEND = "torch"
 

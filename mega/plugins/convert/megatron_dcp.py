@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from mega.core.convert.weights import LazyTensor
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 
 class _Reader(FileSystemReader):

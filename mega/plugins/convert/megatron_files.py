@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from mega.core.convert.weights import LazyTensor
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"

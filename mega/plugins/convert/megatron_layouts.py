@@ -14,7 +14,7 @@ from argparse import Namespace
 from typing import Any
 
 from mega.core.convert.weights import LazyTensor, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 # a Megatron flag that changes the function computed, and is not in mega's GPT:
 # (args field, the value that is fine, what it means)

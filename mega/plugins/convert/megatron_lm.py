@@ -30,7 +30,7 @@ from typing import Any
 
 from mega import CheckpointConverterSpec, hookimpl
 from mega.core.convert.weights import WORD_EMBEDDINGS, LazyTensor, ModelWeights, SourceTensors
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 # torch (through megatron_files) is imported when a conversion runs, not when `mega --help`
 # loads this plugin

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mega.core.convert.weights import LazyTensor
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"

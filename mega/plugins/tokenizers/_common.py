@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 SENTINEL_FORMAT = "<extra_id_{}>"
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -30,7 +30,7 @@ from typing import Any
 
 from mega import TokenizerSpec, hookimpl
 from mega.core.config.fields import option
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.tokenizers._common import (
     SENTINEL_FORMAT,
     BatchEncodingMixin,

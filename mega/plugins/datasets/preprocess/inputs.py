@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 
 GZIP_MAGIC = b"\x1f\x8b"
 GLOB_CHARS = frozenset("*?[")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.datasets.indexed import IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError
 
 

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from mega.core.errors import MegaUsageError
+from mega.errors import MegaUsageError
 from mega.plugins.datasets.indexed import IndexedDatasetBuilder, optimal_dtype
 from mega.plugins.datasets.preprocess import orphans, stopping
 from mega.plugins.datasets.preprocess.config import PreprocessConfig, available_cores
