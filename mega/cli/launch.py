@@ -132,7 +132,7 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
     launch = config.launch
     method = start_method()
     if method == "fork":
-        _preimport()
+        _preimport(compiles=_workers_may_compile(config))
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -218,11 +218,23 @@ class _SigtermForwarder:
                 os.kill(worker.pid, signum)
 
 
-def _preimport() -> None:
+def _workers_may_compile(config: RunConfig) -> bool:
+    """Whether the workers may import torch._dynamo: ``--compile`` as given, else its default
+    (on with CUDA), judged without a CUDA call before the fork (a CPU build of torch has none)."""
+    import torch
+
+    training = config.training
+    if training.compile is not None:
+        return training.compile
+    return training.device != "cpu" and (torch.version.cuda or torch.version.hip) is not None
+
+
+def _preimport(compiles: bool) -> None:
     """Import, once in the parent, what every forked worker would otherwise import at the same
-    time on shared cores: torch and the engine (with its optimizer), and torch._dynamo, which
-    initialising parameters (torch.nn.init under a device context) pulls in: about 1 s alone."""
-    import torch._dynamo  # noqa: F401
+    time on shared cores: torch and the engine (with its optimizer), and torch._dynamo where
+    the workers may compile (3 s on this machine; an eager CPU run never imports it)."""
+    if compiles:
+        import torch._dynamo  # noqa: F401
 
     import mega.core.training.engine  # noqa: F401
 

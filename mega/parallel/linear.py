@@ -27,6 +27,7 @@ from mega.parallel.weight_grad import (
     deferring_weight_grads,
     fused_weight_grad,
     register_fused_weight,
+    traced,
 )
 
 # still importable from here, where they lived before mega.parallel.weight_grad (plugins use them)
@@ -78,7 +79,11 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        grad_weight = _weight_grad(grad_2d, x.reshape(-1, x.shape[-1]), weight)
+        inputs_2d = x.reshape(-1, x.shape[-1])
+        if traced():
+            grad_weight = _weight_grad(grad_2d, inputs_2d, weight)
+        else:  # the op's body, without its dispatch (see weight_grad.traced)
+            grad_weight = fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs_2d))
         return grad_input, grad_weight, grad_bias
 
 

@@ -23,6 +23,7 @@ in FP8): a function ``gemm(main_grad, *operands, overwrite=...)``.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,14 @@ import torch
 
 # gemm(main_grad, *operands, overwrite): writes (overwrite) or adds the weight gradient in fp32
 WgradGemm = Callable[..., None]
+
+
+def traced() -> bool:
+    """Whether torch.compile is tracing the caller: only then must a weight-gradient GEMM be the
+    opaque custom op (``mega::weight_grad``...); eager code calls the op's Python body straight.
+    A custom op's first eager call imports ``torch._dynamo`` (3 s of a CPU process's start), so
+    this asks without importing it: nothing is being compiled where it is not loaded."""
+    return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
 
 
 def accumulate_wgrad(

@@ -32,9 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from mega.parallel.comm import all_gather_into, reduce_scatter_into
 from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
-from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad
+from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad, traced
 
 
 def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -44,8 +45,7 @@ def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return flat.view(x.shape[0], -1, x.shape[-1])
 
 
-@torch.library.custom_op("mega::column_parallel_backward", mutates_args=())
-def _column_parallel_backward(
+def _column_parallel_backward_body(
     grad_out: torch.Tensor,
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -62,12 +62,12 @@ def _column_parallel_backward(
     inputs = x_2d
     if sequence_parallel:  # X travels while dX is computed
         inputs = x_2d.new_empty(x_2d.shape[0] * size, x_2d.shape[1])
-        gathering = dist.all_gather_into_tensor(inputs, x_2d, group=group, async_op=True)
+        gathering = all_gather_into(inputs, x_2d, group, async_op=True)
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
     grad_in = grad_2d.mm(weight)  # [tokens, in], this rank's share
     if sequence_parallel:
         grad_x = grad_in.new_empty(x_2d.shape)
-        reducing = dist.reduce_scatter_tensor(grad_x, grad_in, group=group, async_op=True)
+        reducing = reduce_scatter_into(grad_x, grad_in, group, async_op=True)
     else:
         grad_x = grad_in
         reducing = dist.all_reduce(grad_x, group=group, async_op=True)
@@ -79,6 +79,11 @@ def _column_parallel_backward(
         grad_weight = grad_2d.t().mm(inputs)
     reducing.wait()
     return grad_x.view(x.shape), grad_weight
+
+
+_column_parallel_backward = torch.library.custom_op(
+    "mega::column_parallel_backward", _column_parallel_backward_body, mutates_args=()
+)
 
 
 @_column_parallel_backward.register_fake
@@ -98,7 +103,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight = _column_parallel_backward(grad_out, x, weight, *ctx.args)
+        # the op only where torch.compile traces; eager, its body (weight_grad.traced)
+        backward = _column_parallel_backward if traced() else _column_parallel_backward_body
+        grad_x, grad_weight = backward(grad_out, x, weight, *ctx.args)
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)

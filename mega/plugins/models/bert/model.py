@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.core.plugins.specs import BuildContext
+from mega.core.training.init import on_meta
 from mega.parallel.linear import Linear
 from mega.plugins.models.bert.config import BertConfig
 from mega.plugins.models.gpt.model import (
@@ -159,7 +160,7 @@ class BertModel(nn.Module):
         self.config = cfg
         self.seed = ctx.seed
         h = cfg.hidden_size
-        with torch.device("meta"):  # materialised once, by reset_parameters
+        with on_meta():  # materialised once, by reset_parameters
             self.embedding = BertEmbedding(cfg, ctx.padded_vocab_size, max_positions)
             self.encoder = bert_encoder(cfg)
             self.lm_head = LMHead(cfg)

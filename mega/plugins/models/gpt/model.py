@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mega.core.plugins.specs import BuildContext
-from mega.core.training.init import normal_
+from mega.core.training.init import normal_, on_meta
 from mega.parallel.fp8.delayed import sites_of
 from mega.parallel.fp8.mlp import fp8_gelu_mlp, fuses_gelu_mlp
 from mega.parallel.linear import Linear
@@ -518,7 +518,7 @@ class GPTModel(nn.Module):
         self.seed = ctx.seed
         self.share_embeddings_and_output_weights = not cfg.untie_embeddings_and_output_weights
         # Build on the meta device and materialise once: the default init would be thrown away.
-        with torch.device("meta"):
+        with on_meta():
             self.embedding = Embedding(cfg, ctx.padded_vocab_size, max_positions)
             self.decoder = TransformerBlock(cfg)
             self.output_layer = None

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from mega.core.plugins.specs import BuildContext
+from mega.core.training.init import on_meta
 from mega.parallel.linear import Linear
 from mega.plugins.models.bert.model import OutputBias, key_padding_mask
 from mega.plugins.models.gpt.model import (
@@ -168,7 +169,7 @@ class T5Model(nn.Module):
         max_positions = checked_max_positions(cfg, ctx, "T5", lengths)
         self.config = cfg
         self.seed = ctx.seed
-        with torch.device("meta"):  # materialised once, by reset_parameters
+        with on_meta():  # materialised once, by reset_parameters
             self.embedding = Embedding(cfg, ctx.padded_vocab_size, max_positions)
             self.encoder_relative_pos_emb = self.decoder_relative_pos_emb = None
             if cfg.position_embedding_type == "relative":
