@@ -6,6 +6,7 @@ module imports itself back through others (no cycles, counting imports inside fu
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mega"
@@ -97,54 +98,37 @@ def layer(module: str) -> str:
     return module.split(".")[1] if "." in module else ""
 
 
-def test_core_imports_no_plugin_or_cli():
+def arrows(wrong: Callable[[str, str], bool]) -> list[str]:
+    """Every import ``a -> b`` of the package for which ``wrong(a, b)`` holds, sorted."""
     edges = import_edges()
-    wrong = sorted(
-        f"{a} -> {b}"
-        for a, targets in edges.items()
-        for b in targets
-        if layer(a) == "core" and layer(b) in ("plugins", "cli")
-    )
-    assert wrong == []
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets if wrong(a, b))
+
+
+def test_core_imports_no_plugin_or_cli():
+    assert arrows(lambda a, b: layer(a) == "core" and layer(b) in ("plugins", "cli")) == []
 
 
 def test_parallel_is_the_ground_floor():
     # mega.parallel (collectives, parallel layers, schedules, the distributed optimizer) is what
     # core's training builds on: it imports nothing from core, the plugins or the CLI. What both
     # need lives in parallel or beside the package face (mega.errors).
-    edges = import_edges()
-    wrong = sorted(
-        f"{a} -> {b}"
-        for a, targets in edges.items()
-        for b in targets
-        if layer(a) == "parallel" and layer(b) in ("core", "plugins", "cli")
-    )
-    assert wrong == []
+    above = ("core", "plugins", "cli")
+    assert arrows(lambda a, b: layer(a) == "parallel" and layer(b) in above) == []
 
 
 def test_the_package_face_is_imported_only_from_above_it():
     # mega/__init__.py re-exports core's and parallel's names for plugin authors; core and
     # parallel import the defining modules, never the face (an arrow back up)
-    edges = import_edges()
-    wrong = sorted(
-        f"{a} -> {b}"
-        for a, targets in edges.items()
-        for b in targets
-        if layer(a) in ("core", "parallel") and b == "mega"
-    )
-    assert wrong == []
+    assert arrows(lambda a, b: layer(a) in ("core", "parallel") and b == "mega") == []
 
 
 def test_only_the_entry_point_imports_the_cli():
-    edges = import_edges()
-    wrong = sorted(
-        f"{a} -> {b}"
-        for a, targets in edges.items()
-        for b in targets
-        # mega.testing runs commands as a user would (in-process, through click)
-        if layer(b) == "cli" and layer(a) not in ("cli", "testing") and a != "mega.__main__"
+    # mega.testing runs commands as a user would (in-process, through click)
+    allowed = ("cli", "testing")
+    assert (
+        arrows(lambda a, b: layer(b) == "cli" and layer(a) not in allowed and a != "mega.__main__")
+        == []
     )
-    assert wrong == []
 
 
 def test_no_import_cycles():

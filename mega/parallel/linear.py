@@ -22,12 +22,12 @@ from torch import nn
 from mega.parallel.fp8.delayed import Sites, sites_of
 from mega.parallel.fp8.linear import fp8_linear
 from mega.parallel.weight_grad import (
+    OpaqueWhenTraced,
     WeightGradQueue,
     accumulate_wgrad,
     deferring_weight_grads,
     fused_weight_grad,
     register_fused_weight,
-    traced,
 )
 
 # still importable from here, where they lived before mega.parallel.weight_grad (plugins use them)
@@ -41,8 +41,7 @@ __all__ = [
 ]
 
 
-@torch.library.custom_op("mega::weight_grad", mutates_args=())
-def _weight_grad(
+def _weight_grad_body(
     grad_2d: torch.Tensor, inputs_2d: torch.Tensor, weight: torch.Tensor
 ) -> torch.Tensor:
     """The fused weight gradient, as one op that torch.compile leaves opaque: it runs the GEMM
@@ -54,7 +53,10 @@ def _weight_grad(
     return fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs_2d))
 
 
-@_weight_grad.register_fake
+_weight_grad = OpaqueWhenTraced("mega::weight_grad", _weight_grad_body)
+
+
+@_weight_grad.op.register_fake
 def _(grad_2d: torch.Tensor, inputs_2d: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(weight)
 
@@ -79,11 +81,7 @@ class _LinearAccumulatingWgrad(torch.autograd.Function):
         grad_input = grad_output.matmul(weight)
         grad_2d = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         grad_bias = grad_2d.sum(0) if ctx.has_bias else None
-        inputs_2d = x.reshape(-1, x.shape[-1])
-        if traced():
-            grad_weight = _weight_grad(grad_2d, inputs_2d, weight)
-        else:  # the op's body, without its dispatch (see weight_grad.traced)
-            grad_weight = fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs_2d))
+        grad_weight = _weight_grad(grad_2d, x.reshape(-1, x.shape[-1]), weight)
         return grad_input, grad_weight, grad_bias
 
 

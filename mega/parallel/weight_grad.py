@@ -27,6 +27,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -35,11 +36,23 @@ WgradGemm = Callable[..., None]
 
 
 def traced() -> bool:
-    """Whether torch.compile is tracing the caller: only then must a weight-gradient GEMM be the
-    opaque custom op (``mega::weight_grad``...); eager code calls the op's Python body straight.
-    A custom op's first eager call imports ``torch._dynamo`` (3 s of a CPU process's start), so
-    this asks without importing it: nothing is being compiled where it is not loaded."""
+    """Whether torch.compile is tracing the caller. Asked without importing ``torch._dynamo``
+    (3 s of a CPU process's start): nothing is being compiled where it is not loaded."""
     return "torch._dynamo" in sys.modules and torch.compiler.is_compiling()
+
+
+class OpaqueWhenTraced:
+    """``body`` as the custom op ``name`` where torch.compile traces it (one opaque node, no
+    graph break), and as the plain function elsewhere. Eager code gains nothing from the op's
+    dispatch, and a custom op's first eager call imports ``torch._dynamo``. The op (``.op``)
+    needs its fake (shape) implementation registered: ``@f.op.register_fake``."""
+
+    def __init__(self, name: str, body: Callable[..., Any]) -> None:
+        self.body = body
+        self.op = torch.library.custom_op(name, body, mutates_args=())
+
+    def __call__(self, *args: Any) -> Any:
+        return (self.op if traced() else self.body)(*args)
 
 
 def accumulate_wgrad(

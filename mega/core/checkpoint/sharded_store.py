@@ -86,8 +86,12 @@ def prepare_pinned_copies(tensors: list[ShardedTensor]) -> None:
     """Before the first ``--async-save`` on CUDA (every rank; a collective): pin the host memory
     that the save's gathered shared chunks will be copied into (:mod:`.shared_chunks`), so the
     step starting that save does not wait for it."""
-    written = [t for t in tensors if t.write and t.pieces]  # what start_sharded_save consolidates
-    warm_pinned_copies(owned_chunk_bytes(written, _rank(), _all_gather))
+    warm_pinned_copies(owned_chunk_bytes(_written_here(tensors), _rank(), _all_gather))
+
+
+def _written_here(tensors: list[ShardedTensor]) -> list[ShardedTensor]:
+    """The tensors this rank writes pieces of (what a save consolidates)."""
+    return [t for t in tensors if t.write and t.pieces]
 
 
 def _array_meta(t: ShardedTensor) -> dict[str, Any]:
@@ -202,7 +206,7 @@ def start_sharded_save(
             failure = f"cannot create {tmp}: {exc.strerror or exc}"
     _raise_if_any(failure, iteration)
     written = consolidate(
-        [t for t in tensors if t.write and t.pieces],
+        _written_here(tensors),
         _rank(),
         _all_gather,
         _exchange,

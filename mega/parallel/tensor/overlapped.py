@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.parallel.comm import all_gather_into, reduce_scatter_into
 from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
-from mega.parallel.weight_grad import accumulate_wgrad, fused_weight_grad, traced
+from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
 
 
 def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -81,12 +81,12 @@ def _column_parallel_backward_body(
     return grad_x.view(x.shape), grad_weight
 
 
-_column_parallel_backward = torch.library.custom_op(
-    "mega::column_parallel_backward", _column_parallel_backward_body, mutates_args=()
+_column_parallel_backward = OpaqueWhenTraced(
+    "mega::column_parallel_backward", _column_parallel_backward_body
 )
 
 
-@_column_parallel_backward.register_fake
+@_column_parallel_backward.op.register_fake
 def _(grad_out, x, weight, name, size, sequence_parallel, fused):  # noqa: ANN001, ANN202
     return torch.empty_like(x), torch.empty_like(weight)
 
@@ -103,9 +103,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
         x, weight = ctx.saved_tensors
-        # the op only where torch.compile traces; eager, its body (weight_grad.traced)
-        backward = _column_parallel_backward if traced() else _column_parallel_backward_body
-        grad_x, grad_weight = backward(grad_out, x, weight, *ctx.args)
+        grad_x, grad_weight = _column_parallel_backward(grad_out, x, weight, *ctx.args)
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
