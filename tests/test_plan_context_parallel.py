@@ -50,15 +50,17 @@ def test_ring_attention_is_a_share_of_the_sequence_kernels(cp):
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_transfers_are_its_blocks_and_accumulators(cp):
     # forward: cp - 1 blocks of keys and values (bf16) per layer, each behind a step's kernel;
-    # backward: those again and cp float32 gradient accumulators, of which the last (sent
-    # after the last step, waited for at once) is exposed
+    # backward starts on the last block forward received and ends on its own, so it sends
+    # cp - 2 blocks and cp - 1 gradient accumulators (bf16 at cp = 2, float32 beyond), every
+    # one behind the next step's kernel: none exposed
     _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
     block = 2 * (SEQ // cp) * H * 2  # keys and values, b = 1, heads x d = H, bf16
+    accumulator = block if cp == 2 else 2 * block
     assert ring.forward.collectives["cp", "sendrecv", cp] == LAYERS * (cp - 1) * block
     assert ring.forward.collectives["cp", "sendrecv_exposed", cp] == 0
     hidden = ring.backward.collectives["cp", "sendrecv", cp]
-    assert hidden == LAYERS * ((cp - 1) * block + (cp - 1) * 2 * block)
-    assert ring.backward.collectives["cp", "sendrecv_exposed", cp] == LAYERS * 2 * block
+    assert hidden == LAYERS * ((cp - 2) * block + (cp - 1) * accumulator)
+    assert ring.backward.collectives["cp", "sendrecv_exposed", cp] == 0
 
 
 @pytest.mark.parametrize("sent", [1e8, 1e10])

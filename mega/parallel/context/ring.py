@@ -1,8 +1,8 @@
 """``--cp-comm-type p2p``: ring attention. Keys and values pass around the context-parallel ring.
 
-At step ``i`` rank ``r`` holds the keys and values of rank ``r - i``; it posts their send to the
-next rank (and the receive of the following block) before computing, so the transfer overlaps
-the attention. With the zigzag layout (:mod:`.layout`: rank ``r`` holds chunks ``r`` and
+Forward: at step ``i`` rank ``r`` holds the keys and values of rank ``r - i``; it posts their
+send to the next rank (and the receive of the following block) before computing, so the transfer
+overlaps the attention. With the zigzag layout (:mod:`.layout`: rank ``r`` holds chunks ``r`` and
 ``2cp-1-r``) every step is one kernel call, as in zigzag ring flash attention:
 
 - its own keys: causal attention of all its queries over all its keys (the concatenated chunks
@@ -12,12 +12,21 @@ the attention. With the zigzag layout (:mod:`.layout`: rank ``r`` holds chunks `
 - a later rank's: its second chunk's queries over all the source's keys, in full (its first
   chunk comes before both).
 
-The blocks merge into float32 accumulators by their log-sum-exp. Backward goes around the ring
-again: each block of keys and values travels with its gradient accumulator (float32, so the sum
-over the ring is not rounded at every step), which every rank adds its queries' share to and
-which arrives back at its owner after ``cp`` steps. An accumulator is sent on as soon as this
-rank's share is in it and received while the next block is computed, so neither transfer waits
-for the other's compute. Two blocks of keys and values are held at a time.
+The blocks merge by their log-sum-exp. Forward keeps the last block it received (rank
+``r + 1``'s), so backward starts on it without a transfer and goes around the ring the other
+way: at step ``j`` rank ``r`` computes the block of rank ``r + 1 + j``, its own last. Each remote
+block's gradient accumulator travels with it towards its owner; every rank adds its queries'
+share and sends it on while the next block computes, and the owner's own block, computed last,
+hides the arrival of the accumulator that the others filled. So no transfer waits uncovered, and
+at ``cp = 2`` backward sends no keys or values at all (one accumulator each way). Two blocks of
+keys and values are held at a time during a step, and one more per layer until its backward.
+
+Precision: the kernels' outputs are in the model's dtype. With two ranks every sum has two terms
+of that dtype, which one rounding of their float32 sum gives exactly as an add in that dtype
+does; with more ranks the merges and accumulators are float32.
+
+Under torch.compile forward and backward are each one opaque custom op (no graph break: the
+layer around the ring compiles whole); elsewhere their Python bodies run as they are.
 """
 
 from __future__ import annotations
@@ -25,9 +34,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.parallel import comm
 from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
+from mega.parallel.weight_grad import OpaqueWhenTraced
 
 ALL, FIRST, SECOND = "all", 0, 1
 
@@ -48,81 +59,144 @@ def _part(x: torch.Tensor, which: Any) -> torch.Tensor:
     return x[..., which * half : (which + 1) * half, :]
 
 
+def _wide(cp: int) -> bool:
+    """Whether sums over the ring are kept in float32: more than two terms (see the docstring)."""
+    return cp > 2
+
+
+def _forward_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    following: int,
+    previous: int,
+    rank: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(context ``[b, s_local, h, d]`` in ``q``'s dtype, lse ``[b, h, s_local]`` float32, the
+    last block received ``[2, b, g, s_local, d]``)."""
+    group = _resolve_process_group(group_name)
+    kv = torch.stack((k, v))  # contiguous [2, b, g, s_local, d]: what travels
+    out = lse = None
+    for step in range(cp):
+        posted, incoming = None, None
+        if step < cp - 1:
+            incoming = torch.empty_like(kv)
+            posted = comm.exchange([(kv, following)], [(incoming, previous)], group, wait=False)
+        rows, keys, mode = _step(rank, (rank - step) % cp)
+        part = block_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale)
+        if out is None:  # step 0: all queries, the accumulators' first values
+            out, lse = (part[0].float() if _wide(cp) else part[0]), part[1]
+        elif rows == ALL:
+            out, lse = merge((out, lse), part)
+        else:  # one half of the queries: merged into its half of the accumulators
+            merged = merge((_part(out, rows), _part(lse[..., None], rows)[..., 0]), part)
+            _part(out, rows).copy_(merged[0])
+            _part(lse[..., None], rows)[..., 0].copy_(merged[1])
+        if posted is not None:
+            posted.wait()
+            kv = incoming
+    context = out.to(q.dtype).transpose(1, 2).contiguous()  # no copy where the kernel wrote b,s,h,d
+    return context, lse.contiguous(), kv  # the strides the fake declares
+
+
+_forward = OpaqueWhenTraced("mega::ring_attention_forward", _forward_body)
+
+
+@_forward.op.register_fake
+def _(q, k, v, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+    b, h, s, d = q.shape
+    lse = q.new_empty((b, h, s), dtype=torch.float32)
+    return q.new_empty((b, s, h, d)), lse, k.new_empty((2, *k.shape))
+
+
+def _backward_body(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    kv: torch.Tensor,
+    group_name: str,
+    following: int,
+    previous: int,
+    rank: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq ``[b, s_local, h, d]``, dk, dv ``[b, g, s_local, d]``), contiguous; ``kv``: the last
+    block forward received (rank ``rank + 1``'s)."""
+    group = _resolve_process_group(group_name)
+    wide = _wide(cp)
+    lse = lse[..., None]  # halves of it sliced like the others' positions
+    halves: dict[Any, tuple] = {}  # the halves' contiguous copies, made once
+    dq = None
+    arriving = None  # (posted, dk, dv): the accumulator of the next block, on its way here
+    for step in range(cp):
+        source = (rank + 1 + step) % cp
+        posted, incoming = None, None
+        if step < cp - 2:  # the next remote block travels while this one is computed
+            incoming = torch.empty_like(kv)
+            posted = comm.exchange([(kv, previous)], [(incoming, following)], group, False)
+        keys, values = (k, v) if source == rank else (kv[0], kv[1])
+        rows, cols, mode = _step(rank, source)
+        if rows not in halves:
+            halves[rows] = tuple(_part(x, rows).contiguous() for x in (dout, q, out, lse))
+        dout_r, q_r, out_r, lse_r = halves[rows]
+        dq_part, dk, dv = block_backward(
+            dout_r, q_r, _part(keys, cols), _part(values, cols), out_r, lse_r[..., 0], mode, scale
+        )
+        if dq is None:  # b, s, h, d: the layout the layer's projections take it back in
+            dtype = torch.float32 if wide else dq_part.dtype
+            dq = q.new_zeros(q.transpose(1, 2).shape, dtype=dtype).transpose(1, 2)
+        _part(dq, rows).add_(dq_part)
+        if arriving is None:  # the first block: this rank starts its accumulator
+            dtype = torch.float32 if wide else dk.dtype
+            acc_k = torch.zeros(keys.shape, dtype=dtype, device=dk.device)
+            acc_v = torch.zeros_like(acc_k)
+        else:  # the others' shares of this block, sent during this step's compute
+            arriving[0].wait()
+            acc_k, acc_v = arriving[1], arriving[2]
+        _part(acc_k, cols).add_(dk)
+        _part(acc_v, cols).add_(dv)
+        if source != rank:  # on towards the block's owner
+            next_k, next_v = torch.empty_like(acc_k), torch.empty_like(acc_v)
+            sends = [(acc_k, previous), (acc_v, previous)]
+            receives = [(next_k, following), (next_v, following)]
+            arriving = (comm.exchange(sends, receives, group, False), next_k, next_v)
+        if posted is not None:
+            posted.wait()
+            kv = incoming
+    dtype = q.dtype
+    return dq.transpose(1, 2).to(dtype), acc_k.to(dtype), acc_v.to(dtype)
+
+
+_backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
+
+
+@_backward.op.register_fake
+def _(dout, q, k, v, out, lse, kv, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+    b, h, s, d = q.shape
+    return q.new_empty((b, s, h, d)), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Any, peers: tuple[int, int], rank: int, cp: int, scale: float):  # noqa: ANN001
-        following, previous = peers
-        kv = torch.stack((k, v)).contiguous()  # [2, b, g, s_local, d]
-        out = lse = None  # float32 accumulators of every local query
-        for step in range(cp):
-            posted, incoming = None, None
-            if step < cp - 1:
-                incoming = torch.empty_like(kv)
-                posted = comm.exchange([(kv, following)], [(incoming, previous)], group, wait=False)
-            rows, keys, mode = _step(rank, (rank - step) % cp)
-            part = block_forward(
-                _part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale
-            )
-            if out is None:  # step 0: all queries, the accumulators' first values
-                out, lse = part[0].float(), part[1]
-            elif rows == ALL:
-                out, lse = merge((out, lse), part)
-            else:  # one half of the queries: merged into its half of the accumulators
-                merged = merge((_part(out, rows), _part(lse[..., None], rows)[..., 0]), part)
-                _part(out, rows).copy_(merged[0])
-                _part(lse[..., None], rows)[..., 0].copy_(merged[1])
-            if posted is not None:
-                posted.wait()
-                kv = incoming
-        out = out.to(q.dtype)  # kept in the model's dtype
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.peers, ctx.rank, ctx.cp, ctx.scale = group, peers, rank, cp, scale
-        return out
+    def forward(ctx, q, k, v, *args: Any):  # noqa: ANN001
+        context, lse, kv = _forward(q, k, v, *args)
+        ctx.save_for_backward(q, k, v, context, lse, kv)
+        ctx.args = args
+        return context
 
     @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001
-        q, k, v, out, lse = ctx.saved_tensors
-        following, previous = ctx.peers
-        rank, cp, scale = ctx.rank, ctx.cp, ctx.scale
-        kv = torch.stack((k, v)).contiguous()
-        dq = torch.zeros_like(q, dtype=torch.float32)
-        dout = dout.contiguous()
-        lse = lse[..., None]  # halves of it sliced like the others' positions
-        halves: dict[Any, tuple] = {}  # the second half's contiguous copies, made once
-        dkv = moving = None  # the accumulator of the block in hand; the one posted
-        for step in range(cp):
-            posted, incoming = None, None
-            if step < cp - 1:  # the next block travels while this one is computed
-                incoming = torch.empty_like(kv)
-                posted = comm.exchange([(kv, following)], [(incoming, previous)], ctx.group, False)
-            rows, keys, mode = _step(rank, (rank - step) % cp)
-            if rows not in halves:
-                halves[rows] = tuple(_part(x, rows).contiguous() for x in (dout, q, out, lse))
-            dout_r, q_r, out_r, lse_r = halves[rows]
-            dq_part, dk, dv = block_backward(
-                dout_r, q_r, _part(kv[0], keys), _part(kv[1], keys), out_r, lse_r[..., 0],
-                mode, scale,
-            )  # fmt: skip
-            _part(dq, rows).add_(dq_part)
-            if moving is None:  # step 0: this rank's own block starts its accumulator
-                dkv = torch.zeros_like(kv, dtype=torch.float32)
-            else:  # the block's accumulator from the previous rank, sent during this compute
-                moving[0].wait()
-                dkv = moving[1]
-            _part(dkv[0], keys).add_(dk)
-            _part(dkv[1], keys).add_(dv)
-            arriving = torch.empty_like(dkv)
-            moving = (
-                comm.exchange([(dkv, following)], [(arriving, previous)], ctx.group, False),
-                arriving,
-            )
-            if posted is not None:
-                posted.wait()
-                kv = incoming
-        moving[0].wait()  # after the last step: this rank's own block, summed over the ring
-        dkv = moving[1]
-        dtype = q.dtype
-        return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), *[None] * 5
+    def backward(ctx, dcontext):  # noqa: ANN001
+        q, k, v, context, lse, kv = ctx.saved_tensors
+        dout, out = (x.transpose(1, 2) for x in (dcontext, context))
+        dq, dk, dv = _backward(dout, q, k, v, out, lse, kv, *ctx.args)
+        return dq.transpose(1, 2), dk, dv, *[None] * len(ctx.args)
 
 
 def ring_attention(
@@ -137,5 +211,8 @@ def ring_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries ``q [b, h, s_local, d]`` over the whole sequence,
     keys and values ``[b, g, s_local, d]`` passed around the ring; ``peers``: the global ranks of
-    the next and the previous member of ``group``. ``[b, h, s_local, d]``."""
-    return _RingAttention.apply(q, k, v, group, peers, rank, cp, scale)
+    the next and the previous member of ``group``. ``[b, h, s_local, d]`` (a view of a
+    ``[b, s_local, h, d]`` tensor)."""
+    following, previous = peers
+    args = (group.group_name, following, previous, rank, cp, scale)
+    return _RingAttention.apply(q, k, v, *args).transpose(1, 2)
