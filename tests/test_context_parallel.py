@@ -54,11 +54,12 @@ def single(tmp_path_factory) -> dict:
         (2, [*cp(2, "p2p"), "--recompute-granularity", "selective"]),
         (2, [*cp(2, "p2p"), "--compile"]),
         (2, [*cp(2, "a2a"), "--compile"]),
+        (2, [*cp(2, "all_gather"), "--compile"]),
     ],
     ids=[
         "cp2-p2p", "cp2-all_gather", "cp2-a2a", "cp4-p2p", "cp4-all_gather", "cp4-a2a",
         "cp2-p2p-tp2-sp", "cp2-a2a-tp2-sp", "cp2-p2p-pp2", "cp2-all_gather-dp2-distopt",
-        "cp2-p2p-selective-recompute", "cp2-p2p-compile", "cp2-a2a-compile",
+        "cp2-p2p-selective-recompute", "cp2-p2p-compile", "cp2-a2a-compile", "cp2-all_gather-compile",
     ],
 )  # fmt: skip
 def test_context_parallel_matches_one_process(single, tmp_path: Path, world_size, flags):

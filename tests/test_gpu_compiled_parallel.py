@@ -57,8 +57,9 @@ LAYOUTS = {
     "ep2-alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (MOE, ["--expert-model-parallel-size", "2"]),
     # the ring (cuDNN blocks, one call per step) compiled around and eager, against one GPU;
-    # added 2026-11-27 and not yet run on GPUs (the session's device time was spent)
+    # the ring and the gathered attention as opaque custom ops under compile (2026-11-28)
     "cp2-p2p": (GPT, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
+    "cp2-all_gather": (GPT, ["--context-parallel-size", "2", "--cp-comm-type", "all_gather"]),
 }  # fmt: skip
 
 

@@ -292,7 +292,7 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
         with tracker, _on_meta(config.model_name, "build"):
             ctx = build_context(config, plugins, topology, META)
             parts = build_parts(config, plugins, topology, META, ctx, None)
-            if compiles_layers(config.training.compile, CUDA, topology):
+            if compiles_layers(config.training.compile, CUDA):
                 _stand_in_compiled_units(config, plugins, parts.executor.chunks, tracker)
         microbatch = planning_microbatch(config, plugins, ctx, topology)
         m = config.num_microbatches

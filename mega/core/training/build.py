@@ -155,7 +155,7 @@ def build_parts(
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     fp8_scaling = delayed_fp8_scaling(model, config.precision, topology, device)
-    if compiles_layers(t.compile, device, topology) and device.type != "meta":
+    if compiles_layers(t.compile, device) and device.type != "meta":
         compile_model(model, plan, chunks)
     p = config.parallel
     pipelined = layout.pp > 1
@@ -311,15 +311,15 @@ def delayed_fp8_scaling(
     )
 
 
-def compiles_layers(flag: bool | None, device: torch.device, topology: Topology) -> bool:
+def compiles_layers(flag: bool | None, device: torch.device) -> bool:
     """Whether ``--compile`` (``flag``; None when not given) compiles the layers on ``device``.
-    Its default: on a GPU, except with context parallelism, where the compiled ring was slower
-    than eager on 2 H100 (19.7k against 20.8k tokens/s per GPU at 16k) and is asked for only.
-    Tensor and expert parallelism compile: their collectives are functional ones
-    (``mega.parallel.functional_comm``), which torch.compile traces correctly."""
+    Its default: on a GPU. Tensor and expert parallelism compile: their collectives are
+    functional ones (``mega.parallel.functional_comm``), which torch.compile traces correctly;
+    context parallelism's ring and gathered attention are opaque custom ops there (compiled CP2
+    at 16k ran 34,293 against 32,824 tokens/s per GPU eager on 2 H200)."""
     if flag is not None:
         return flag
-    return device.type == "cuda" and topology.context_parallel_size == 1
+    return device.type == "cuda"
 
 
 def microbatch_preparation(model_step: Any, topology: Topology) -> Any:

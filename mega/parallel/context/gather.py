@@ -5,7 +5,8 @@ chunk's attention as two blocks, the earlier chunks in full and its own chunk ca
 their log-sum-exp. Backward gathers them again, computes the gradient of every gathered key and
 value and reduce-scatters them to their owners. Simple, and the keys and values of the whole
 sequence are held at once while a layer runs: at long sequences, the ring (``p2p``) holds two
-blocks.
+blocks. Under torch.compile forward and backward are each one opaque custom op (no graph break;
+their in-place collectives are not traced).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.parallel import comm
 from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
 from mega.parallel.context.layout import rank_chunks
+from mega.parallel.weight_grad import OpaqueWhenTraced
 
 
 def _chunk(kv: torch.Tensor, chunk: int, cp: int) -> torch.Tensor:
@@ -37,56 +40,105 @@ def _gather(kv: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
     return gathered
 
 
+def _forward_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    rank: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out ``[b, h, s_local, d]`` in ``q``'s dtype, lse, the local ``kv [2, b, g, s_local, d]``)."""
+    kv = torch.stack((k, v))  # [2, b, g, s_local, d]
+    gathered = _gather(kv, _resolve_process_group(group_name), cp)
+    half = q.shape[2] // 2
+    outs, lses = [], []
+    for index, chunk in enumerate(rank_chunks(rank, cp)):
+        part = q[:, :, index * half : (index + 1) * half]
+        acc = None
+        if chunk:
+            earlier = torch.cat([_chunk(gathered, c, cp) for c in range(chunk)], dim=-2)
+            acc = block_forward(part, earlier[0], earlier[1], FULL, scale)
+        own = _chunk(gathered, chunk, cp)
+        out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale))
+        outs.append(out)
+        lses.append(lse)
+    out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    return out.contiguous(), lse.contiguous(), kv  # the strides the fake declares
+
+
+_forward = OpaqueWhenTraced("mega::gathered_attention_forward", _forward_body)
+
+
+@_forward.op.register_fake
+def _(q, k, v, group_name, rank, cp, scale):  # noqa: ANN001, ANN202
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    return q.new_empty(q.shape), lse, k.new_empty((2, *k.shape))
+
+
+def _backward_body(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group_name: str,
+    rank: int,
+    cp: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, in ``q``'s dtype."""
+    group = _resolve_process_group(group_name)
+    gathered = _gather(kv, group, cp)
+    half = q.shape[2] // 2
+    dgathered = torch.zeros_like(gathered, dtype=torch.float32)
+    dqs = []
+    for index, chunk in enumerate(rank_chunks(rank, cp)):
+        rows = slice(index * half, (index + 1) * half)
+        args = (dout[:, :, rows], q[:, :, rows])
+        saved = (out[:, :, rows], lse[:, :, rows])
+        own = _chunk(gathered, chunk, cp)
+        dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale)
+        dq = dq.float()  # summed over the blocks in float32
+        _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
+        for earlier in range(chunk):  # one block per chunk: same sums as one wide block
+            kv = _chunk(gathered, earlier, cp)
+            dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale)
+            dq = dq + dq_e
+            _chunk(dgathered, earlier, cp).add_(torch.stack((dk, dv)))
+        dqs.append(dq)
+    dkv = dgathered.new_empty(dgathered.shape[1:])
+    comm.reduce_scatter_into(dkv, dgathered.view(cp * 2, *dgathered.shape[2:]), group)
+    dtype = q.dtype
+    # copies: an op's outputs are not views of one another
+    dk, dv = (x.to(dtype, copy=True) for x in dkv)
+    return torch.cat(dqs, dim=-2).to(dtype), dk, dv
+
+
+_backward = OpaqueWhenTraced("mega::gathered_attention_backward", _backward_body)
+
+
+@_backward.op.register_fake
+def _(dout, q, kv, out, lse, group_name, rank, cp, scale):  # noqa: ANN001, ANN202
+    return q.new_empty(q.shape), kv.new_empty(kv.shape[1:]), kv.new_empty(kv.shape[1:])
+
+
 class _GatheredAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group: Any, rank: int, cp: int, scale: float):  # noqa: ANN001
-        kv = torch.stack((k, v)).contiguous()  # [2, b, g, s_local, d]
-        gathered = _gather(kv, group, cp)
-        half = q.shape[2] // 2
-        outs, lses = [], []
-        for index, chunk in enumerate(rank_chunks(rank, cp)):
-            part = q[:, :, index * half : (index + 1) * half]
-            acc = None
-            if chunk:
-                earlier = torch.cat([_chunk(gathered, c, cp) for c in range(chunk)], dim=-2)
-                acc = block_forward(part, earlier[0], earlier[1], FULL, scale)
-            own = _chunk(gathered, chunk, cp)
-            out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale))
-            outs.append(out)
-            lses.append(lse)
-        out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
+    def forward(ctx, q, k, v, *args: Any):  # noqa: ANN001
+        out, lse, kv = _forward(q, k, v, *args)
         # the local keys and values, gathered again in backward (as Transformer Engine does):
         # keeping every layer's whole-sequence copy until its backward would cost cp times more
         ctx.save_for_backward(q, kv, out, lse)
-        ctx.group, ctx.rank, ctx.cp, ctx.scale = group, rank, cp, scale
+        ctx.args = args
         return out
 
     @staticmethod
     def backward(ctx, dout):  # noqa: ANN001
         q, kv, out, lse = ctx.saved_tensors
-        rank, cp, scale = ctx.rank, ctx.cp, ctx.scale
-        gathered = _gather(kv, ctx.group, cp)
-        half = q.shape[2] // 2
-        dgathered = torch.zeros_like(gathered, dtype=torch.float32)
-        dqs = []
-        for index, chunk in enumerate(rank_chunks(rank, cp)):
-            rows = slice(index * half, (index + 1) * half)
-            args = (dout[:, :, rows], q[:, :, rows])
-            saved = (out[:, :, rows], lse[:, :, rows])
-            own = _chunk(gathered, chunk, cp)
-            dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale)
-            dq = dq.float()  # summed over the blocks in float32
-            _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
-            for earlier in range(chunk):  # one block per chunk: same sums as one wide block
-                kv = _chunk(gathered, earlier, cp)
-                dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale)
-                dq = dq + dq_e
-                _chunk(dgathered, earlier, cp).add_(torch.stack((dk, dv)))
-            dqs.append(dq)
-        dkv = dgathered.new_empty(dgathered.shape[1:])
-        comm.reduce_scatter_into(dkv, dgathered.view(cp * 2, *dgathered.shape[2:]), ctx.group)
-        dtype = q.dtype
-        return torch.cat(dqs, dim=-2).to(dtype), dkv[0].to(dtype), dkv[1].to(dtype), *[None] * 4
+        dq, dk, dv = _backward(dout, q, kv, out, lse, *ctx.args)
+        return dq, dk, dv, *[None] * len(ctx.args)
 
 
 def gathered_attention(
@@ -94,4 +146,4 @@ def gathered_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's queries ``q [b, h, s_local, d]`` over the whole sequence,
     whose keys and values ``[b, g, s_local, d]`` are split over ``group``: ``[b, h, s_local, d]``."""
-    return _GatheredAttention.apply(q, k, v, group, rank, cp, scale)
+    return _GatheredAttention.apply(q, k, v, group.group_name, rank, cp, scale)

@@ -31,6 +31,7 @@ layer around the ring compiles whole); elsewhere their Python bodies run as they
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,6 +113,24 @@ def _(q, k, v, group_name, following, previous, rank, cp, scale):  # noqa: ANN00
     return q.new_empty((b, s, h, d)), lse, k.new_empty((2, *k.shape))
 
 
+def _accumulate(
+    acc: torch.Tensor | None,
+    part: torch.Tensor,
+    which: Any,
+    zeros: Callable[[torch.dtype], torch.Tensor],
+    wide: bool,
+) -> torch.Tensor:
+    """``acc`` with ``part`` added to its positions ``which``. A first part of all positions is
+    the accumulator itself (no zeros written and added to); else a new one is ``zeros(dtype)``."""
+    dtype = torch.float32 if wide else part.dtype
+    if acc is None and which == ALL:
+        return part.to(dtype)
+    if acc is None:
+        acc = zeros(dtype)
+    _part(acc, which).add_(part)
+    return acc
+
+
 def _backward_body(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -132,8 +151,17 @@ def _backward_body(
     group = _resolve_process_group(group_name)
     wide = _wide(cp)
     lse = lse[..., None]  # halves of it sliced like the others' positions
-    halves: dict[Any, tuple] = {}  # the halves' contiguous copies, made once
+    # the halves' contiguous copies of what the kernels read as contiguous, made once; the
+    # queries go as they are (strided views: the kernels take any strides)
+    halves: dict[Any, tuple] = {}
     dq = None
+
+    def dq_zeros(dtype: torch.dtype) -> torch.Tensor:  # b, s, h, d: as the projections take it
+        return q.new_zeros(q.transpose(1, 2).shape, dtype=dtype).transpose(1, 2)
+
+    def kv_zeros(dtype: torch.dtype) -> torch.Tensor:
+        return k.new_zeros(k.shape, dtype=dtype)
+
     arriving = None  # (posted, dk, dv): the accumulator of the next block, on its way here
     for step in range(cp):
         source = (rank + 1 + step) % cp
@@ -144,24 +172,22 @@ def _backward_body(
         keys, values = (k, v) if source == rank else (kv[0], kv[1])
         rows, cols, mode = _step(rank, source)
         if rows not in halves:
-            halves[rows] = tuple(_part(x, rows).contiguous() for x in (dout, q, out, lse))
-        dout_r, q_r, out_r, lse_r = halves[rows]
+            halves[rows] = tuple(_part(x, rows).contiguous() for x in (dout, out, lse))
+        dout_r, out_r, lse_r = halves[rows]
         dq_part, dk, dv = block_backward(
-            dout_r, q_r, _part(keys, cols), _part(values, cols), out_r, lse_r[..., 0], mode, scale
-        )
-        if dq is None:  # b, s, h, d: the layout the layer's projections take it back in
-            dtype = torch.float32 if wide else dq_part.dtype
-            dq = q.new_zeros(q.transpose(1, 2).shape, dtype=dtype).transpose(1, 2)
-        _part(dq, rows).add_(dq_part)
-        if arriving is None:  # the first block: this rank starts its accumulator
-            dtype = torch.float32 if wide else dk.dtype
-            acc_k = torch.zeros(keys.shape, dtype=dtype, device=dk.device)
-            acc_v = torch.zeros_like(acc_k)
+            dout_r, _part(q, rows), _part(keys, cols), _part(values, cols), out_r, lse_r[..., 0],
+            mode, scale,
+        )  # fmt: skip
+        dq = _accumulate(dq, dq_part, rows, dq_zeros, wide)
+        if arriving is None:  # the first block: this rank starts its accumulator (contiguous,
+            # as the transfers need)
+            acc_k = _accumulate(None, dk, cols, kv_zeros, wide).contiguous()
+            acc_v = _accumulate(None, dv, cols, kv_zeros, wide).contiguous()
         else:  # the others' shares of this block, sent during this step's compute
             arriving[0].wait()
             acc_k, acc_v = arriving[1], arriving[2]
-        _part(acc_k, cols).add_(dk)
-        _part(acc_v, cols).add_(dv)
+            _part(acc_k, cols).add_(dk)
+            _part(acc_v, cols).add_(dv)
         if source != rank:  # on towards the block's owner
             next_k, next_v = torch.empty_like(acc_k), torch.empty_like(acc_v)
             sends = [(acc_k, previous), (acc_v, previous)]
@@ -171,7 +197,8 @@ def _backward_body(
             posted.wait()
             kv = incoming
     dtype = q.dtype
-    return dq.transpose(1, 2).to(dtype), acc_k.to(dtype), acc_v.to(dtype)
+    dq = dq.transpose(1, 2).contiguous()  # no copy where the kernel wrote the queries' layout
+    return dq.to(dtype), acc_k.contiguous().to(dtype), acc_v.contiguous().to(dtype)
 
 
 _backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
