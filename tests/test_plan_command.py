@@ -117,6 +117,15 @@ def test_search_prints_runnable_train_commands_fastest_first():
         resolve_config(words[2:], make_plugins())
 
 
+def test_an_fp16_run_with_its_loss_scaler_is_planned():
+    # the dynamic loss scaler asks the host whether a gradient overflowed, which a meta tensor
+    # cannot answer (a 2-GPU fp16 run's plan check said "could not count this run", 2026-11-28)
+    args = shlex.split(SMALL.replace("--bf16", "--fp16"))
+    result = CliRunner().invoke(make_cli(make_plugins()), ["plan", *args, "--gpu", "h100"])
+    assert result.exit_code == 0, result.output
+    assert "tokens/s" in result.output
+
+
 def test_a_gpu_run_in_fp8_is_planned_on_a_machine_without_a_gpu():
     # the plan is for --gpu's kind: this machine's devices are not asked
     result = _plan("--device", "cuda", "--fp8-format", "hybrid", "--gpu", "h100")

@@ -225,7 +225,8 @@ class MixedPrecisionAdamW:
         if self.scaler is not None:
             found_inf = unscale_(self.grads, 1.0 / self.scaler.scale).float().reshape(1)
             self._reduce(found_inf, comm.MAX)
-            overflow = bool(found_inf.item())  # one host sync per step, as in Megatron's fp16
+            # one host sync per step, as in Megatron's fp16; none on meta (the planner's run)
+            overflow = not found_inf.is_meta and bool(found_inf.item())
             self.scaler.update(overflow)
             if overflow:
                 return StepOutcome(skipped=True, grad_norm=None)
