@@ -23,6 +23,7 @@ from mega.core.plugins.specs import (
     DatasetSplits,
     ModelSpec,
     MoEDispatcherSpec,
+    OptimizerSpec,
     PipelineScheduleSpec,
     TokenizerSpec,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "MegaUsageError",
     "ModelSpec",
     "MoEDispatcherSpec",
+    "OptimizerSpec",
     "ParallelPlan",
     "PipelineScheduleSpec",
     "TokenizerSpec",

@@ -82,13 +82,13 @@ def test_a_cpu_run_settles_mkl_vector_math_before_its_first_step(tmp_path, monke
     from mega.core.console.display import Display
     from mega.core.plugins.manager import make_plugins
     from mega.core.training.cpu_math import warm_up_vector_math
-    from mega.parallel.data.optimizer import MixedPrecisionAdamW
+    from mega.parallel.data.optimizer import FlatOptimizer
 
     events = []
-    step = MixedPrecisionAdamW.step
+    step = FlatOptimizer.step
     monkeypatch.setattr(engine_module, "warm_up_vector_math", lambda: events.append("warm"))
     monkeypatch.setattr(
-        MixedPrecisionAdamW, "step", lambda *a, **k: (events.append("step"), step(*a, **k))[1]
+        FlatOptimizer, "step", lambda *a, **k: (events.append("step"), step(*a, **k))[1]
     )
     plugins = make_plugins()
     args = [*FLAGS, "--train-iters", "2", "--run-dir", str(tmp_path)]

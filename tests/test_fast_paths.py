@@ -111,14 +111,14 @@ def test_a_fast_path_trains_like_the_plain_one(variant: list[str], tmp_path: Pat
 
 @pytest.mark.parametrize("clip", [0.0, 0.05])
 def test_clipping_folded_into_adamw_matches_clip_then_step(clip: float):
-    """MixedPrecisionAdamW (the clip factor folded into the update) against
+    """FlatOptimizer (the clip factor folded into the update) against
     ``clip_grad_norm_`` followed by ``torch.optim.AdamW``, over three steps."""
     from mega.core.config.sections import OptimizerConfig, PrecisionConfig
-    from mega.parallel.data.optimizer import MixedPrecisionAdamW
+    from mega.parallel.data.optimizer import FlatOptimizer
 
     model, reference = _mlp(), _mlp()
     buffer = ParamAndGradBuffer.build(model, Topology())
-    optimizer = MixedPrecisionAdamW(buffer, OptimizerConfig(clip_grad=clip), PrecisionConfig())
+    optimizer = FlatOptimizer(buffer, OptimizerConfig(clip_grad=clip), PrecisionConfig())
     params = list(reference.parameters())
     adam = torch.optim.AdamW(
         [
@@ -149,11 +149,11 @@ def test_clipping_folded_into_adamw_matches_clip_then_step(clip: float):
 
 def test_non_finite_gradients_skip_the_update_on_the_device():
     from mega.core.config.sections import OptimizerConfig, PrecisionConfig
-    from mega.parallel.data.optimizer import MixedPrecisionAdamW
+    from mega.parallel.data.optimizer import FlatOptimizer
 
     model = _mlp()
     buffer = ParamAndGradBuffer.build(model, Topology())
-    optimizer = MixedPrecisionAdamW(buffer, OptimizerConfig(), PrecisionConfig())
+    optimizer = FlatOptimizer(buffer, OptimizerConfig(), PrecisionConfig())
     before = [p.detach().clone() for p in model.parameters()]
     buffer.start_step(1)
     (model(torch.randn(4, 8)).sum() * float("nan")).backward()
@@ -314,13 +314,13 @@ def test_flat_adamw_on_bf16_parameters_matches_torch_adamw_on_fp32_masters():
     """bf16 parameters: the flat update of the fp32 masters equals torch.optim.AdamW on fp32
     copies given the same gradients, and the bf16 parameters are those masters rounded."""
     from mega.core.config.sections import OptimizerConfig, PrecisionConfig
-    from mega.parallel.data.optimizer import MixedPrecisionAdamW
+    from mega.parallel.data.optimizer import FlatOptimizer
 
     model = _mlp().to(torch.bfloat16)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     buffer = ParamAndGradBuffer.build(model, Topology())
     optim = OptimizerConfig(clip_grad=0.0, weight_decay=0.1)
-    optimizer = MixedPrecisionAdamW(buffer, optim, PrecisionConfig(bf16=True))
+    optimizer = FlatOptimizer(buffer, optim, PrecisionConfig(bf16=True))
     adam = torch.optim.AdamW(
         [
             {"params": [p for p in reference if p.ndim >= 2], "weight_decay": 0.1},

@@ -204,7 +204,7 @@ def test_finetune_loads_weights_only(plugins, saved, tmp_path):
     assert (engine.iteration, engine.consumed_samples, engine.scheduler_steps) == (0, 0, 0)
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, weights[name])
-    assert not engine.optimizer.exp_avg.any() and int(engine.optimizer._step) == 0
+    assert not engine.optimizer.states["exp_avg"].any() and int(engine.optimizer._step) == 0
     engine.log.close()
 
 
@@ -213,10 +213,10 @@ def test_no_load_optim_and_no_load_rng(plugins, saved, tmp_path):
     arch += ["--run-dir", str(tmp_path / "o")]
     engine = _engine(plugins, *arch, "--load", str(saved), "--no-load-optim")
     assert engine.iteration == 4 and engine.consumed_samples == 32
-    assert not engine.optimizer.exp_avg.any()
+    assert not engine.optimizer.states["exp_avg"].any()
     engine.log.close()
     engine = _engine(plugins, *arch, "--load", str(saved))
-    assert engine.optimizer.exp_avg.any()
+    assert engine.optimizer.states["exp_avg"].any()
     after_load = torch.get_rng_state()
     engine.log.close()
     engine = _engine(plugins, *arch, "--load", str(saved), "--no-load-rng")
@@ -268,7 +268,7 @@ def test_sgd_flat_equals_torch_sgd():
         reference.grad = g.clone()
         opt.step()
         step += 1
-        sgd_flat_(master, g.clone(), buf, torch.zeros(0), None, lr=torch.tensor(0.1),
+        sgd_flat_(master, g.clone(), (buf,), None, lr=torch.tensor(0.1),
                   weight_decay=0.01, momentum=0.9, step=step, grad_scale=torch.ones(()),
                   skip=torch.tensor(False))  # fmt: skip
         torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-7)

@@ -92,7 +92,7 @@ def training_tensors(
     for_load: bool = False,
 ) -> list[ShardedTensor]:
     """This rank's ``ShardedTensor``s of ``model`` and its ``optimizer`` (a
-    ``MixedPrecisionAdamW``). ``for_load``: the keys a load reads first (in an fp32 run the
+    ``FlatOptimizer``). ``for_load``: the keys a load reads first (in an fp32 run the
     parameters prefer a checkpoint's fp32 masters to its bf16 weights)."""
     # the ranks holding the same dense weights take turns writing them
     dp, dp_rank = topology.data_context_parallel_size, topology.group_rank("dpcp")
@@ -142,7 +142,7 @@ def training_tensors(
                 ShardedTensor(
                     key=f"optimizer/{state}/{name}",
                     global_shape=shape,
-                    dtype=torch.float32,
+                    dtype=flat.dtype,  # fp32, or bf16/fp16 moments (precision-aware)
                     pieces=pieces,
                     write=unique and (distributed or replica_turn),
                     chunks=chunks,

@@ -96,12 +96,16 @@ class TrainingConfig:
         return errors
 
 
+# --exp-avg-dtype / --exp-avg-sq-dtype: Megatron's choices (fp8 is refused in validate())
+_STATE_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
+
+
 @dataclass(kw_only=True)
 class OptimizerConfig:
     optimizer: str = option(
         "adam",
-        "Optimizer: adam (AdamW, as in Megatron) or sgd (torch's SGD with --sgd-momentum).",
-        choices=("adam", "sgd"),
+        "Optimizer: a registered update rule: adam (AdamW, as in Megatron), sgd (torch's SGD"
+        " with --sgd-momentum) or a plugin's.",
     )
     lr: float = option(3e-3, "Peak learning rate.")
     min_lr: float = option(0.0, "Learning rate at the end of decay.")
@@ -111,6 +115,26 @@ class OptimizerConfig:
     adam_beta2: float = option(0.999, "Adam beta2.")
     adam_eps: float = option(1e-8, "Adam epsilon.")
     sgd_momentum: float = option(0.9, "Momentum of --optimizer sgd (Megatron's default 0.9).")
+    use_precision_aware_optimizer: bool = option(
+        False,
+        "Keep optimizer state in lower precision (Megatron's precision-aware optimizer): Adam's"
+        " moments in --exp-avg-dtype and --exp-avg-sq-dtype; the update still computes in fp32.",
+    )
+    exp_avg_dtype: str = option(
+        "fp32",
+        "dtype of Adam's first moment under --use-precision-aware-optimizer.",
+        choices=_STATE_DTYPE_CHOICES,
+    )
+    exp_avg_sq_dtype: str = option(
+        "fp32",
+        "dtype of Adam's second moment under --use-precision-aware-optimizer.",
+        choices=_STATE_DTYPE_CHOICES,
+    )
+    main_grads_dtype: str = option(
+        "fp32",
+        "dtype of the main gradients (only fp32 is built in mega).",
+        choices=("fp32", "bf16"),
+    )
 
     def validate(self) -> list[str]:
         errors = []
@@ -122,6 +146,28 @@ class OptimizerConfig:
             errors.append("--clip-grad and --weight-decay must not be negative")
         if not 0 <= self.sgd_momentum < 1:
             errors.append("--sgd-momentum must lie in [0, 1)")
+        lowered = [
+            f"--{flag.replace('_', '-')} {value}"
+            for flag, value in (
+                ("exp_avg_dtype", self.exp_avg_dtype),
+                ("exp_avg_sq_dtype", self.exp_avg_sq_dtype),
+            )
+            if value in ("bf16", "fp16")
+        ]
+        if lowered and not self.use_precision_aware_optimizer:
+            errors.append(
+                f"{', '.join(lowered)} needs --use-precision-aware-optimizer (as in Megatron)"
+            )
+        if "fp8" in (self.exp_avg_dtype, self.exp_avg_sq_dtype):
+            errors.append(
+                "--exp-avg-dtype/--exp-avg-sq-dtype fp8: fp8 moments are not built in mega"
+                " (Megatron keeps them through Transformer Engine); use bf16 or fp16"
+            )
+        if self.main_grads_dtype != "fp32":
+            errors.append(
+                f"--main-grads-dtype {self.main_grads_dtype}: mega accumulates main gradients in"
+                " fp32 only (bf16 main gradients are not built)"
+            )
         return errors
 
 

@@ -58,16 +58,34 @@ def validate_run(config: RunConfig, plugins: Plugins, this_machine: bool = True)
     for registry, name in (
         (plugins.checkpoint_backends, config.checkpoint.ckpt_format),
         (plugins.parallel, config.parallel.parallel),
+        (plugins.optimizers, config.optimizer.optimizer),
     ):
         try:
             registry.get(name)  # a schedule's own checks are pipeline_setup's
         except MegaUsageError as exc:
             errors += exc.messages
+    errors += _state_dtype_problems(config.optimizer, plugins)
     errors += validate_checkpoint_dirs(config.checkpoint)
     errors += run_problems(config, plugins, this_machine)
     for result in plugins.pm.hook.validate_config(config=config):
         errors += list(result or [])
     return errors
+
+
+def _state_dtype_problems(optim: Any, plugins: Plugins) -> list[str]:
+    """--exp-avg-dtype / --exp-avg-sq-dtype name Adam's moments: a rule without them (sgd)
+    would ignore the flag."""
+    if optim.optimizer not in plugins.optimizers:
+        return []  # said by the registry
+    states = plugins.optimizers.peek(optim.optimizer).states
+    return [
+        f"--{flag} {value}: --optimizer {optim.optimizer} keeps no {state}"
+        for flag, value, state in (
+            ("exp-avg-dtype", optim.exp_avg_dtype, "exp_avg"),
+            ("exp-avg-sq-dtype", optim.exp_avg_sq_dtype, "exp_avg_sq"),
+        )
+        if value != "fp32" and state not in states
+    ]
 
 
 def job_world_size(launch: Any) -> int:

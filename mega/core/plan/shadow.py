@@ -201,15 +201,10 @@ def _stand_in_compiled_units(
 
 
 def _state_bytes(parts: Any) -> dict[str, int]:
-    optimizer = parts.optimizer
     return {
         "parameters": nbytes(parts.buffer.param_data),
         "gradients": nbytes(parts.buffer.main_grad),
-        "optimizer": sum(
-            nbytes(t)
-            for t in (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq)
-            if t is not None  # fp32 runs keep no master copy
-        ),
+        "optimizer": parts.optimizer.state_bytes(),  # fp32 runs keep no master copy
     }
 
 
@@ -352,7 +347,7 @@ def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
             reduction=reduction,
             step=step,
             chunks=len(executor.chunks),
-            optimizer_elements=parts.optimizer.exp_avg.numel(),
+            optimizer_elements=parts.optimizer.elements,
             parameters=sum(
                 p.numel()
                 for p in {id(p): p for c in executor.chunks for p in c.parameters()}.values()

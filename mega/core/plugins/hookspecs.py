@@ -125,6 +125,20 @@ def register_cp_comm_types(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
+def register_optimizers(register: Callable[[Any], None]) -> None:
+    """Register optimizer update rules.
+
+    :param register: call ``register(OptimizerSpec(...))``; users select one with
+        ``--optimizer NAME``. A rule is an element-wise update of flat fp32 masters and its
+        per-element states (``mega.parallel.data.rules``); the optimizer around it keeps the
+        masters, shards them over data-parallel ranks, clips, skips non-finite steps and saves
+        the states. ``adam`` and ``sgd`` are built in.
+
+    Called on: every rank. When: once, while the plugin manager is built.
+    """
+
+
+@hookspec
 def register_commands(register: Callable[[Any], None]) -> None:
     """Register command-line commands.
 

@@ -88,6 +88,10 @@ class Plugins:
         return self.registries["cp comm type"]
 
     @property
+    def optimizers(self) -> Registry[Any]:
+        return self.registries["optimizer"]
+
+    @property
     def commands(self) -> Registry[Any]:
         return self.registries["command"]
 

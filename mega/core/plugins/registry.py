@@ -91,5 +91,6 @@ REGISTRY_HOOKS: dict[str, str] = {
     "checkpoint converter": "register_checkpoint_converters",
     "moe dispatcher": "register_moe_dispatchers",
     "cp comm type": "register_cp_comm_types",
+    "optimizer": "register_optimizers",
     "command": "register_commands",
 }

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from mega.parallel.data.rules import OptimizerSpec  # noqa: F401  (a spec, defined by the machinery running it)
 from mega.parallel.pipeline.spec import PipelineScheduleSpec  # noqa: F401  (a spec, defined by the machinery running it)
 
 if TYPE_CHECKING:  # pragma: no cover - imported for type checkers only

@@ -28,7 +28,7 @@ from mega.core.training.step import loss_parts, model_forward
 from mega.core.training.vocab import padded_vocab_size
 from mega.errors import MegaUsageError
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
-from mega.parallel.data.optimizer import MixedPrecisionAdamW
+from mega.parallel.data.optimizer import FlatOptimizer
 from mega.parallel.parallelize import parallelize
 from mega.parallel.pipeline.executor import PipelineExecutor
 from mega.parallel.pipeline.setup import PipelineSetup, pipeline_setup
@@ -52,7 +52,7 @@ class RunParts:
     pipeline: PipelineSetup
     executor: PipelineExecutor
     buffer: ParamAndGradBuffer
-    optimizer: MixedPrecisionAdamW
+    optimizer: FlatOptimizer
     lr_schedule: LRSchedule
     flops_per_token: float
     loss_names: tuple[str, ...]  # the model's loss parts, in the order the executor gives them
@@ -170,7 +170,8 @@ def build_parts(
     if t.gradient_accumulation_fusion:
         for param in buffer.params:  # honoured by mega.parallel.linear's linear layers
             param.fuse_wgrad = True
-    optimizer = MixedPrecisionAdamW(buffer, config.optimizer, config.precision)
+    rule = plugins.optimizers.get(config.optimizer.optimizer)
+    optimizer = FlatOptimizer(buffer, config.optimizer, config.precision, rule)
     # the positions one rank holds: its context-parallel share, split again by SP
     positions = t.seq_length // topology.context_parallel_size
     positions //= p.tensor_model_parallel_size if p.sequence_parallel else 1

@@ -19,8 +19,7 @@ import torch
 def adamw_flat_(
     master: torch.Tensor,
     grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    states: tuple[torch.Tensor, torch.Tensor],
     lowp: torch.Tensor | None,
     *,
     lr: torch.Tensor,
@@ -32,13 +31,15 @@ def adamw_flat_(
     grad_scale: torch.Tensor,
     skip: torch.Tensor,
 ) -> None:
-    """Update ``master`` and both moments in place (``step`` is the step number after this one,
-    as a float tensor); write the result into ``lowp`` too unless it is None. Where ``skip`` is
-    true nothing changes."""
+    """Update ``master`` and both moments (``states``: ``exp_avg``, ``exp_avg_sq``, fp32 or, under
+    --use-precision-aware-optimizer, bf16/fp16: computed in fp32 either way) in place (``step``
+    is the step number after this one, as a float tensor); write the result into ``lowp`` too
+    unless it is None. Where ``skip`` is true nothing changes."""
+    exp_avg, exp_avg_sq = states
     g = grad / grad_scale  # the clip factor's inverse, 1 when not clipping
     decayed = master - lr * weight_decay * master
-    new_avg = beta1 * exp_avg + (1.0 - beta1) * g
-    new_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * g * g
+    new_avg = beta1 * exp_avg.float() + (1.0 - beta1) * g
+    new_avg_sq = beta2 * exp_avg_sq.float() + (1.0 - beta2) * g * g
     step_size = lr / (1.0 - torch.pow(beta1, step))
     denom = torch.sqrt(new_avg_sq) / torch.sqrt(1.0 - torch.pow(beta2, step)) + eps
     new_master = decayed - step_size * new_avg / denom

@@ -1,4 +1,5 @@
-"""AdamW over fp32 master weights and fp32 gradients, optionally sharded over data-parallel ranks.
+"""An optimizer over fp32 master weights and fp32 gradients, optionally sharded over data-parallel
+ranks; its update rule (AdamW, SGD or a plugin's) is an :class:`~mega.parallel.data.rules.OptimizerSpec`.
 
 Gradients arrive in the ``main_grad`` views of a :class:`ParamAndGradBuffer`, already reduced over
 the data-parallel ranks. The optimizer updates the slices of the parameters this rank owns: all of
@@ -11,14 +12,17 @@ each step. A step unscales (fp16), skips on inf/NaN, clips the global norm (summ
 model-parallel and, sharded, data-parallel rank, each parameter counted once), runs AdamW and,
 sharded, all-gathers the updated parameters.
 
-The update is :func:`mega.parallel.data.flat_adamw.adamw_flat_`: AdamW, the clip factor, the skip and the
-copy into the bf16 parameters in one pass over flat state (one compiled kernel per run of the
-buffer on a GPU), instead of PyTorch's fused AdamW over a list of tensors plus a copy.
+The update is the rule's, e.g. :func:`mega.parallel.data.flat_adamw.adamw_flat_`: AdamW, the clip
+factor, the skip and the copy into the bf16 parameters in one pass over flat state (one compiled
+kernel per run of the buffer on a GPU), instead of PyTorch's fused AdamW over a list of tensors
+plus a copy. Megatron's precision-aware optimizer (``--use-precision-aware-optimizer``) keeps the
+moments in bf16 or fp16 (``--exp-avg-dtype``, ``--exp-avg-sq-dtype``): the update still computes
+in fp32 and rounds only what it stores.
 
 Without a loss scaler (fp32, bf16) a step never waits for the GPU: clipping is folded into the
 update (it divides each gradient by ``grad_scale``, the clip factor's inverse) instead of a
 separate pass over the gradients, and a NaN or inf norm skips the update on the device. The first
-such step is remembered on the device and reported by :meth:`MixedPrecisionAdamW.first_nonfinite`
+such step is remembered on the device and reported by :meth:`FlatOptimizer.first_nonfinite`
 whenever the engine syncs anyway (iteration lines, checkpoints, the end of training).
 """
 
@@ -30,9 +34,8 @@ from typing import Any
 import torch
 
 from mega.parallel import comm
-from mega.parallel.data.flat_adamw import adamw_flat_
-from mega.parallel.data.flat_sgd import sgd_flat_
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+from mega.parallel.data.rules import BUILT_IN, OptimizerSpec
 from mega.parallel.loss_scaler import ConstantLossScaler, DynamicLossScaler, unscale_
 
 
@@ -54,6 +57,22 @@ def build_loss_scaler(precision: Any) -> ConstantLossScaler | DynamicLossScaler 
         growth_interval=precision.loss_scale_window,
         hysteresis=precision.hysteresis,
     )
+
+
+FORMAT = "mega-flat-optimizer/2"  # state_dict(): the rule's states by name
+_FORMAT_1 = "mega-flat-adamw/1"  # before rules: SGD's momentum was stored as exp_avg
+# --exp-avg-dtype / --exp-avg-sq-dtype: the states they set, and their values' dtypes
+_STATE_DTYPE_FLAGS = {"exp_avg": "exp_avg_dtype", "exp_avg_sq": "exp_avg_sq_dtype"}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def state_dtype(optim: Any, state: str) -> torch.dtype:
+    """The dtype a rule's per-element ``state`` is kept in: fp32, or for Adam's moments what
+    --exp-avg-dtype / --exp-avg-sq-dtype say (under --use-precision-aware-optimizer)."""
+    flag = _STATE_DTYPE_FLAGS.get(state)
+    if flag is None or not getattr(optim, "use_precision_aware_optimizer", False):
+        return torch.float32
+    return STATE_DTYPES[getattr(optim, flag)]
 
 
 @dataclass(frozen=True)
@@ -100,16 +119,23 @@ def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-class MixedPrecisionAdamW:
-    """AdamW whose state and update live in fp32, whatever the model's parameter dtype.
+class FlatOptimizer:
+    """An update rule (``rule``; by default the built-in one ``--optimizer`` names) whose state
+    and update live in fp32, whatever the model's parameter dtype.
 
-    The state is flat: ``exp_avg``, ``exp_avg_sq`` and, for bf16/fp16 models, the fp32 ``master``
-    weights hold this rank's owned ranges of the gradient buffer end to end. A step runs
-    :func:`mega.parallel.data.flat_adamw.adamw_flat_` once per :class:`Segment` (compiled on a GPU: one
-    kernel each, and a 1.3B GPT has about two segments per 40M-element bucket, because the buffer
-    puts each bucket's matrices before its vectors)."""
+    The state is flat: the rule's states (AdamW's ``exp_avg`` and ``exp_avg_sq``) and, for
+    bf16/fp16 models, the fp32 ``master`` weights hold this rank's owned ranges of the gradient
+    buffer end to end. A step runs the rule's update once per :class:`Segment` (compiled on a
+    GPU: one kernel each, and a 1.3B GPT has about two segments per 40M-element bucket, because
+    the buffer puts each bucket's matrices before its vectors)."""
 
-    def __init__(self, buffer: ParamAndGradBuffer, optim: Any, precision: Any):
+    def __init__(
+        self,
+        buffer: ParamAndGradBuffer,
+        optim: Any,
+        precision: Any,
+        rule: OptimizerSpec | None = None,
+    ):
         self.buffer = buffer
         self.topology = buffer.topology
         self.optim = optim
@@ -147,28 +173,31 @@ class MixedPrecisionAdamW:
         self.segments: list[Segment] = segments
         self.grads = [main_grad[s.lo : s.hi] for s in segments]
         device = main_grad.device
-        # --optimizer sgd keeps one state tensor, its momentum buffer, in ``exp_avg``
-        self.kind = getattr(optim, "optimizer", "adam")
-        self.exp_avg = torch.zeros(offset, dtype=torch.float32, device=device)
-        second = offset if self.kind == "adam" else 0
-        self.exp_avg_sq = torch.zeros(second, dtype=torch.float32, device=device)
+        self.rule = rule or BUILT_IN[getattr(optim, "optimizer", "adam")]
+        self.kind = self.rule.name
+        self.states = {
+            name: torch.zeros(offset, dtype=state_dtype(optim, name), device=device)
+            for name in self.rule.states
+        }
         self.master = None  # fp32 runs update the parameters in place
         if self.mixed:
             self.master = torch.cat([buffer.param_data[s.lo : s.hi].float() for s in segments])
         self._step = torch.zeros((), dtype=torch.float32, device=device)  # exact to 2**24 steps
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
-        # (master, grad, exp_avg, exp_avg_sq, bf16 parameter or None) of each segment, made once
+        # (master, grad, the rule's states, bf16 parameter or None) of each segment, made once
         self._operands = []
         for s, grad in zip(segments, self.grads, strict=True):
             state = slice(s.offset, s.offset + s.hi - s.lo)
             params = buffer.param_data[s.lo : s.hi]
             master = self.master[state] if self.mixed else params
             lowp = params if self.mixed else None
-            self._operands.append((master, grad, self.exp_avg[state], self.exp_avg_sq[state], lowp))
+            states = tuple(flat[state] for flat in self.states.values())
+            self._operands.append((master, grad, states, lowp))
         # one kernel per segment on a GPU; the CPU runs the same expression eagerly
-        update = adamw_flat_ if self.kind == "adam" else sgd_flat_
+        update = self.rule.build()
         self._update = torch.compile(update, dynamic=True) if device.type == "cuda" else update
+        self._hyperparameters = self.rule.hyperparameters(optim)
         # (iteration, gradient norm) of the first step whose norm was not finite; -1: none yet
         self._first_bad_iteration = torch.full((), -1, dtype=torch.int64, device=device)
         self._first_bad_norm = torch.zeros((), dtype=torch.float32, device=device)
@@ -245,20 +274,15 @@ class MixedPrecisionAdamW:
             grad_scale = torch.clamp((grad_norm.float() + 1e-6) / self.clip_grad, min=1.0)
         self._step += (~bad).float()  # a skipped step does not count (as torch's AdamW)
         self._lr.fill_(lr)
-        o = self.optim
-        if self.kind == "adam":
-            hyper = {"beta1": o.adam_beta1, "beta2": o.adam_beta2, "eps": o.adam_eps}
-        else:
-            hyper = {"momentum": o.sgd_momentum}
         for segment, tensors in zip(self.segments, self._operands, strict=True):
             self._update(
                 *tensors,
                 lr=self._lr,
-                weight_decay=o.weight_decay if segment.decay else 0.0,
+                weight_decay=self.optim.weight_decay if segment.decay else 0.0,
                 step=self._step,
                 grad_scale=grad_scale,
                 skip=bad,
-                **hyper,
+                **self._hyperparameters,
             )
         self.buffer.gather_params()
         return StepOutcome(skipped=False, grad_norm=grad_norm)
@@ -270,15 +294,17 @@ class MixedPrecisionAdamW:
         return (iteration, float(self._first_bad_norm)) if iteration >= 0 else None
 
     def flat_states(self) -> dict[str, torch.Tensor]:
-        """This rank's flat per-element state by its checkpoint name: Adam's two moments (or
-        SGD's momentum) and, in bf16/fp16 runs, the fp32 master weights."""
-        if self.kind == "adam":
-            states = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        else:
-            states = {"momentum": self.exp_avg}
+        """This rank's flat per-element state by its checkpoint name: the rule's (Adam's two
+        moments, SGD's momentum) and, in bf16/fp16 runs, the fp32 master weights."""
+        states = dict(self.states)
         if self.mixed:
             states["master"] = self.master
         return states
+
+    @property
+    def elements(self) -> int:
+        """How many parameter elements this rank updates."""
+        return sum(s.hi - s.lo for s in self.segments)
 
     def state_ranges(self, param: torch.nn.Parameter) -> list[tuple[int, int, int]]:
         """Where ``param``'s elements sit in the flat states: ``(lo, hi, offset)`` for each
@@ -338,43 +364,56 @@ class MixedPrecisionAdamW:
                     master.copy_(self.buffer.param_data[segment.lo : segment.hi])
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: Adam's moments plus separate fp32 masters."""
-        tensors = [self.exp_avg, self.exp_avg_sq] + ([self.master] if self.mixed else [])
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Bytes of optimizer state on this rank: the rule's states plus separate fp32 masters."""
+        return sum(t.numel() * t.element_size() for t in self.flat_states().values())
 
     def state_dict(self) -> dict[str, Any]:
         state = {
-            "format": "mega-flat-adamw/1",
+            "format": FORMAT,
             "optimizer": self.kind,
             "step": self._step.clone(),
-            "exp_avg": self.exp_avg.clone(),
-            "exp_avg_sq": self.exp_avg_sq.clone(),
+            **{name: flat.clone() for name, flat in self.flat_states().items()},
         }
-        if self.mixed:
-            state["master"] = self.master.clone()
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("format") != "mega-flat-adamw/1":
-            raise ValueError(
-                f"optimizer state format {state.get('format')!r} is not mega-flat-adamw/1"
-            )
+        """Put back a :meth:`state_dict` (or one of format 1, whose SGD momentum was named
+        ``exp_avg``); a state of another dtype is cast (moments saved in fp32 load into bf16
+        ones under --use-precision-aware-optimizer, and back)."""
+        if state.get("format") not in (FORMAT, _FORMAT_1):
+            raise ValueError(f"optimizer state format {state.get('format')!r} is not {FORMAT}")
         problem = self.kind_mismatch(state.get("optimizer"))
         if problem:
             raise ValueError(problem)
-        names = ["exp_avg", "exp_avg_sq"] + (["master"] if self.mixed else [])
-        for name in names:
-            if state[name].shape != getattr(self, name).shape:
+        if state["format"] == _FORMAT_1 and self.kind == "sgd":
+            state = {**state, "momentum": state["exp_avg"]}
+        targets = self.flat_states()
+        for name, target in targets.items():
+            if name not in state or state[name].shape != target.shape:
+                held = state[name].numel() if name in state else "no"
                 raise ValueError(
-                    f"optimizer {name} holds {state[name].numel()} values, this model "
-                    f"{getattr(self, name).numel()}"
+                    f"optimizer {name} holds {held} values, this model {target.numel()}"
                 )
         with torch.no_grad():
             self._step.copy_(state["step"])
-            for name in names:
-                getattr(self, name).copy_(state[name])
+            for name, target in targets.items():
+                target.copy_(state[name])
         self._params_from_masters()
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def __getattr__(name: str) -> Any:
+    # the class ran AdamW only until update rules became plugins (2026-11-28)
+    if name == "MixedPrecisionAdamW":
+        import warnings
+
+        warnings.warn(
+            f"{__name__}.MixedPrecisionAdamW is deprecated since 2026-11-28: use FlatOptimizer",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return FlatOptimizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
