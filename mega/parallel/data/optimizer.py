@@ -352,7 +352,7 @@ class FlatOptimizer:
         """bf16/fp16 runs: the parameters this rank updates from their (loaded) fp32 masters."""
         if self.mixed:
             with torch.no_grad():
-                torch._foreach_copy_([ops[4] for ops in self._operands], self.masters)
+                torch._foreach_copy_([ops[3] for ops in self._operands], self.masters)
 
     def masters_from_params(self) -> None:
         """bf16/fp16 runs: the fp32 masters from the parameters, after the model was loaded
