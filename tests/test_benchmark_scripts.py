@@ -86,10 +86,11 @@ def test_t5_throughput_smoke_run_on_the_cpu(tmp_path: Path):
 
 
 def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
-    """The long-context comparison (CP=2 with each type against DP=2) at toy size on gloo: every
-    layout trains, its bf16 losses within bf16 rounding of DP=2's (a missing reduction or a wrong
-    mask moves a loss by far more)."""
-    layouts = "tp1dp2," + ",".join(f"cp2:--cp-comm-type={c}" for c in ("p2p", "all_gather", "a2a"))
+    """The long-context comparison (CP=2 against DP=2) at toy size on gloo: the script runs a
+    CP layout, its bf16 losses within bf16 rounding of DP=2's (a missing reduction or a wrong mask
+    moves a loss by far more). One comm type: the script treats them alike, and
+    tests/test_context_parallel.py checks each against one process."""
+    layouts = "tp1dp2,cp2:--cp-comm-type=p2p"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "parallel_layouts.py"), "--layouts", layouts,
         "--base", "tp1dp2", "--iters", "6", "--warmup", "1", "--mbs", "1", "--gbs", "2",
@@ -102,8 +103,8 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.glob("long_context_*.json")
     rows = json.loads(result.read_text())["results"]
-    assert [row.get("error") for row in rows] == [None] * 4
-    assert all(row["max_rel_loss_diff_vs_tp1dp2"] < 1e-2 for row in rows[1:])
+    assert [row.get("error") for row in rows] == [None] * 2
+    assert rows[1]["max_rel_loss_diff_vs_tp1dp2"] < 1e-2
 
 
 def test_fp8_convergence_prepares_its_corpus_and_reports(tmp_path: Path):

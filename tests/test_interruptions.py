@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from mega.testing.commands import with_free_port
 
 from conftest import TINY, run_mega
@@ -202,15 +204,19 @@ def test_history_drops_records_past_the_resume_point():
     assert history.series("test_lm_loss") == ([4], [3.6])
 
 
-def test_repeating_a_run_from_its_resolved_config_does_not_overwrite_it(tmp_path: Path):
+def test_repeating_a_run_from_its_resolved_config_does_not_overwrite_it(
+    mega_cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # in this process (mega_cli), from tmp_path as run_mega would: four process starts cost 16 s
+    monkeypatch.chdir(tmp_path)
     ckpt = tmp_path / "runs" / "a"
-    first = run_mega(["train", *TINY, "--train-iters", "2", "--save", str(ckpt)], tmp_path)
-    assert first.returncode == 0, first.stderr
+    first = mega_cli(["train", *TINY, "--train-iters", "2", "--save", str(ckpt)])
+    assert first.exit_code == 0, first.stderr
     before = (ckpt / "metrics.jsonl").read_text()
     checkpoint = (ckpt / "iter_0000002" / "complete.json").read_text()
 
-    again = run_mega(["train", "--config", str(ckpt / "config.resolved.toml")], tmp_path)
-    assert again.returncode == 2 and "Traceback" not in again.stderr
+    again = mega_cli(["train", "--config", str(ckpt / "config.resolved.toml")])
+    assert again.exit_code == 2 and "Traceback" not in again.stderr
     (line,) = again.stderr.strip().splitlines()
     assert line == (
         f"error: --save {ckpt} already holds a run (a checkpoint at iteration 2) that this run"
@@ -222,12 +228,12 @@ def test_repeating_a_run_from_its_resolved_config_does_not_overwrite_it(tmp_path
     # the ways out: a new --save, or --load of the same directory (continue)
     other = tmp_path / "runs" / "b"
     config = str(ckpt / "config.resolved.toml")
-    moved = run_mega(["train", "--config", config, "--save", str(other)], tmp_path)
-    assert moved.returncode == 0, moved.stderr
+    moved = mega_cli(["train", "--config", config, "--save", str(other)])
+    assert moved.exit_code == 0, moved.stderr
     more = ["--train-iters", "3", "--lr-decay-iters", "2"]
-    continued = run_mega(["train", "--config", config, *more, "--load", str(ckpt)], tmp_path)
-    assert continued.returncode == 0, continued.stderr
-    assert "loaded checkpoint" in continued.stdout
+    continued = mega_cli(["train", "--config", config, *more, "--load", str(ckpt)])
+    assert continued.exit_code == 0, continued.stderr
+    assert "loaded checkpoint" in continued.output
     assert (ckpt / "iter_0000003" / "complete.json").is_file()
 
 

@@ -124,18 +124,20 @@ def test_auto_resume_pattern_starts_fresh_when_save_dir_is_empty(tmp_path: Path)
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
-def test_resume_with_a_different_schedule_is_refused_unless_told(tmp_path: Path):
+def test_resume_with_a_different_schedule_is_refused_unless_told(mega_cli, tmp_path: Path):
+    # in this process (mega_cli): three runs of a process start each would cost 20 s
     ckpt = tmp_path / "ckpt"
-    first = run_mega(["train", *TINY, "--train-iters", "4", "--save", str(ckpt)], tmp_path)
-    assert first.returncode == 0, first.stderr
-    again = [*TINY, "--train-iters", "8", "--load", str(ckpt)]
-    refused = run_mega(["train", *again], tmp_path)
-    assert refused.returncode == 2
+    first = mega_cli(["train", *TINY, "--train-iters", "4", "--save", str(ckpt),
+                      "--run-dir", str(tmp_path / "a")])  # fmt: skip
+    assert first.exit_code == 0, first.stderr
+    again = [*TINY, "--train-iters", "8", "--load", str(ckpt), "--run-dir", str(tmp_path / "b")]
+    refused = mega_cli(["train", *again])
+    assert refused.exit_code == 2
     assert "--lr-decay-iters: command line gives 8, checkpoint has 4" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
-    override = run_mega(["train", *again, "--override-opt_param-scheduler"], tmp_path)
-    assert override.returncode == 0, override.stderr
-    assert sorted(lm_losses(override.stdout)) == [5, 6, 7, 8]
+    override = mega_cli(["train", *again, "--override-opt_param-scheduler"])
+    assert override.exit_code == 0, override.stderr
+    assert sorted(lm_losses(override.output)) == [5, 6, 7, 8]
 
 
 def test_changed_data_order_settings_are_reported():
