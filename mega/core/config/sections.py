@@ -63,8 +63,7 @@ class TrainingConfig:
     compile: bool | None = option(
         None,
         "torch.compile each transformer layer and the output head (fuses norms, element-wise "
-        "ops and the loss). Default: on with CUDA except under context parallelism, off on the "
-        "CPU.",
+        "ops and the loss). Default: on with CUDA (every parallel layout), off on the CPU.",
     )
     gradient_accumulation_fusion: bool = option(
         True,
