@@ -3,18 +3,13 @@ layers one by one; the head), and that compiled models train like eager ones: un
 recompute, and in an interleaved pipeline, where each chunk holds its own copy of the stack."""
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from mega import BuildContext
-from mega.core.config.resolve import resolve_config
-from mega.core.console.display import Display
-from mega.core.plugins.manager import make_plugins
 from mega.core.training.compile import compile_model, compiled_units
-from mega.core.training.engine import Engine
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
 from mega.parallel.recompute import apply_recompute
@@ -24,6 +19,7 @@ from mega.plugins.models.bert.plan import bert_parallel_plan
 from mega.plugins.models.gpt.config import GPTConfig
 from mega.plugins.models.gpt.model import GPTModel
 from mega.plugins.models.gpt.plan import gpt_parallel_plan
+from mega.testing import train_losses
 
 from conftest import TINY
 from parallel_runs import layout_run
@@ -102,22 +98,14 @@ def test_each_pipeline_chunk_compiles_its_own_stack():
     assert [len(s.layers) for s in stacks] == [1, 1]
 
 
-def _losses(args: list[str], run_dir: Path) -> list[float]:
-    plugins = make_plugins()
-    config = resolve_config([*args, "--run-dir", str(run_dir)], plugins)
-    Engine(config, plugins, Display(rich_output=False)).train()
-    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(r)["lm_loss"] for r in rows if "lm_loss" in r]
-
-
 @pytest.mark.parametrize("model", ["gpt", "bert"], ids=["by-layer", "stack"])
 def test_recompute_under_compile_trains_like_compile_alone(model: str, tmp_path: Path):
     """Dropout on: the recomputed masks are the ones of the forward, so recompute (selective or
     full) changes nothing, in compiled layers (GPT) and a compiled stack (BERT). Both crashed
     under --compile before: torch.compile accepts no ``context_fn`` but its own for checkpoint."""
     run = [*TINY, "--model", model, "--train-iters", "3", "--compile"]
-    base = _losses(run, tmp_path / "base")
-    selective = _losses([*run, "--recompute-granularity", "selective"], tmp_path / "sel")
+    base = train_losses(run, tmp_path / "base")
+    selective = train_losses([*run, "--recompute-granularity", "selective"], tmp_path / "sel")
     full = [
         *run, "--recompute-granularity", "full", "--recompute-method", "uniform",
         "--recompute-num-layers", "1",
@@ -125,7 +113,7 @@ def test_recompute_under_compile_trains_like_compile_alone(model: str, tmp_path:
     # within rounding: the recomputing graphs may fuse differently; a recompute that drew other
     # dropout masks moves the loss by about 1e-3
     assert selective == pytest.approx(base, rel=1e-5)
-    assert _losses(full, tmp_path / "full") == pytest.approx(base, rel=1e-5)
+    assert train_losses(full, tmp_path / "full") == pytest.approx(base, rel=1e-5)
 
 
 def test_compiled_stacks_in_an_interleaved_pipeline_train_like_eager(tmp_path: Path):

@@ -4,7 +4,6 @@ overwrite-on-first-gradient (no zeroing between steps), clipping folded into the
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.linear import Linear
 from mega.parallel.topology import Topology
 from mega.parallel.weight_grad import deferring_weight_grads
+from mega.testing import train_losses
 
 from conftest import TINY
 
@@ -87,14 +87,6 @@ def test_fused_weight_gradient_of_bf16_linear_is_accumulated_in_fp32():
     torch.testing.assert_close(layer.weight.main_grad, expected, rtol=1e-6, atol=1e-5)
 
 
-def _losses(args: list[str], tmp_path: Path) -> list[float]:
-    plugins = make_plugins()
-    config = resolve_config([*args, "--run-dir", str(tmp_path)], plugins)
-    Engine(config, plugins, Display(rich_output=False)).train()
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(r)["lm_loss"] for r in rows if "lm_loss" in r]
-
-
 RUN = [*TINY, "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
@@ -104,8 +96,8 @@ RUN = [*TINY, "--train-iters", "4", "--hidden-dropout", "0", "--attention-dropou
     ids=lambda v: v[-1].lstrip("-"),
 )
 def test_a_fast_path_trains_like_the_plain_one(variant: list[str], tmp_path: Path):
-    base = _losses(RUN, tmp_path / "base")
-    other = _losses([*RUN, *variant], tmp_path / "other")
+    base = train_losses(RUN, tmp_path / "base")
+    other = train_losses([*RUN, *variant], tmp_path / "other")
     torch.testing.assert_close(other, base, rtol=1e-5, atol=0)
 
 

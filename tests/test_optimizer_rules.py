@@ -3,7 +3,6 @@ optimizer (``--use-precision-aware-optimizer`` with bf16/fp16 moments)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from mega.core.config.sections import OptimizerConfig, PrecisionConfig
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import FlatOptimizer
 from mega.parallel.topology import Topology
-from mega.testing import TINY_GPT
+from mega.testing import TINY_GPT, train_losses
 
 RUN = [*TINY_GPT, "--train-iters", "10", "--hidden-dropout", "0", "--attention-dropout", "0"]
 BF16_MOMENTS = [
@@ -73,24 +72,13 @@ def test_bf16_moments_are_fp32_adamw_with_its_stored_moments_rounded():
         torch.testing.assert_close(optimizer.master_of(p).view_as(p), expected)
 
 
-def _losses(args: list[str], tmp_path: Path) -> list[float]:
-    from mega import Engine, make_plugins, resolve_config
-    from mega.core.console.display import Display
-
-    plugins = make_plugins()
-    config = resolve_config([*args, "--run-dir", str(tmp_path)], plugins)
-    Engine(config, plugins, Display(rich_output=False)).train()
-    rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(r)["lm_loss"] for r in rows if "lm_loss" in r]
-
-
 def test_bf16_moments_train_within_their_rounding_of_the_fp32_run(tmp_path: Path):
     """Each update differs from the fp32 run's by at most about bf16's relative precision
     (2**-8: a moment rounded at 2**-9, the second moment's square root halving its error), so
     the losses differ by at most that share of what the updates moved the loss; 2**-7 leaves a
     factor of 2 for the moments' histories drifting apart."""
-    fp32 = _losses(RUN, tmp_path / "fp32")
-    bf16 = _losses([*RUN, *BF16_MOMENTS], tmp_path / "bf16")
+    fp32 = train_losses(RUN, tmp_path / "fp32")
+    bf16 = train_losses([*RUN, *BF16_MOMENTS], tmp_path / "bf16")
     moved = abs(fp32[0] - fp32[-1])
     assert moved > 0.01  # the run trains
     for a, b in zip(bf16, fp32, strict=True):

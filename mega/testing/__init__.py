@@ -12,14 +12,15 @@ fixtures with no conftest:
 
 And functions: ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on N
 forked CPU ranks (gloo), the fast way; ``run_mega(args, cwd)`` runs the real console entry point
-in a subprocess. Tests marked ``gpu`` are skipped where CUDA is not available.
+in a subprocess; ``train_losses(args, run_dir)`` trains in this process and returns the lm
+losses. Tests marked ``gpu`` are skipped where CUDA is not available.
 
 Importing this package is cheap (no torch).
 """
 
 from __future__ import annotations
 
-from mega.testing.commands import TINY_GPT, run_mega
+from mega.testing.commands import TINY_GPT, run_mega, train_losses
 from mega.testing.ranks import RankFailed, free_port, run_ranks
 
-__all__ = ["TINY_GPT", "RankFailed", "free_port", "run_mega", "run_ranks"]
+__all__ = ["TINY_GPT", "RankFailed", "free_port", "run_mega", "run_ranks", "train_losses"]

@@ -78,3 +78,20 @@ def run_mega(
         text=True,
         timeout=timeout,
     )
+
+
+def train_losses(args: list[str], run_dir: Path) -> list[float]:
+    """Train ``mega train ARGS`` in this process (built-in plugins, no console output) with
+    ``--run-dir run_dir``; the lm losses of its iterations, from its metrics.jsonl."""
+    import json
+
+    from mega.core.config.resolve import resolve_config
+    from mega.core.console.display import Display
+    from mega.core.plugins.manager import make_plugins
+    from mega.core.training.engine import Engine
+
+    plugins = make_plugins()
+    config = resolve_config([*args, "--run-dir", str(run_dir)], plugins)
+    Engine(config, plugins, Display(rich_output=False)).train()
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(r)["lm_loss"] for r in rows if "lm_loss" in r]

@@ -29,7 +29,7 @@ whenever the engine syncs anyway (iteration lines, checkpoints, the end of train
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,6 +73,15 @@ def state_dtype(optim: Any, state: str) -> torch.dtype:
     if flag is None or not getattr(optim, "use_precision_aware_optimizer", False):
         return torch.float32
     return STATE_DTYPES[getattr(optim, flag)]
+
+
+class Operands(NamedTuple):
+    """What a rule's update takes for one segment, positionally: ``update(*operands, ...)``."""
+
+    master: torch.Tensor  # fp32 (the parameters themselves in fp32 runs)
+    grad: torch.Tensor
+    states: tuple[torch.Tensor, ...]  # the rule's, in its ``states`` order
+    lowp: torch.Tensor | None  # the bf16/fp16 parameters, or None
 
 
 @dataclass(frozen=True)
@@ -186,14 +195,14 @@ class FlatOptimizer:
         self._lr = torch.zeros((), dtype=torch.float32, device=device)
         self._one = torch.ones((), dtype=torch.float32, device=device)
         # (master, grad, the rule's states, bf16 parameter or None) of each segment, made once
-        self._operands = []
+        self._operands: list[Operands] = []
         for s, grad in zip(segments, self.grads, strict=True):
             state = slice(s.offset, s.offset + s.hi - s.lo)
             params = buffer.param_data[s.lo : s.hi]
             master = self.master[state] if self.mixed else params
             lowp = params if self.mixed else None
             states = tuple(flat[state] for flat in self.states.values())
-            self._operands.append((master, grad, states, lowp))
+            self._operands.append(Operands(master, grad, states, lowp))
         # one kernel per segment on a GPU; the CPU runs the same expression eagerly
         update = self.rule.build()
         self._update = torch.compile(update, dynamic=True) if device.type == "cuda" else update
@@ -205,7 +214,7 @@ class FlatOptimizer:
     @property
     def masters(self) -> list[torch.Tensor]:
         """The fp32 weights each segment updates (views of the parameters in fp32 runs)."""
-        return [operands[0] for operands in self._operands]
+        return [operands.master for operands in self._operands]
 
     def master_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 master of ``param`` (flat), when this rank owns all of it."""
@@ -352,7 +361,7 @@ class FlatOptimizer:
         """bf16/fp16 runs: the parameters this rank updates from their (loaded) fp32 masters."""
         if self.mixed:
             with torch.no_grad():
-                torch._foreach_copy_([ops[3] for ops in self._operands], self.masters)
+                torch._foreach_copy_([ops.lowp for ops in self._operands], self.masters)
 
     def masters_from_params(self) -> None:
         """bf16/fp16 runs: the fp32 masters from the parameters, after the model was loaded
