@@ -29,7 +29,8 @@ from mega.parallel.expert.local import (
     inverse_permutation,
     local_mixture,
     run_experts,
-    weighted_sum,
+    to_experts,
+    to_slots,
 )
 
 
@@ -51,12 +52,17 @@ class AllGatherDispatcher:
 
 
 class AllToAllDispatcher:
-    """Runs eager inside a compiled MoE layer (``torch.compiler.disable``): every step of it
-    depends on the routing (``nonzero``, ``bincount``, the counts as host integers for the
-    all-to-all's splits), so traced it broke the layer's graph at each of them and recompiled
-    whenever the counts changed (guards on their values; seen on CPU ranks with
+    """Runs eager inside a compiled MoE layer (``torch.compiler.disable``): the all-to-all's
+    splits are host integers that depend on the routing, so traced it broke the layer's graph
+    and recompiled whenever the counts changed (guards on their values; seen on CPU ranks with
     TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager anyway. The
-    router before it and the shared expert after it still compile."""
+    router before it and the shared expert after it still compile.
+
+    One host sync per layer and micro-batch: the slots are sorted by expert (dropped ones, -1,
+    first), each expert's count is found by a search in the sorted ids, and the counts this rank
+    sends, the counts it receives and the dropped slots come to the host together, once. Tokens
+    reach their slots and the returned rows their tokens by gathers both ways (no atomic
+    scatter-add, no ``nonzero``/``bincount``, which wait for the GPU)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -65,41 +71,39 @@ class AllToAllDispatcher:
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         n, local = group_size(self.group), experts.count
         total = n * local
-        k = routing.indices.shape[1]
+        t, k = routing.indices.shape
         flat = routing.indices.reshape(-1)
-        meta = flat.is_meta  # the planner: balanced routing (mega.parallel.expert.local)
-        if meta:
-            rows = balanced_rows(flat.numel(), total, routing.capacity)
-            slots = flat.new_empty(sum(rows))
-        else:
-            slots = (flat >= 0).nonzero().squeeze(1)
-        order = torch.argsort(flat[slots], stable=True)  # by expert: by destination rank too
-        slots = slots[order]
-        if meta:
-            per_expert = flat.new_empty(total)
-        else:
-            per_expert = torch.bincount(flat[slots], minlength=total)  # [E] this rank sends
+        grouped, order = torch.sort(flat, stable=True)  # by expert: by destination rank too
+        inverse = inverse_permutation(order)
+        # bounds[0]: the dropped slots (-1 sorts first); then each expert's first sorted slot
+        bounds = torch.searchsorted(grouped, torch.arange(total + 1, device=flat.device))
+        per_expert = torch.cat([bounds[:1], bounds.diff()])  # [1 + E]: dropped, then sent
         # every rank's counts for this rank's experts: [source, local expert]
-        counts = exchange_rows(per_expert.view(n, local), [1] * n, [1] * n, self.group)
-        if meta:  # every rank routes as this one: its experts get the same rows from each
-            send = [sum(rows[r * local : (r + 1) * local]) for r in range(n)]
+        counts = exchange_rows(per_expert[1:].view(n, local), [1] * n, [1] * n, self.group)
+        if flat.is_meta:  # the planner: balanced routing (mega.parallel.expert.local)
+            rows = balanced_rows(flat.numel(), total, routing.capacity)
+            dropped, sent = flat.numel() - sum(rows), rows
             recv_counts = [rows[experts.first : experts.first + local]] * n
         else:
-            send = per_expert.view(n, local).sum(1).tolist()
-            recv_counts = counts.tolist()
+            host = torch.cat([per_expert, counts.reshape(-1)]).tolist()  # the one sync
+            dropped, sent = host[0], host[1 : 1 + total]
+            recv_counts = [
+                host[1 + total + r * local : 1 + total + (r + 1) * local] for r in range(n)
+            ]
+        send = [sum(sent[r * local : (r + 1) * local]) for r in range(n)]
         recv = [sum(row) for row in recv_counts]
-        arrived = exchange_rows(tokens.index_select(0, slots // k), send, recv, self.group)
+        outgoing = to_experts(tokens, order, inverse, k)[dropped:]
+        arrived = exchange_rows(outgoing, send, recv, self.group)
         # arrived rows are grouped by source, then expert: regroup them by expert
-        source_major = counts.reshape(-1)
         expert_of = torch.arange(local, device=tokens.device).repeat(n)
-        if meta:
-            row_expert = torch.repeat_interleave(expert_of, source_major, output_size=sum(recv))
-        else:
-            row_expert = torch.repeat_interleave(expert_of, source_major)
+        row_expert = torch.repeat_interleave(expert_of, counts.reshape(-1), output_size=sum(recv))
         by_expert = torch.argsort(row_expert, stable=True)
         outputs = run_experts(
             arrived.index_select(0, by_expert), counts.sum(0), experts, routing.pad_to(n)
         )
         back = inverse_permutation(by_expert)
         returned = exchange_rows(outputs.index_select(0, back), recv, send, self.group)
-        return weighted_sum(tokens, routing.probs, slots, slots // k, returned)
+        if dropped:  # a dropped slot adds nothing to its token
+            returned = torch.cat([returned.new_zeros(dropped, returned.shape[1]), returned])
+        per_slot = to_slots(returned, order, inverse).view(t, k, -1)
+        return (per_slot.float() * routing.probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)

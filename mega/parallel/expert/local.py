@@ -175,6 +175,19 @@ class _ToSlots(torch.autograd.Function):
         return grad.index_select(0, order), None, None
 
 
+def to_experts(
+    tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int
+) -> torch.Tensor:
+    """``rows[r] = tokens[order[r] // k]`` for a permutation ``order`` of the ``T * k`` slots
+    (``inverse`` its inverse); backward gathers, no atomics (:class:`_ToExperts`)."""
+    return _ToExperts.apply(tokens, order, inverse, k)
+
+
+def to_slots(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows in ``order`` back in slot order (:class:`_ToSlots`)."""
+    return _ToSlots.apply(rows, order, inverse)
+
+
 def complete_mixture(
     tokens: torch.Tensor,
     probs: torch.Tensor,
@@ -195,6 +208,6 @@ def complete_mixture(
     # fallback kernel under compile: every slot of an expert adds to the same count)
     bounds = torch.searchsorted(grouped, torch.arange(count + 1, device=flat.device))
     counts = bounds.diff()
-    y = run_experts(_ToExperts.apply(tokens, order, inverse, k), counts, experts, pad_to)
-    slots = _ToSlots.apply(y, order, inverse).view(t, k, -1)
+    y = run_experts(to_experts(tokens, order, inverse, k), counts, experts, pad_to)
+    slots = to_slots(y, order, inverse).view(t, k, -1)
     return (slots.float() * probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)
