@@ -44,10 +44,10 @@ def convert_command(
     Megatron-LM)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
+    from mega.cli import current_plugins
     from mega.core.convert.convert import convert
-    from mega.core.plugins.manager import make_plugins
 
-    converters = make_plugins().checkpoint_converters
+    converters = current_plugins().checkpoint_converters  # the invoking mega's (a test's too)
     bar = Progress(
         TextColumn("converting"), BarColumn(), DownloadColumn(), TextColumn("{task.description}"),
         transient=True, disable=not sys.stdout.isatty(),

@@ -167,9 +167,9 @@ def generate_command(load: Path, prompt: tuple[str, ...], prompts_file: Path | N
     """Generate text from a checkpoint, with a KV cache."""
     import torch
 
+    from mega.cli import current_plugins
     from mega.core.checkpoint.checkpoint_args import saved_config
     from mega.core.config.run_checks import device_problems
-    from mega.core.plugins.manager import make_plugins
     from mega.plugins.models.gpt.generate import generate, positions_problem
 
     texts = _prompts(prompt, prompts_file)
@@ -178,7 +178,7 @@ def generate_command(load: Path, prompt: tuple[str, ...], prompts_file: Path | N
         problems = device_problems(device)  # as mega train and evaluate say it
         if problems:
             raise MegaUsageError(problems)
-    plugins = make_plugins()
+    plugins = current_plugins()  # the invoking mega's (a test's too)
     config = saved_config(str(load), plugins.checkpoint_backends) if load.exists() else None
     if config is None:
         raise MegaUsageError(f"--load {load}: no complete checkpoint with a config there")

@@ -1,0 +1,57 @@
+"""Plugins given to the in-process ``mega_cli`` fixture reach every command, not only ``train``:
+``convert-checkpoint`` and ``generate`` built their own plugin manager, so a test's converter was
+"unknown" to them (issue 50, item 6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mega import CheckpointConverterSpec, hookimpl
+from mega.testing.commands import TINY_GPT
+
+
+class NameListWriter:
+    """A write-only format: every tensor's name and shape, one line each."""
+
+    @hookimpl
+    def register_checkpoint_converters(self, register):  # noqa: ANN001, ANN201
+        def write(path: Path, weights) -> None:  # noqa: ANN001
+            lines = [f"{name} {tuple(t.load().shape)}" for name, t in weights.tensors.items()]
+            (Path(path) / "names.txt").write_text("\n".join(sorted(lines)) + "\n")
+
+        register(CheckpointConverterSpec(name="names", write=write, description="test: names"))
+
+
+def test_convert_checkpoint_sees_the_fixtures_converter(mega_cli, tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    trained = mega_cli(["train", *TINY_GPT, "--train-iters", "1", "--save", str(ckpt)])
+    assert trained.exit_code == 0, trained.stderr
+    result = mega_cli(["convert-checkpoint", str(ckpt), str(tmp_path / "out"), "--to", "names"],
+                      NameListWriter())  # fmt: skip
+    assert result.exit_code == 0, result.stderr
+    names = (tmp_path / "out" / "names.txt").read_text()
+    assert "decoder.final_layernorm.weight" in names or "final_layernorm" in names, names
+
+
+class TestBytes:
+    """The byte tokenizer under a name only this plugin registers."""
+
+    @hookimpl
+    def register_tokenizers(self, register):  # noqa: ANN001, ANN201
+        from mega import TokenizerSpec
+        from mega.plugins.tokenizers.byte import ByteTokenizerConfig, build_byte_tokenizer
+
+        register(TokenizerSpec(name="TestBytes", config_cls=ByteTokenizerConfig,
+                               build=build_byte_tokenizer))  # fmt: skip
+
+
+def test_generate_reads_a_checkpoint_whose_tokenizer_only_the_fixtures_plugins_know(
+    mega_cli, tmp_path: Path
+):
+    ckpt = tmp_path / "ckpt"
+    trained = mega_cli(["train", *TINY_GPT, "--train-iters", "1", "--save", str(ckpt),
+                        "--tokenizer-type", "TestBytes"], TestBytes())  # fmt: skip
+    assert trained.exit_code == 0, trained.stderr
+    result = mega_cli(["generate", "--load", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2",
+                       "--greedy"], TestBytes())  # fmt: skip
+    assert result.exit_code == 0, result.stderr
