@@ -55,3 +55,33 @@ def test_generate_reads_a_checkpoint_whose_tokenizer_only_the_fixtures_plugins_k
     result = mega_cli(["generate", "--load", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2",
                        "--greedy"], TestBytes())  # fmt: skip
     assert result.exit_code == 0, result.stderr
+
+
+class PickleBackend:
+    """A third party's whole-state checkpoint backend: the state in one file of its own name."""
+
+    @hookimpl
+    def register_checkpoint_backends(self, register):  # noqa: ANN001, ANN201
+        import torch
+
+        from mega import CheckpointBackendSpec
+
+        def save(directory, state):  # noqa: ANN001, ANN202
+            torch.save(state, Path(directory) / "state.bin")
+            return ["state.bin"]
+
+        def load(directory):  # noqa: ANN001, ANN202
+            return torch.load(Path(directory) / "state.bin", weights_only=True)
+
+        register(CheckpointBackendSpec(name="picklebin", save=save, load=load))
+
+
+def test_generate_reads_a_third_party_whole_state_checkpoint(mega_cli, tmp_path: Path):
+    ckpt = tmp_path / "ckpt"
+    trained = mega_cli(["train", *TINY_GPT, "--train-iters", "1", "--save", str(ckpt),
+                        "--ckpt-format", "picklebin"], PickleBackend())  # fmt: skip
+    assert trained.exit_code == 0, trained.stderr
+    assert (ckpt / "iter_0000001" / "state.bin").is_file()
+    result = mega_cli(["generate", "--load", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2",
+                       "--greedy"], PickleBackend())  # fmt: skip
+    assert result.exit_code == 0, result.stderr
