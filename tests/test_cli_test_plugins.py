@@ -85,3 +85,35 @@ def test_generate_reads_a_third_party_whole_state_checkpoint(mega_cli, tmp_path:
     result = mega_cli(["generate", "--load", str(ckpt), "--prompt", "ab", "--max-new-tokens", "2",
                        "--greedy"], PickleBackend())  # fmt: skip
     assert result.exit_code == 0, result.stderr
+
+
+def test_checkpoint_inspect_of_a_plugin_backends_sharded_checkpoint(mega_cli, tmp_path: Path):
+    # a sharded backend that stores its arrays in one blob, not at each key's path: the tensors'
+    # own bytes are unknown ("?"), the total is what is on disk (it printed "0 B")
+    import json
+
+    from mega.core.checkpoint.sharded_store import METADATA
+    from mega.core.checkpoint.store import MARKER
+
+    directory = tmp_path / "iter_0000003"
+    directory.mkdir()
+    (directory / "blob.bin").write_bytes(bytes(4096))
+    (directory / METADATA).write_text(json.dumps({
+        "common": {"layout": {"tensor_model_parallel_size": 1}},
+        "tensors": {"embedding.weight": {"shape": [16, 64], "dtype": "float32"}},
+    }))  # fmt: skip
+    (directory / MARKER).write_text(json.dumps(
+        {"iteration": 3, "backend": "blob", "sharded": True, "files": {}}
+    ))  # fmt: skip
+    described = mega_cli(["checkpoint", "inspect", str(directory), "--json"])
+    assert described.exit_code == 0, described.stderr
+    info = json.loads(described.output)
+    assert info["tensors"]["embedding.weight"]["bytes"] is None
+    assert info["bytes_on_disk"] >= 4096
+    shown = mega_cli(["checkpoint", "inspect", str(directory)])
+    last = shown.output.strip().splitlines()
+    assert (
+        last[-2].endswith("?")
+        and last[-1].startswith("1 tensors, 4.")
+        and last[-1].endswith("KB on disk")
+    ), shown.output

@@ -48,14 +48,18 @@ def describe(directory: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise MegaUsageError(f"{directory}: unreadable {METADATA} ({exc})") from None
     info["layout"] = metadata.get("common", {}).get("layout", {})
+    # a backend's arrays: mega's own store each at its key's path; a plugin's may store them
+    # elsewhere (one file, other names): then a tensor's bytes are unknown (None) and the total
+    # is the directory's files
     info["tensors"] = {
         key: {
             "shape": meta["shape"],
             "dtype": meta["dtype"],
-            "bytes": _bytes_on_disk(directory / key),
+            "bytes": _bytes_on_disk(directory / key) if (directory / key).exists() else None,
         }
         for key, meta in sorted(metadata["tensors"].items())
     }
+    info["bytes_on_disk"] = _bytes_on_disk(directory)
     return info
 
 
@@ -108,9 +112,9 @@ def inspect_command(directory: Path, as_json: bool) -> None:
     width = max((len(k) for k in tensors), default=0)
     for key, meta in tensors.items():
         shape = "x".join(map(str, meta["shape"])) or "scalar"
-        click.echo(f"  {key:<{width}}  {shape:>14}  {meta['dtype']:<8}  {_size(meta['bytes'])}")
-    total = sum(meta["bytes"] for meta in tensors.values())
-    click.echo(f"{len(tensors)} tensors, {_size(total)}")
+        size = "?" if meta["bytes"] is None else _size(meta["bytes"])
+        click.echo(f"  {key:<{width}}  {shape:>14}  {meta['dtype']:<8}  {size}")
+    click.echo(f"{len(tensors)} tensors, {_size(info['bytes_on_disk'])} on disk")
 
 
 @hookimpl
