@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from mega import CheckpointConverterSpec, hookimpl
-from mega.testing.commands import TINY_GPT
+from mega.testing.commands import TINY_GPT, with_free_port
+
+from conftest import lm_losses
 
 
 class NameListWriter:
@@ -117,3 +119,30 @@ def test_checkpoint_inspect_of_a_plugin_backends_sharded_checkpoint(mega_cli, tm
         and last[-1].startswith("1 tensors, 4.")
         and last[-1].endswith("KB on disk")
     ), shown.output
+
+
+class FailsOnRankOne:
+    """A run error on rank 1 only, once the ranks are up."""
+
+    @hookimpl
+    def topology_ready(self, topology):  # noqa: ANN001, ANN201
+        from mega.errors import MegaRunError
+
+        if topology.rank == 1:
+            raise MegaRunError("rank one refuses (a test plugin)")
+
+
+def test_launched_ranks_run_with_the_fixtures_plugins_and_their_output_reaches_the_result(
+    mega_cli, monkeypatch
+):
+    # forked ranks run with the launching mega's plugins (spawned ones, which mega picks where
+    # forking is unsafe, e.g. after tensorstore ran in this process, load the installed ones)
+    monkeypatch.setenv("MEGA_START_METHOD", "fork")
+    args = ["train", *TINY_GPT, "--train-iters", "2", "--nproc-per-node", "2"]
+    failed = mega_cli(with_free_port(args), FailsOnRankOne())
+    assert failed.exit_code == 1, (failed.output, failed.stderr)
+    assert "[rank 1] error: rank one refuses (a test plugin)" in failed.stderr, failed.stderr
+    assert "error: rank 1 failed (exit code 1)" in failed.stderr, failed.stderr
+    trained = mega_cli(with_free_port(args))
+    assert trained.exit_code == 0, trained.stderr
+    assert sorted(lm_losses(trained.output)) == [1, 2], trained.output  # rank 0's lines

@@ -51,6 +51,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from mega.core.config.sections import RunConfig
@@ -147,11 +148,17 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads_per_worker(launch.nproc_per_node))
     timeout_s = max(1, int(config.parallel.distributed_timeout_minutes * 60))
+    global _parent_plugins
+    _parent_plugins = _invoking_plugins() if method == "fork" else None
+    # mega running inside a process that captures its output in Python (a test's mega_cli): the
+    # workers' output would go to the descriptors beneath it, so it goes to files and is relayed
+    captured = not (_is_terminal_file(sys.stdout) and _is_terminal_file(sys.stderr))
     with (
         _environ(env),
         _quiet_elastic_logs(),
         _kept_signal_handlers(),
         tempfile.TemporaryDirectory(prefix="mega-launch-") as log_dir,
+        _relay_from(log_dir, captured),
     ):
         sigterm = _SigtermForwarder()
         signal.signal(signal.SIGTERM, sigterm)
@@ -169,7 +176,7 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
             monitor_interval=MONITOR_INTERVAL,
             start_method=method,
             signals_to_handle=elastic_signals,  # not SIGTERM: _SigtermForwarder handles it
-            logs_specs=DefaultLogsSpecs(log_dir=log_dir),  # error files, removed afterwards
+            logs_specs=_logs_specs(DefaultLogsSpecs, log_dir, captured),
         )
         try:
             elastic_launch(elastic_config, _worker)(list(argv), command)
@@ -187,6 +194,58 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
             ) from None
         except (RuntimeError, ValueError, OSError) as exc:  # rendezvous: port in use, no master
             raise MegaRunError(_rendezvous_message(exc, config)) from None
+
+
+_parent_plugins: Any = None  # the launching mega's plugins, which a forked worker runs with
+
+
+def _invoking_plugins() -> Any:
+    """The plugins of the ``mega`` command running here (a test's own included), or None."""
+    try:
+        from mega.cli import current_plugins
+
+        return current_plugins()
+    except RuntimeError:  # called outside a click command
+        return None
+
+
+def _is_terminal_file(stream: Any) -> bool:
+    """Whether ``stream`` writes to an OS file descriptor (a terminal, a pipe, a file)."""
+    try:
+        stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
+def _logs_specs(specs_cls: Any, log_dir: str, captured: bool) -> Any:
+    """Elastic's error files in ``log_dir``; when ``captured``, the workers' stdout and stderr
+    too (relayed by :func:`_relay_from`)."""
+    if not captured:
+        return specs_cls(log_dir=log_dir)
+    from torch.distributed.elastic.multiprocessing import Std
+
+    return specs_cls(log_dir=log_dir, redirects=Std.ALL)
+
+
+@contextlib.contextmanager
+def _relay_from(log_dir: str, captured: bool) -> Iterator[None]:
+    """When ``captured``: the process's own descriptors are ``sys.stdout``/``sys.stderr`` while
+    the workers start (elastic's redirection needs file descriptors, and forked workers inherit
+    these streams), and after the workers end, however they end, each rank's stdout and stderr
+    files go, in rank order, to the streams that were capturing."""
+    if not captured:
+        yield
+        return
+    capturing = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = capturing
+        for name, stream in (("stdout.log", capturing[0]), ("stderr.log", capturing[1])):
+            for file in sorted(Path(log_dir).rglob(name), key=lambda f: int(f.parent.name)):
+                stream.write(file.read_text(errors="replace"))
 
 
 class _SigtermForwarder:
@@ -287,7 +346,8 @@ def _worker(argv: list[str], command: str) -> None:
     from mega.cli import main
 
     try:
-        main([command, *argv])  # ends with SystemExit: 0, 1 (run error) or 2 (bad input)
+        # forked, the parent's plugins (a test's own too); spawned, this process's
+        main([command, *argv], _parent_plugins)  # SystemExit: 0, 1 (run error) or 2 (bad input)
     except Exception:  # a bug, not an ordinary error: show it as Python would, then fail
         traceback.print_exc()
         sys.stderr.flush()
