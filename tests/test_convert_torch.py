@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mega.core.checkpoint.store import unpadded_model
 from mega.core.convert.convert import convert
 from mega.core.plugins.manager import make_plugins
 from mega.errors import MegaUsageError
@@ -123,3 +124,11 @@ def test_an_old_padded_torch_checkpoint_is_refused(torch_run, tmp_path):
     with pytest.raises(MegaUsageError, match="older mega that kept the vocabulary's padding"):
         convert(old, tmp_path / "out", _converters())
     assert not (tmp_path / "out").exists()
+
+
+def test_a_whole_state_checkpoint_that_kept_the_padding_rows_is_refused_by_name():
+    # generate and convert-checkpoint share this check
+    model = {"embedding.word_embeddings.weight": object()}
+    assert unpadded_model({"model": model, "vocab_unpadded": True}, "ckpt") is model
+    with pytest.raises(MegaUsageError, match="^--load ckpt: written by an older mega"):
+        unpadded_model({"model": model}, "--load ckpt")

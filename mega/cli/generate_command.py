@@ -81,7 +81,12 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.core.checkpoint.api import load as load_sharded
     from mega.core.checkpoint.api import sharded_state
     from mega.core.checkpoint.state import model_with_padding
-    from mega.core.checkpoint.store import find_checkpoint, load_checkpoint, peek_marker
+    from mega.core.checkpoint.store import (
+        find_checkpoint,
+        load_checkpoint,
+        peek_marker,
+        unpadded_model,
+    )
     from mega.core.checkpoint.strict import state_dict_mismatch
     from mega.core.training.vocab import padded_vocab_size
     from mega.parallel.sharded_state import vocab_rows
@@ -111,12 +116,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     found = peek_marker(load)
     if found is not None and not found[1].get("sharded"):  # a whole-state backend, any plugin's
         directory, state = load_checkpoint(load, plugins.checkpoint_backends)
-        if not state.get("vocab_unpadded"):
-            raise MegaUsageError(
-                f"--load {directory}: written by an older mega that kept the vocabulary's padding"
-                " rows; load it with mega train and save it again"
-            )
-        saved = state["model"]
+        saved = unpadded_model(state, f"--load {directory}")
         problem = state_dict_mismatch(model, saved)  # strict: every tensor, by name
         if problem:
             raise MegaUsageError(f"--load {load}: does not match its model: {problem}")

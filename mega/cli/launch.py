@@ -152,7 +152,7 @@ def launch_workers(config: RunConfig, argv: list[str], command: str = "train") -
     _parent_plugins = _invoking_plugins() if method == "fork" else None
     # mega running inside a process that captures its output in Python (a test's mega_cli): the
     # workers' output would go to the descriptors beneath it, so it goes to files and is relayed
-    captured = not (_is_terminal_file(sys.stdout) and _is_terminal_file(sys.stderr))
+    captured = not (_has_descriptor(sys.stdout) and _has_descriptor(sys.stderr))
     with (
         _environ(env),
         _quiet_elastic_logs(),
@@ -209,8 +209,9 @@ def _invoking_plugins() -> Any:
         return None
 
 
-def _is_terminal_file(stream: Any) -> bool:
-    """Whether ``stream`` writes to an OS file descriptor (a terminal, a pipe, a file)."""
+def _has_descriptor(stream: Any) -> bool:
+    """Whether ``stream`` writes to an OS file descriptor (a terminal, a pipe, a file), unlike
+    an in-memory capture (``io.StringIO``)."""
     try:
         stream.fileno()
     except (AttributeError, OSError, ValueError):

@@ -211,3 +211,15 @@ def load_checkpoint(path: str | Path, backends: Any) -> tuple[Path, dict[str, An
         raise MegaUsageError(
             f"--load {directory}: cannot read it ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def unpadded_model(state: dict[str, Any], where: Any) -> dict[str, Any]:
+    """The model tensors of a whole-state checkpoint (``where``: its directory, for the error),
+    vocabulary-sized ones without padding rows; one written by an older mega kept those rows
+    and is refused."""
+    if not state.get("vocab_unpadded"):
+        raise MegaUsageError(
+            f"{where}: written by an older mega that kept the vocabulary's padding rows; load it"
+            " with mega train and save it again"
+        )
+    return state["model"]

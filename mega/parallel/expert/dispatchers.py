@@ -26,8 +26,10 @@ from mega.parallel.comm import group_size
 from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter_rows
 from mega.parallel.expert.local import (
     balanced_rows,
+    group_by_expert,
     inverse_permutation,
     local_mixture,
+    mix_slots,
     run_experts,
     to_experts,
     to_slots,
@@ -73,10 +75,7 @@ class AllToAllDispatcher:
         total = n * local
         t, k = routing.indices.shape
         flat = routing.indices.reshape(-1)
-        grouped, order = torch.sort(flat, stable=True)  # by expert: by destination rank too
-        inverse = inverse_permutation(order)
-        # bounds[0]: the dropped slots (-1 sorts first); then each expert's first sorted slot
-        bounds = torch.searchsorted(grouped, torch.arange(total + 1, device=flat.device))
+        order, inverse, bounds = group_by_expert(flat, total)  # by expert: by destination too
         per_expert = torch.cat([bounds[:1], bounds.diff()])  # [1 + E]: dropped, then sent
         # every rank's counts for this rank's experts: [source, local expert]
         counts = exchange_rows(per_expert[1:].view(n, local), [1] * n, [1] * n, self.group)
@@ -105,5 +104,6 @@ class AllToAllDispatcher:
         returned = exchange_rows(outputs.index_select(0, back), recv, send, self.group)
         if dropped:  # a dropped slot adds nothing to its token
             returned = torch.cat([returned.new_zeros(dropped, returned.shape[1]), returned])
-        per_slot = to_slots(returned, order, inverse).view(t, k, -1)
-        return (per_slot.float() * routing.probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)
+        return mix_slots(
+            to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
+        )

@@ -188,6 +188,26 @@ def to_slots(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> 
     return _ToSlots.apply(rows, order, inverse)
 
 
+def group_by_expert(
+    flat: torch.Tensor, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(order, inverse, bounds)`` of the flat slots' expert ids ``flat`` (global ids below
+    ``count``; -1 for a dropped slot): ``order`` sorts them by expert, dropped ones first and
+    token order inside each expert, ``inverse`` undoes it, ``bounds [count + 1]`` is each
+    expert's first sorted slot, so ``bounds[0]`` counts the dropped slots and ``bounds.diff()``
+    each expert's. Nothing waits for the GPU (an int64 index_add or bincount would: a slow,
+    serial fallback kernel under compile, a host sync eager)."""
+    grouped, order = torch.sort(flat, stable=True)
+    bounds = torch.searchsorted(grouped, torch.arange(count + 1, device=flat.device))
+    return order, inverse_permutation(order), bounds
+
+
+def mix_slots(per_slot: torch.Tensor, probs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[T, h]``: each token's ``k`` expert outputs (``per_slot [T, k, h]``) weighted by its
+    routing probabilities and summed, in float32, then ``dtype``."""
+    return (per_slot.float() * probs.float().unsqueeze(-1)).sum(1).to(dtype)
+
+
 def complete_mixture(
     tokens: torch.Tensor,
     probs: torch.Tensor,
@@ -200,14 +220,6 @@ def complete_mixture(
     no shape depends on the data (a compiled layer is one graph, nothing waits for the GPU), and
     tokens move by gathers both ways, never by atomic scatter-adds."""
     t, k = indices.shape
-    flat = indices.reshape(-1)
-    # slots grouped by expert, token order inside
-    grouped, order = torch.sort(flat, stable=True)
-    inverse = inverse_permutation(order)
-    # each expert's first slot in the sorted ids (an int64 index_add would be a slow, serial
-    # fallback kernel under compile: every slot of an expert adds to the same count)
-    bounds = torch.searchsorted(grouped, torch.arange(count + 1, device=flat.device))
-    counts = bounds.diff()
-    y = run_experts(to_experts(tokens, order, inverse, k), counts, experts, pad_to)
-    slots = to_slots(y, order, inverse).view(t, k, -1)
-    return (slots.float() * probs.float().unsqueeze(-1)).sum(1).to(tokens.dtype)
+    order, inverse, bounds = group_by_expert(indices.reshape(-1), count)
+    y = run_experts(to_experts(tokens, order, inverse, k), bounds.diff(), experts, pad_to)
+    return mix_slots(to_slots(y, order, inverse).view(t, k, -1), probs, tokens.dtype)

@@ -35,7 +35,7 @@ def detect(path: Path) -> bool:
 def read(path: Path) -> ModelWeights:
     import torch
 
-    from mega.core.checkpoint.store import peek_marker, verify_files
+    from mega.core.checkpoint.store import peek_marker, unpadded_model, verify_files
     from mega.plugins.checkpoint.torch_files import FILE
 
     found = peek_marker(path)
@@ -44,14 +44,9 @@ def read(path: Path) -> ModelWeights:
     directory = found[0]
     verify_files(directory, found[1])
     state = torch.load(directory / FILE, map_location="cpu", weights_only=True, mmap=True)
-    if not state.get("vocab_unpadded"):
-        raise MegaUsageError(
-            f"{directory}: written by an older mega that kept the vocabulary's padding rows;"
-            " load it with mega train and save it again to convert it"
-        )
     tensors = {
         name: LazyTensor(tuple(t.shape), t.dtype, lambda t=t: t.clone())
-        for name, t in state["model"].items()
+        for name, t in unpadded_model(state, directory).items()
     }
     return ModelWeights.from_run_config(state.get("config") or {}, tensors, str(directory))
 
