@@ -104,3 +104,14 @@ def test_compiled_layout_matches_eager_and_one_gpu(tmp_path: Path, name: str, on
     for against, diff in report.items():
         assert diff["loss"] <= LOSS_BOUND, (name, against, report)
         assert diff["first_grad_norm"] <= FIRST_GRAD_NORM_BOUND, (name, against, report)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
+def test_compiled_cp4_ring_matches_one_gpu(tmp_path: Path, one_gpu: dict):
+    """Four ranks around the ring: blocks pass through two inbox slots (copy-engine lanes), the
+    accumulators in float32 (two ranks reuse no slot within a pass)."""
+    args = [*GPT, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "--nproc-per-node", "4"]
+    report = differences(curves(tmp_path, "cp4", [*args, "--compile"]), one_gpu["gpt"])
+    print("cp4-p2p", json.dumps(report))
+    assert report["loss"] <= LOSS_BOUND, report
+    assert report["first_grad_norm"] <= FIRST_GRAD_NORM_BOUND, report

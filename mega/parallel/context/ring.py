@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from mega.parallel import comm
 from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
+from mega.parallel.context.lanes import lane
 from mega.parallel.weight_grad import OpaqueWhenTraced
 
 ALL, FIRST, SECOND = "all", 0, 1
@@ -80,12 +80,10 @@ def _forward_body(
     last block received ``[2, b, g, s_local, d]``)."""
     group = _resolve_process_group(group_name)
     kv = torch.stack((k, v))  # contiguous [2, b, g, s_local, d]: what travels
+    ahead = lane(group, following, previous, "forward keys and values", kv)
     out = lse = None
     for step in range(cp):
-        posted, incoming = None, None
-        if step < cp - 1:
-            incoming = torch.empty_like(kv)
-            posted = comm.exchange([(kv, following)], [(incoming, previous)], group, wait=False)
+        posted = ahead.send([kv]) if step < cp - 1 else None
         rows, keys, mode = _step(rank, (rank - step) % cp)
         part = block_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale)
         if out is None:  # step 0: all queries, the accumulators' first values
@@ -97,8 +95,9 @@ def _forward_body(
             _part(out, rows).copy_(merged[0])
             _part(lse[..., None], rows)[..., 0].copy_(merged[1])
         if posted is not None:
-            posted.wait()
-            kv = incoming
+            (kv,) = posted.wait()
+    kv = ahead.own(kv)  # backward starts on it
+    ahead.finish()
     context = out.to(q.dtype).transpose(1, 2).contiguous()  # no copy where the kernel wrote b,s,h,d
     return context, lse.contiguous(), kv  # the strides the fake declares
 
@@ -162,13 +161,13 @@ def _backward_body(
     def kv_zeros(dtype: torch.dtype) -> torch.Tensor:
         return k.new_zeros(k.shape, dtype=dtype)
 
-    arriving = None  # (posted, dk, dv): the accumulator of the next block, on its way here
+    behind = lane(group, previous, following, "backward keys and values", kv)
+    sums = lane(group, previous, following, "backward key and value gradients", kv)
+    arriving = None  # the accumulators of the next block, on their way here
     for step in range(cp):
         source = (rank + 1 + step) % cp
-        posted, incoming = None, None
-        if step < cp - 2:  # the next remote block travels while this one is computed
-            incoming = torch.empty_like(kv)
-            posted = comm.exchange([(kv, previous)], [(incoming, following)], group, False)
+        # the next remote block travels while this one is computed
+        posted = behind.send([kv]) if step < cp - 2 else None
         keys, values = (k, v) if source == rank else (kv[0], kv[1])
         rows, cols, mode = _step(rank, source)
         if rows not in halves:
@@ -184,21 +183,19 @@ def _backward_body(
             acc_k = _accumulate(None, dk, cols, kv_zeros, wide).contiguous()
             acc_v = _accumulate(None, dv, cols, kv_zeros, wide).contiguous()
         else:  # the others' shares of this block, sent during this step's compute
-            arriving[0].wait()
-            acc_k, acc_v = arriving[1], arriving[2]
+            acc_k, acc_v = arriving.wait()
             _part(acc_k, cols).add_(dk)
             _part(acc_v, cols).add_(dv)
         if source != rank:  # on towards the block's owner
-            next_k, next_v = torch.empty_like(acc_k), torch.empty_like(acc_v)
-            sends = [(acc_k, previous), (acc_v, previous)]
-            receives = [(next_k, following), (next_v, following)]
-            arriving = (comm.exchange(sends, receives, group, False), next_k, next_v)
+            arriving = sums.send([acc_k, acc_v])
         if posted is not None:
-            posted.wait()
-            kv = incoming
+            (kv,) = posted.wait()
     dtype = q.dtype
     dq = dq.transpose(1, 2).contiguous()  # no copy where the kernel wrote the queries' layout
-    return dq.to(dtype), acc_k.contiguous().to(dtype), acc_v.contiguous().to(dtype)
+    dk, dv = (sums.own(acc.contiguous().to(dtype)) for acc in (acc_k, acc_v))
+    behind.finish()
+    sums.finish()
+    return dq.to(dtype), dk, dv
 
 
 _backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
