@@ -27,13 +27,14 @@ def attention(transport: str, seed: int, s_local: int) -> list[torch.Tensor]:
         x = torch.randn(*shape, generator=gen, device="cuda", dtype=torch.bfloat16)
         return x.requires_grad_()
 
-    q = rand(b, s_local, h, d).transpose(1, 2)  # [b, h, s, d] views, as the model gives them
+    query = rand(b, s_local, h, d)
     k, v = rand(b, g, s_local, d), rand(b, g, s_local, d)
+    q = query.transpose(1, 2)  # [b, h, s, d] views, as the model gives them
     group = dist.group.WORLD
     peers = ((rank + 1) % cp, (rank - 1) % cp)
     out = ring_attention(q, k, v, group, peers, rank, cp, d**-0.5)
     out.backward(torch.randn(out.shape, generator=gen, device="cuda", dtype=out.dtype))
-    return [out.detach(), q.grad, k.grad, v.grad]
+    return [out.detach(), query.grad, k.grad, v.grad]
 
 
 def main() -> None:
