@@ -83,7 +83,7 @@ class CopyEngineLane:
     def __init__(self, group: Any, to: int, frm: int) -> None:
         self.group, self.to, self.frm = group, to, frm
         self.stream = torch.cuda.Stream()
-        self.slot_bytes, self.buffer, self.handle = 0, None, None
+        self.slot_bytes, self.buffer, self.handle, self.views = 0, None, None, {}
         self.sent, self.held, self.keep = 0, [], []
 
     def _grow(self, nbytes: int, device: torch.device) -> None:
@@ -93,13 +93,20 @@ class CopyEngineLane:
             self.stream.synchronize()  # nothing of the old inbox still in flight
         self.buffer = symm_mem.empty(2 * nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, self.group)
-        self.slot_bytes = nbytes
+        self.slot_bytes, self.views = nbytes, {}
         with torch.cuda.stream(self.stream):  # both slots start free
             for slot in (0, 1):
                 self.handle.put_signal(self.frm, _FREE[slot], _TIMEOUT_MS)
 
     def _views(self, rank: int, slot: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors``' shapes laid out one after another in ``rank``'s inbox slot."""
+        """``tensors``' shapes laid out one after another in ``rank``'s inbox slot (made once per
+        layout: the host, not the copy, is what a ring step waits for at small blocks)."""
+        key = (rank, slot, *((t.shape, t.dtype) for t in tensors))
+        if key not in self.views:
+            self.views[key] = self._lay_out(rank, slot, tensors)
+        return self.views[key]
+
+    def _lay_out(self, rank: int, slot: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         views, offset = [], slot * self.slot_bytes
         for t in tensors:
             size = t.numel() * t.element_size()

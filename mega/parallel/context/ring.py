@@ -37,7 +37,14 @@ from typing import Any
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
+from mega.parallel.context.blocks import (
+    CAUSAL,
+    FULL,
+    block_backward,
+    block_forward,
+    merge,
+    merge_into,
+)
 from mega.parallel.context.lanes import lane
 from mega.parallel.weight_grad import OpaqueWhenTraced
 
@@ -88,6 +95,8 @@ def _forward_body(
         part = block_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale)
         if out is None:  # step 0: all queries, the accumulators' first values
             out, lse = (part[0].float() if _wide(cp) else part[0]), part[1]
+        elif _wide(cp):  # float32 accumulators, merged in place
+            merge_into(_part(out, rows), _part(lse[..., None], rows)[..., 0], part)
         elif rows == ALL:
             out, lse = merge((out, lse), part)
         else:  # one half of the queries: merged into its half of the accumulators
