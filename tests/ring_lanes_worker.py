@@ -13,8 +13,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.context.lanes import TRANSPORT_ENV, CopyEngineLane, lane
+from mega.parallel.context.lanes import CopyEngineLane, lane
 from mega.parallel.context.ring import ring_attention
+from mega.parallel.context.transport_choice import TRANSPORT_ENV
 
 
 def attention(transport: str, seed: int, s_local: int) -> list[torch.Tensor]:

@@ -204,6 +204,40 @@ def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_a_merge_in_place_into_halves_is_the_merge():
+    """merge_into (the ring's float32 accumulators beyond two ranks, merged in place into one
+    half of the positions) gives merge's result there and leaves the other half alone."""
+    from mega.parallel.context.blocks import merge, merge_into
+
+    g = torch.Generator().manual_seed(1)
+    out, lse = torch.randn(2, 4, 8, 16, generator=g), torch.randn(2, 4, 8, generator=g)
+    part = (torch.randn(2, 4, 4, 16, generator=g).bfloat16(), torch.randn(2, 4, 4, generator=g))
+    want_out, want_lse = merge((out[:, :, 4:], lse[:, :, 4:]), part)
+    got_out, got_lse = out.clone(), lse.clone()
+    merge_into(got_out[:, :, 4:], got_lse[:, :, 4:], part)
+    # float32 reorderings of the same weights: 1e-6 (a wrong weight is off by O(0.1))
+    torch.testing.assert_close(got_out[:, :, 4:], want_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_lse[:, :, 4:], want_lse, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_out[:, :, :4], out[:, :, :4]) and torch.equal(
+        got_lse[:, :, :4], lse[:, :, :4]
+    )
+
+
+def test_an_unknown_ring_transport_is_refused_before_launch(monkeypatch):
+    monkeypatch.setenv("MEGA_CP_P2P_TRANSPORT", "carrier-pigeon")
+    args = [
+        *TINY,
+        "--attention-dropout",
+        "0",
+        "--nproc-per-node",
+        "2",
+        "--context-parallel-size",
+        "2",
+    ]
+    with pytest.raises(MegaUsageError, match="MEGA_CP_P2P_TRANSPORT='carrier-pigeon'"):
+        resolve_config(args, make_plugins())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_gpu_kernel_blocks_are_whole_attention(kernel: str, monkeypatch):

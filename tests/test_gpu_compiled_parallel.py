@@ -63,9 +63,11 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-def curves(tmp_path: Path, name: str, args: list[str]) -> tuple[list[float], list[float]]:
+def curves(
+    tmp_path: Path, name: str, args: list[str], env: dict[str, str] | None = None
+) -> tuple[list[float], list[float]]:
     run_dir = tmp_path / name
-    result = run_mega(["train", *args, "--run-dir", str(run_dir)], tmp_path, timeout=600)
+    result = run_mega(["train", *args, "--run-dir", str(run_dir)], tmp_path, env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "lm_loss" in r]
@@ -107,11 +109,14 @@ def test_compiled_layout_matches_eager_and_one_gpu(tmp_path: Path, name: str, on
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs")
-def test_compiled_cp4_ring_matches_one_gpu(tmp_path: Path, one_gpu: dict):
-    """Four ranks around the ring: blocks pass through two inbox slots (copy-engine lanes), the
-    accumulators in float32 (two ranks reuse no slot within a pass)."""
+@pytest.mark.parametrize("transport", ["nccl", "copy-engine"])
+def test_compiled_cp4_ring_matches_one_gpu(tmp_path: Path, one_gpu: dict, transport: str):
+    """Four ranks around the ring, with either transport (mega.parallel.context.lanes): blocks
+    pass through both inbox slots of a copy lane, the accumulators in float32 (two ranks reuse no
+    slot within a pass)."""
     args = [*GPT, "--context-parallel-size", "4", "--cp-comm-type", "p2p", "--nproc-per-node", "4"]
-    report = differences(curves(tmp_path, "cp4", [*args, "--compile"]), one_gpu["gpt"])
-    print("cp4-p2p", json.dumps(report))
+    got = curves(tmp_path, "cp4", [*args, "--compile"], {"MEGA_CP_P2P_TRANSPORT": transport})
+    report = differences(got, one_gpu["gpt"])
+    print("cp4-p2p", transport, json.dumps(report))
     assert report["loss"] <= LOSS_BOUND, report
     assert report["first_grad_norm"] <= FIRST_GRAD_NORM_BOUND, report

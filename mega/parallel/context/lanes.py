@@ -2,14 +2,21 @@
 
 ``send(tensors)`` passes this rank's tensors to the rank ahead and returns an :class:`Arrival`
 of the same shapes from the rank behind; ``finish()`` ends a pass (one attention's forward or
-backward). Two kinds:
+backward). Two kinds, chosen by ``MEGA_CP_P2P_TRANSPORT``:
 
-- :class:`MessageLane`: send/recv of the process group (NCCL or gloo), fresh tensors per step.
-- :class:`CopyEngineLane`, on CUDA GPUs of one host: the block is copied by the copy engine
-  straight into the next rank's inbox in symmetric memory (peer-mapped). Why: on 4 H200 the
-  ring's 32 MiB step took 0.29 ms by NCCL send/recv alone (116 GB/s) against 0.17 ms copied
-  (203 GB/s), and 0.45-1.2 ms inside a training step, where NCCL's kernels wait for the SMs that
-  attention holds; a copy takes no SM. (``collectives_ring_4gpu_h200_2026-11-28.json``.)
+- ``nccl`` (the default), :class:`MessageLane`: send/recv of the process group (NCCL or gloo),
+  fresh tensors per step.
+- ``copy-engine``, :class:`CopyEngineLane`, on CUDA GPUs of one host: the block is copied by the
+  copy engine straight into the next rank's inbox in symmetric memory (peer-mapped), no SM taken.
+  Elsewhere the variable falls back to ``nccl``.
+
+Why both, measured on 4 H200 (1.3B GPT, 16k tokens, CP4, ``docs/context-parallelism.md``): a
+32 MiB block took 0.29 ms by NCCL send/recv alone and 0.17 ms copied; inside a training step
+NCCL's send/recv kernels ran 0.45-1.2 ms and the copies 0.088 ms. Yet the step was no faster
+(16,880 tokens/s per GPU copied, 18,273 by NCCL, one run each, and CP4 runs vary by 10% between
+sessions): at 4k tokens a rank the ring is bound by the host's launches, and a copy lane launches
+more (four signal kernels and an event a step). NCCL stays the default until a measurement says
+otherwise; the copy lane is the transport for when the host no longer bounds the ring.
 
 The copy lane's protocol, for a rank and its inbox of two slots, in stream order on the lane's
 own stream: send ``k`` goes to slot ``k % 2`` of the next rank's inbox after that rank's *free*
@@ -33,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from mega.parallel import comm
+from mega.parallel.context.transport_choice import chosen_transport
 
-TRANSPORT_ENV = "MEGA_CP_P2P_TRANSPORT"  # "copy-engine" or "nccl"; unset: copy engine where it can
 _ALIGN = 512  # bytes: every tensor in a slot starts aligned for any dtype's view
 _TIMEOUT_MS = 600_000  # the default NCCL timeout: a peer still compiling is not a dead peer
 _READY, _FREE = (0, 1), (2, 3)  # signal channels per slot
@@ -174,11 +181,8 @@ def _one_host(group: Any) -> bool:
 
 def copy_engine_usable(group: Any, like: torch.Tensor) -> bool:
     """Whether the ring of ``group`` can use the copy engine for tensors like ``like``."""
-    choice = os.environ.get(TRANSPORT_ENV, "copy-engine")
-    if choice not in ("copy-engine", "nccl"):
-        raise ValueError(f"{TRANSPORT_ENV} must be 'copy-engine' or 'nccl', not {choice!r}")
     return (
-        choice == "copy-engine"
+        chosen_transport() == "copy-engine"
         and like.is_cuda
         and dist.get_backend(group) == "nccl"
         and _one_host(group)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mega.parallel.context.transport_choice import transport_problem
+
 
 def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
     """Every reason the run cannot split its sequences over ``--context-parallel-size`` ranks."""
@@ -22,6 +24,8 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
         errors.append(
             f"--cp-comm-type {p.cp_comm_type!r}: no such type (have: {', '.join(types.names())})"
         )
+    if p.cp_comm_type == "p2p" and transport_problem():
+        errors.append(transport_problem())
     seq, tp = config.training.seq_length, p.tensor_model_parallel_size
     if seq % (2 * cp):
         errors.append(
