@@ -34,7 +34,6 @@ versions and numbers.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -42,10 +41,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_throughput import StepClock, run_argv  # noqa: E402
-from hf_baselines import (  # noqa: E402
+from gpt_throughput import StepClock, run_argv
+from hf_baselines import (
     SyntheticDataset,
     against_fastest_hf,
     checked_systems,

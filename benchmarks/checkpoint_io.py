@@ -58,9 +58,7 @@ import torch
 import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # the mega of this checkout, also under torchrun (which puts
-# benchmarks/ first on the path, not the working directory)
-from parallel_layouts import commit  # noqa: E402  (benchmarks/, this script's directory)
+from parallel_layouts import commit  # noqa: E402  (a sibling: this script's directory)
 
 MODEL = [
     "--model", "gpt", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",

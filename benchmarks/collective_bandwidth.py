@@ -34,11 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from parallel_layouts import commit
 
 import mega
-
-sys.path.insert(0, str(Path(__file__).parent))
-from parallel_layouts import commit  # noqa: E402
 
 
 def timed(run, iters: int, warmup: int) -> float:

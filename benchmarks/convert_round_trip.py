@@ -27,8 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from parallel_layouts import write_json  # noqa: E402
+from parallel_layouts import write_json
 
 # the child reports its own peak resident memory (ru_maxrss, KiB) on its last stderr line
 CHILD = (

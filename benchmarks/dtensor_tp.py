@@ -84,9 +84,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-# the reference GPT's MLP (benchmarks/ is this script's directory, first on sys.path)
-from gpt_throughput import MLP  # noqa: E402
-from parallel_layouts import commit  # noqa: E402
+# the reference GPT's MLP (a sibling: Python puts a script's directory first on its path)
+from gpt_throughput import MLP
+from parallel_layouts import commit
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module

@@ -47,8 +47,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from parallel_layouts import (  # noqa: E402  the same layout names and measurements
+from parallel_layouts import (
     layout_flags,
     speed_and_memory,
     train,

@@ -37,15 +37,12 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_throughput import (  # noqa: E402  the same optimizer settings and timing
+from gpt_throughput import (
     CLIP,
     LR,
     WARMUP,
@@ -55,7 +52,7 @@ from gpt_throughput import (  # noqa: E402  the same optimizer settings and timi
     train_mega,
     with_timing,
 )
-from hf_baselines import (  # noqa: E402
+from hf_baselines import (
     against_fastest_hf,
     checked_systems,
     hf_adamw,

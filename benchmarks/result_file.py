@@ -1,7 +1,7 @@
 """What every result file under benchmarks/results records about the run that made it, so that
 a number can be traced to the code it measured: the date, the commit, the command, the device,
 mega's, torch's and Python's versions. The scripts here import it as a sibling (``python
-benchmarks/<script>.py`` and torchrun put this directory on ``sys.path``)."""
+benchmarks/<script>.py`` and torchrun put a script's directory first on the import path)."""
 
 from __future__ import annotations
 

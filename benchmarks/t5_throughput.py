@@ -32,7 +32,6 @@ encoder positions (``--seq``), TFLOP/s uses mega's T5 FLOPs per encoder token. W
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -40,10 +39,8 @@ from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpt_throughput import StepClock, run_argv  # noqa: E402
-from hf_baselines import (  # noqa: E402
+from gpt_throughput import StepClock, run_argv
+from hf_baselines import (
     SyntheticDataset,
     against_fastest_hf,
     checked_systems,

@@ -54,6 +54,13 @@ def test_every_script_that_writes_a_result_file_adds_the_provenance():
     assert writers and not missing, missing
 
 
+def test_no_benchmark_script_edits_the_import_path():
+    # scripts share code as siblings (Python puts a script's directory first on its path, under
+    # torchrun too); a sys.path edit hid which mega a script measured (issue 51)
+    editing = [p.name for p in BENCHMARKS.glob("*.py") if "sys.path" in p.read_text()]
+    assert not editing, editing
+
+
 def _names(path: Path) -> list[str]:
     import ast
 
