@@ -18,7 +18,6 @@ trees' commits, every run's rows, and new/old of the median tokens/s per row.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -28,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from result_file import with_provenance
 
 
 def commit_of(tree: Path) -> str:
@@ -107,19 +108,18 @@ def main() -> None:
         )
     import torch
 
-    record = {
-        "date": datetime.date.today().isoformat(),
+    record = with_provenance({
+        "commit": commit_of(trees["new"]),  # the newer code measured; both trees below
         "command": shlex.join(sys.argv),
         "device": torch.cuda.get_device_name()
         if torch.cuda.is_available()
         else platform.processor(),
-        "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "trees": {
             side: {"path": str(tree), "commit": commit_of(tree)} for side, tree in trees.items()
         },
         "summary": summary,
         "runs": runs,
-    }
+    })  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}_{record['date']}.json"

@@ -61,6 +61,22 @@ def test_no_benchmark_script_edits_the_import_path():
     assert not editing, editing
 
 
+def test_every_result_file_since_the_harness_records_where_it_came_from():
+    # from 2026-11-28 on (issue 51): a number must lead to the commit, versions, device and
+    # command that made it; hand-written summaries (profiles) included
+    lacking = {}
+    for path in sorted((BENCHMARKS / "results").glob("*.json")):
+        record = json.loads(path.read_text())
+        if str(record.get("date", "")) < "2026-11-28":
+            continue
+        versions = record.get("versions") or {}
+        missing = [k for k in ("commit", "device", "command") if not record.get(k)]
+        missing += [f"versions.{k}" for k in ("mega", "torch") if not versions.get(k)]
+        if missing:
+            lacking[path.name] = missing
+    assert not lacking, lacking
+
+
 def _names(path: Path) -> list[str]:
     import ast
 
