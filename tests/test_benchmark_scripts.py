@@ -4,6 +4,7 @@ broken script is found here rather than on leased GPU time."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,26 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     rows = json.loads(result.read_text())["results"]
     assert [row.get("error") for row in rows] == [None] * 2
     assert rows[1]["max_rel_loss_diff_vs_tp1dp2"] < 1e-2
+
+
+def test_a_fake_world_context_parallel_rank_trains_on_finite_numbers(tmp_path: Path):
+    """``--fake-world`` (one rank's compute, on one GPU when no multi-GPU kind is lent): the fake
+    group wrote nothing into the ring's receive buffers, so a CP rank computed on uninitialised
+    memory and stopped at its first NaN gradient; they now hold the rank's own block."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "fake_rank.py"), "train", "--model", "gpt",
+        "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+        "--seq-length", "64", "--max-position-embeddings", "64", "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--train-iters", "2", "--log-interval", "1",
+        "--eval-iters", "0", "--attention-dropout", "0", "--nproc-per-node", "4",
+        "--context-parallel-size", "4", "--cp-comm-type", "p2p", "--run-dir", str(tmp_path),
+    ]  # fmt: skip
+    env = {**os.environ, "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows if "lm_loss" in r] == [1, 2]
 
 
 def test_fp8_convergence_prepares_its_corpus_and_reports(tmp_path: Path):
