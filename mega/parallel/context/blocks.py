@@ -130,8 +130,8 @@ def merge_into(
 ) -> None:
     """:func:`merge` in place, into float32 accumulators ``out`` and ``lse`` (views allowed).
     ``part``'s share of the joint softmax is ``sigmoid(part_lse - lse)``, so the merged out is one
-    lerp: five kernels where :func:`merge` and the copies back into views take ten (the ring's
-    host launches them, and at 4k tokens a rank it is the host that bounds a step)."""
+    lerp: five kernels where :func:`merge` and the copies back into views take ten, each one a
+    launch the ring's host makes per step."""
     part_out, part_lse = part
     weight = torch.sigmoid(part_lse - lse)[..., None]
     out.lerp_(part_out.to(out.dtype), weight)

@@ -14,9 +14,10 @@ Why both, measured on 4 H200 (1.3B GPT, 16k tokens, CP4, ``docs/context-parallel
 32 MiB block took 0.29 ms by NCCL send/recv alone and 0.17 ms copied; inside a training step
 NCCL's send/recv kernels ran 0.45-1.2 ms and the copies 0.088 ms. Yet the step was no faster
 (16,880 tokens/s per GPU copied, 18,273 by NCCL, one run each, and CP4 runs vary by 10% between
-sessions): at 4k tokens a rank the ring is bound by the host's launches, and a copy lane launches
-more (four signal kernels and an event a step). NCCL stays the default until a measurement says
-otherwise; the copy lane is the transport for when the host no longer bounds the ring.
+sessions): a CP4 rank alone takes 1,038 ms a step and the ring 1,800-1,900, so what the ring
+costs is its ranks waiting for one another, which a faster wire does not change, and a copy lane
+launches more from the host (four signal kernels and an event a step). NCCL stays the default
+until a measurement says otherwise.
 
 The copy lane's protocol, for a rank and its inbox of two slots, in stream order on the lane's
 own stream: send ``k`` goes to slot ``k % 2`` of the next rank's inbox after that rank's *free*
