@@ -128,6 +128,32 @@ def test_a_fake_world_context_parallel_rank_trains_on_finite_numbers(tmp_path: P
     assert [r["iteration"] for r in rows if "lm_loss" in r] == [1, 2]
 
 
+def test_the_ring_timeline_plugin_records_every_send_and_arrival(tmp_path: Path):
+    """benchmarks/plugins/ring_timeline.py on gloo ranks (no CUDA events there: host times only):
+    one row per send and per arrival of the step it records, from every rank."""
+    from mega.testing import run_mega
+
+    out = tmp_path / "timeline"
+    env = {
+        "MEGA_PLUGINS_DIR": str(ROOT / "benchmarks" / "plugins"),
+        "MEGA_RING_TIMELINE": str(out), "MEGA_RING_TIMELINE_AT": "1",
+    }  # fmt: skip
+    args = [
+        "train", "--model", "gpt", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
+        "--eval-iters", "0", "--attention-dropout", "0", "--nproc-per-node", "2",
+        "--context-parallel-size", "2", "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    result = run_mega(args, tmp_path, env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        summary = json.loads((out / f"ring_rank{rank}.json").read_text())["summary"]
+        # CP2, one layer, two micro-batches: forward sends one block, backward one accumulator
+        assert (summary["iteration"], summary["sends"], summary["arrivals"]) == (2, 4, 4)
+
+
 def test_fp8_convergence_prepares_its_corpus_and_reports(tmp_path: Path):
     """The parts of benchmarks/fp8_convergence.py a CPU can run: ``prepare`` (offline corpus,
     GPT-2 BPE, ``mega preprocess``), the bf16 run's flags resolving against that corpus, and
