@@ -37,12 +37,14 @@ from pathlib import Path
 
 from result_file import commit, write_json  # noqa: F401  (re-exported: other scripts import them here)
 
+WARMUP_ITERS = 4  # the learning rate's, in every layout's command
 MODEL = [
     "--model", "gpt", "--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
     "--seq-length", "2048", "--max-position-embeddings", "2048",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50175",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--bf16",
-    "--lr", "1e-4", "--lr-warmup-iters", "4", "--eval-iters", "0", "--log-interval", "1",
+    "--lr", "1e-4", "--lr-warmup-iters", str(WARMUP_ITERS), "--eval-iters", "0",
+    "--log-interval", "1",
     "--use-distributed-optimizer", "--overlap-grad-reduce",
 ]  # fmt: skip
 
@@ -222,8 +224,8 @@ def main() -> None:
     parser.add_argument("--layouts", default="tp1dp1,tp2dp1,tp1dp2")
     parser.add_argument("--name", default="parallel_layouts", help="result file name prefix")
     parser.add_argument("--base", default="tp1dp1", help="the layout the others are compared to")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20, help="training iterations in all")
+    parser.add_argument("--warmup", type=int, default=5, help="of them, not timed")
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--gbs", type=int, default=16)
     parser.add_argument(
@@ -239,6 +241,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = parser.parse_args()
+    if not args.warmup < args.iters:
+        parser.error(f"--warmup {args.warmup} leaves none of --iters {args.iters} to time")
+    if args.iters <= WARMUP_ITERS:  # mega train's own refusal, once per layout otherwise
+        parser.error(f"--iters {args.iters} must exceed the runs' --lr-warmup-iters {WARMUP_ITERS}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
