@@ -41,10 +41,12 @@ def fill_like_the_collectives() -> None:
     def exchange_filled(sends: list, recvs: list, group, wait: bool = True):  # noqa: ANN001, ANN202
         # the ring of context parallelism receives what it sends, shape for shape: this rank's
         # own block stands in for its neighbour's (as many bytes copied as would arrive)
-        for (sent, _), (received, _) in zip(sends, recvs, strict=False):
-            received.copy_(sent) if received.shape == sent.shape else received.zero_()
-        for received, _ in recvs[len(sends) :]:
-            received.zero_()
+        for index, (received, _) in enumerate(recvs):
+            sent = sends[index][0] if index < len(sends) else None
+            if sent is not None and sent.shape == received.shape:
+                received.copy_(sent)
+            else:
+                received.zero_()
         return exchange(sends, recvs, group, wait)
 
     comm.exchange = exchange_filled

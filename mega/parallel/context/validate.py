@@ -24,8 +24,9 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
         errors.append(
             f"--cp-comm-type {p.cp_comm_type!r}: no such type (have: {', '.join(types.names())})"
         )
-    if p.cp_comm_type == "p2p" and transport_problem():
-        errors.append(transport_problem())
+    transport = transport_problem() if p.cp_comm_type == "p2p" else None
+    if transport:
+        errors.append(transport)
     seq, tp = config.training.seq_length, p.tensor_model_parallel_size
     if seq % (2 * cp):
         errors.append(
