@@ -125,16 +125,35 @@ def merge(
     return out, joint
 
 
+def _merge_kernel():  # noqa: ANN202
+    """:mod:`.merge_kernel` (Triton) on a CUDA build of torch with Triton; None elsewhere."""
+    if torch.version.cuda is None:
+        return None
+    try:
+        from mega.parallel.context import merge_kernel
+    except ImportError:
+        return None
+    return merge_kernel
+
+
 def merge_into(
     out: torch.Tensor, lse: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    """:func:`merge` in place, into float32 accumulators ``out`` and ``lse`` (views allowed).
-    ``part``'s share of the joint softmax is ``sigmoid(part_lse - lse)``, so the merged out is one
-    lerp: five kernels where :func:`merge` and the copies back into views take ten, each one a
-    launch the ring's host makes per step."""
+    """:func:`merge` in place, into accumulators ``out`` (any float dtype) and float32 ``lse``
+    (views allowed). On a GPU one Triton pass (:mod:`.merge_kernel`: 0.019 ms where the eager
+    merge and its copies back took 0.152, half a 16k CP2 rank's positions on an H200). Elsewhere
+    ``part``'s share of the joint softmax is ``sigmoid(part_lse - lse)`` and the merged out one
+    float32 lerp, rounded once to ``out``'s dtype."""
     part_out, part_lse = part
+    kernel = _merge_kernel() if out.is_cuda else None
+    if kernel is not None:
+        kernel.merge_in_place(out, lse, part_out, part_lse)
+        return
     weight = torch.sigmoid(part_lse - lse)[..., None]
-    out.lerp_(part_out.to(out.dtype), weight)
+    if out.dtype == torch.float32:
+        out.lerp_(part_out.float(), weight)
+    else:
+        out.copy_(torch.lerp(out.float(), part_out.float(), weight))
     torch.logaddexp(lse, part_lse, out=lse)
 
 

@@ -42,7 +42,6 @@ from mega.parallel.context.blocks import (
     FULL,
     block_backward,
     block_forward,
-    merge,
     merge_into,
 )
 from mega.parallel.context.lanes import lane
@@ -74,8 +73,7 @@ def _wide(cp: int) -> bool:
 
 def _forward_body(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: torch.Tensor,
     group_name: str,
     following: int,
     previous: int,
@@ -84,9 +82,9 @@ def _forward_body(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(context ``[b, s_local, h, d]`` in ``q``'s dtype, lse ``[b, h, s_local]`` float32, the
-    last block received ``[2, b, g, s_local, d]``)."""
+    last block received ``[2, b, g, s_local, d]``); ``kv``: this rank's keys and values, one
+    contiguous ``[2, b, g, s_local, d]`` (what travels)."""
     group = _resolve_process_group(group_name)
-    kv = torch.stack((k, v))  # contiguous [2, b, g, s_local, d]: what travels
     ahead = lane(group, following, previous, "forward keys and values", kv)
     out = lse = None
     for step in range(cp):
@@ -95,14 +93,8 @@ def _forward_body(
         part = block_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale)
         if out is None:  # step 0: all queries, the accumulators' first values
             out, lse = (part[0].float() if _wide(cp) else part[0]), part[1]
-        elif _wide(cp):  # float32 accumulators, merged in place
+        else:  # merged in place into the rows' accumulators (all, or one half)
             merge_into(_part(out, rows), _part(lse[..., None], rows)[..., 0], part)
-        elif rows == ALL:
-            out, lse = merge((out, lse), part)
-        else:  # one half of the queries: merged into its half of the accumulators
-            merged = merge((_part(out, rows), _part(lse[..., None], rows)[..., 0]), part)
-            _part(out, rows).copy_(merged[0])
-            _part(lse[..., None], rows)[..., 0].copy_(merged[1])
         if posted is not None:
             (kv,) = posted.wait()
     kv = ahead.own(kv)  # backward starts on it
@@ -115,10 +107,10 @@ _forward = OpaqueWhenTraced("mega::ring_attention_forward", _forward_body)
 
 
 @_forward.op.register_fake
-def _(q, k, v, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(q, kv, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
     b, h, s, d = q.shape
     lse = q.new_empty((b, h, s), dtype=torch.float32)
-    return q.new_empty((b, s, h, d)), lse, k.new_empty((2, *k.shape))
+    return q.new_empty((b, s, h, d)), lse, kv.new_empty(kv.shape)
 
 
 def _accumulate(
@@ -142,8 +134,7 @@ def _accumulate(
 def _backward_body(
     dout: torch.Tensor,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    own: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     kv: torch.Tensor,
@@ -154,8 +145,10 @@ def _backward_body(
     cp: int,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq ``[b, s_local, h, d]``, dk, dv ``[b, g, s_local, d]``), contiguous; ``kv``: the last
-    block forward received (rank ``rank + 1``'s)."""
+    """(dq ``[b, s_local, h, d]``, dk, dv ``[b, g, s_local, d]``), contiguous; ``own``: this
+    rank's keys and values, ``kv``: the last block forward received (rank ``rank + 1``'s), both
+    ``[2, b, g, s_local, d]``."""
+    k = own[0]
     group = _resolve_process_group(group_name)
     wide = _wide(cp)
     lse = lse[..., None]  # halves of it sliced like the others' positions
@@ -177,7 +170,7 @@ def _backward_body(
         source = (rank + 1 + step) % cp
         # the next remote block travels while this one is computed
         posted = behind.send([kv]) if step < cp - 2 else None
-        keys, values = (k, v) if source == rank else (kv[0], kv[1])
+        keys, values = own if source == rank else kv
         rows, cols, mode = _step(rank, source)
         if rows not in halves:
             halves[rows] = tuple(_part(x, rows).contiguous() for x in (dout, out, lse))
@@ -211,24 +204,26 @@ _backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
 
 
 @_backward.op.register_fake
-def _(dout, q, k, v, out, lse, kv, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(dout, q, own, out, lse, kv, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
     b, h, s, d = q.shape
-    return q.new_empty((b, s, h, d)), k.new_empty(k.shape), v.new_empty(v.shape)
+    return q.new_empty((b, s, h, d)), own.new_empty(own.shape[1:]), own.new_empty(own.shape[1:])
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *args: Any):  # noqa: ANN001
-        context, lse, kv = _forward(q, k, v, *args)
-        ctx.save_for_backward(q, k, v, context, lse, kv)
+        # stacked here, where torch.compile traces: the copy fuses with what made k and v
+        own = torch.stack((k, v))
+        context, lse, kv = _forward(q, own, *args)
+        ctx.save_for_backward(q, own, context, lse, kv)
         ctx.args = args
         return context
 
     @staticmethod
     def backward(ctx, dcontext):  # noqa: ANN001
-        q, k, v, context, lse, kv = ctx.saved_tensors
+        q, own, context, lse, kv = ctx.saved_tensors
         dout, out = (x.transpose(1, 2) for x in (dcontext, context))
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, kv, *ctx.args)
+        dq, dk, dv = _backward(dout, q, own, out, lse, kv, *ctx.args)
         return dq.transpose(1, 2), dk, dv, *[None] * len(ctx.args)
 
 
