@@ -73,9 +73,8 @@ class Engine(Evaluation):
         # the LR schedule's count: successful steps, or their samples with --train-samples
         self.scheduler_steps = 0
         self.batches = batch_schedule(config)  # each step's global batch (--rampup-batch-size)
-        self.last_saved: int | None = (
-            None  # the iteration of the newest checkpoint written or loaded
-        )
+        # the iteration of the newest checkpoint written or loaded
+        self.last_saved: int | None = None
         self._previous_gbs: int | None = None  # the last step's global batch (a ramp changes it)
         self.pending_save: Any = None  # an --async-save checkpoint still being written
         self.host_copy: Any = None  # --async-save's host buffer, kept between saves
@@ -291,13 +290,6 @@ class Engine(Evaluation):
             topo.data_parallel_size,
             self.prepare_microbatch,
         )
-
-    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """The mean of each loss part over this rank's micro-batches (``[parts]``); zeros on
-        pipeline stages without the loss."""
-        if not losses:
-            return torch.zeros(len(self.loss_names), device=self.device)
-        return torch.stack(losses).mean(dim=0)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -24,11 +24,18 @@ class Evaluation:
     interval: Any
     loss_names: list[str]
     iteration: int
-    # the engine's, used here: its batches, the loss reduction, its setup and shutdown
+    device: Any
+    # the engine's, used here: its batches, its setup and shutdown
     _microbatches: Any
-    _batch_loss: Any
     setup: Any
     _shut_down: Any
+
+    def _batch_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The mean of each loss part over this rank's micro-batches (``[parts]``); zeros on
+        pipeline stages without the loss. Training's step reduces its losses the same way."""
+        if not losses:
+            return torch.zeros(len(self.loss_names), device=self.device)
+        return torch.stack(losses).mean(dim=0)
 
     @torch.no_grad()
     def evaluate(self, source: Any, first_sample: int) -> dict[str, float]:
