@@ -20,6 +20,7 @@ over everything, and the mask costs ``s`` instead of ``s x s`` booleans per samp
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch import nn
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import on_meta
 from mega.parallel.linear import Linear
+from mega.parallel.weight_grad import traced
 from mega.plugins.models.bert.config import BertConfig
 from mega.plugins.models.gpt.model import (
     MLP,
@@ -220,5 +222,9 @@ class BertModel(nn.Module):
         weight, bias = self.output_weight(), self.output_layer.bias
         if labels is None:  # logits everywhere: positions select losses only
             lm_positions = None
+        elif lm_positions is not None and not traced() and "torch._dynamo" in sys.modules:
+            # how many positions are masked changes with every batch: a compiled head takes
+            # their count as dynamic from its first call instead of recompiling at the second
+            torch._dynamo.maybe_mark_dynamic(lm_positions, 0)
         lm = self.output_head(self.lm_head(hidden), weight, labels, bias, lm_positions)
         return lm, binary_logits
