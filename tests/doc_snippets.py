@@ -58,16 +58,13 @@ def runnable(lang: str) -> list[Snippet]:
     return [s for s in snippets() if s.lang == lang and not s.marker]
 
 
-def _call_registrations(namespace: dict) -> int:
-    """Call every ``register_*`` hook implementation the block defined with a recording
-    ``register``, so the specs it builds are built (a renamed field fails here, not only an
-    import). How many were called."""
-    called = 0
+def _call_registrations(namespace: dict) -> None:
+    """Call every ``register_*`` hook implementation the block defined with a ``register`` that
+    drops what it gets, so the specs it builds are built (a renamed field fails here, not only
+    an import)."""
     for name, value in list(namespace.items()):
         if name.startswith("register_") and callable(value):
             value(lambda *specs, **kw: None)
-            called += 1
-    return called
 
 
 def run_python_blocks() -> int:

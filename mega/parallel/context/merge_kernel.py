@@ -38,7 +38,9 @@ def _merge(
     c = tl.arange(0, BLOCK_D)
     row_ok = r < rows
     mask = row_ok[:, None] & (c[None, :] < d)
-    # 64-bit offsets: an accumulator can pass 2**31 elements at long sequences
+    # 64-bit offsets where they can pass 2**31 at long sequences: batch and position. A head's
+    # stride stays 32-bit: the ring's accumulators are [b, s, h, d] in memory (stride d), its lse
+    # one sequence per head (validated on 2 H200 with these offsets)
     r64, c64 = r.to(tl.int64), c.to(tl.int64)
     lse_at = lse_ptr + b.to(tl.int64) * l_b + h * l_h + r64 * l_s
     part_lse_at = part_lse_ptr + b.to(tl.int64) * q_b + h * q_h + r64 * q_s
@@ -66,7 +68,7 @@ def merge_in_place(
     ``[b, h, s, d]`` and ``lse``/``part_lse`` float32 ``[b, h, s]``, any strides (views of the
     accumulators), ``out`` in any float dtype."""
     b, heads, rows, d = out.shape
-    if part_out.shape != out.shape or lse.shape != (b, heads, rows) != part_lse.shape:
+    if part_out.shape != out.shape or not lse.shape == part_lse.shape == (b, heads, rows):
         raise ValueError(f"merge of {tuple(part_out.shape)} into {tuple(out.shape)}")
     grid = (triton.cdiv(rows, BLOCK_ROWS), b * heads)
     _merge[grid](
