@@ -8,7 +8,8 @@ An old module becomes a shim of two lines (no torch until a name is used)::
     __getattr__ = moved(__name__, "mega.core.config.fields", ["option", "field_type"])
 
 The warning points at the line that used the old path. Only the names listed are forwarded: an
-old package's ``__getattr__`` must not answer for its own submodules.
+old package's ``__getattr__`` must not answer for its own submodules. A module whose names went
+to several homes uses ``moved_apart(__name__, {home: names, ...})``.
 """
 
 from __future__ import annotations
@@ -22,10 +23,17 @@ from typing import Any
 
 def moved(old: str, new: str, names: Iterable[str], since: str = "2026-11-23") -> Callable:
     """``__getattr__`` for module ``old``, whose ``names`` moved to module ``new`` on ``since``."""
-    forwarded = frozenset(names)
+    return moved_apart(old, {new: names}, since)
+
+
+def moved_apart(old: str, homes: dict[str, Iterable[str]], since: str = "2026-11-23") -> Callable:
+    """``__getattr__`` for module ``old``, whose names moved on ``since`` to several modules:
+    ``homes`` maps each new module to the names it took."""
+    home_of = {name: new for new, names in homes.items() for name in names}
 
     def __getattr__(name: str) -> Any:
-        if name not in forwarded:
+        new = home_of.get(name)
+        if new is None:
             raise AttributeError(f"module {old!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(new), name)
         # ``from package import name`` first asks hasattr() from inside the import system, then
