@@ -62,7 +62,7 @@ def test_the_fused_mlp_is_the_two_fp8_linears_bit_for_bit(fp8_format, fc1_bias, 
 def _gpt_mlp():
     from mega.core.config.resolve import resolve_config
     from mega.core.plugins.manager import make_plugins
-    from mega.plugins.models.gpt.model import MLP
+    from mega.plugins.models.common.mlp import MLP
 
     from conftest import TINY
 
@@ -92,11 +92,11 @@ def test_the_gpt_mlp_fuses_its_fp8_weight_gradients_into_main_grad(monkeypatch):
     """The module's path (FC2's bias added after, as ``Linear.reduce_output`` does) with
     gradient accumulation fusion over two steps of three micro-batches: ``main_grad`` (written,
     then accumulated) is the unfused linears' exactly, and the fused function ran."""
-    import mega.plugins.models.gpt.model as gpt_model
+    import mega.plugins.models.common.mlp as mlp_module
 
     calls = []
-    real = gpt_model.fp8_gelu_mlp
-    monkeypatch.setattr(gpt_model, "fp8_gelu_mlp", lambda *a: calls.append(1) or real(*a))
+    real = mlp_module.fp8_gelu_mlp
+    monkeypatch.setattr(mlp_module, "fp8_gelu_mlp", lambda *a: calls.append(1) or real(*a))
     hidden = _gpt_mlp().linear_fc1.in_features
     torch.manual_seed(1)
     batches = [torch.randn(2, 16, hidden, dtype=torch.bfloat16) for _ in range(3)]

@@ -90,7 +90,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.core.checkpoint.strict import state_dict_mismatch
     from mega.core.training.vocab import padded_vocab_size
     from mega.parallel.sharded_state import vocab_rows
-    from mega.plugins.models.gpt.model import GPTModel
+    from mega.plugins.models.common.decoder import GPTModel
 
     fields = dict(config.get("model", {}))
     name = fields.pop("name", None)

@@ -32,7 +32,7 @@ from mega.plugins.convert.hf_layouts import (
     llama_tensors_to_mega,
     mega_tensors_to_llama,
 )
-from mega.plugins.models.gpt.config import layer_pattern
+from mega.plugins.models.common.config import layer_pattern
 
 
 def _stack(parts: list[LazyTensor]) -> LazyTensor:

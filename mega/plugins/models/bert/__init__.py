@@ -14,10 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 from mega import ModelSpec, hookimpl
+from mega._deprecated import moved
 from mega.plugins.models.bert.config import BertConfig, flops_per_token
 from mega.plugins.models.bert.plan import bert_parallel_plan
+from mega.plugins.models.common import batches
 
-__all__ = ["BertConfig", "bert_loss", "register_models", "without_full_mask"]
+__all__ = ["BertConfig", "bert_loss", "register_models"]
+
+# moved on 2026-11-28 to the parts the model families share (T5 drops its mask with it too)
+__getattr__ = moved(
+    __name__, "mega.plugins.models.common.batches", ["without_full_mask"], since="2026-11-28"
+)
 
 BATCH_KEYS = ("text", "types", "padding_mask", "labels", "loss_mask", "is_random")
 
@@ -48,19 +55,6 @@ def bert_loss(output: Any, microbatch: dict[str, Any]) -> dict[str, Any]:
     return parts
 
 
-def without_full_mask(key: str) -> Any:
-    """A ``prepare_microbatch`` that drops ``key`` (a padding mask, 1 on tokens) from a
-    micro-batch without padding: the model then attends unmasked, on the flash or cuDNN kernels
-    that take no mask, and no device-side test (a host sync per micro-batch) is needed."""
-
-    def prepare(arrays: dict[str, Any]) -> dict[str, Any]:
-        if arrays[key].all():
-            return {name: values for name, values in arrays.items() if name != key}
-        return arrays
-
-    return prepare
-
-
 def with_lm_positions(arrays: dict[str, Any]) -> dict[str, Any]:
     """A ``prepare_microbatch`` step: ``lm_positions``, the flat indices of the loss mask's
     positions (about 15% of a BERT micro-batch), so that the masked-LM head's vocabulary-sized
@@ -74,7 +68,7 @@ def with_lm_positions(arrays: dict[str, Any]) -> dict[str, Any]:
     return arrays
 
 
-_without_full_padding = without_full_mask("padding_mask")
+_without_full_padding = batches.without_full_mask("padding_mask")
 
 
 def bert_prepare_microbatch(arrays: dict[str, Any]) -> dict[str, Any]:

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mega._deprecated import moved
 from mega.core.config.fields import option
-from mega.plugins.models.gpt.config import GPTConfig
-from mega.plugins.models.gpt.config import flops_per_token as decoder_flops_per_token
+from mega.plugins.models.common import checks
+from mega.plugins.models.common.config import GPTConfig
+from mega.plugins.models.common.flops import flops_per_token as decoder_flops_per_token
+
+# moved on 2026-11-28 to the parts the model families share (T5 checks its config with it too)
+__getattr__ = moved(
+    __name__, "mega.plugins.models.common.checks", ["encoder_model_problems"], since="2026-11-28"
+)
 
 
 @dataclass(kw_only=True)
@@ -38,28 +45,7 @@ class BertConfig(GPTConfig):
         return 2 if self.bert_binary_head else 0
 
     def validate(self) -> list[str]:
-        return super().validate() + encoder_model_problems(self, "bert")
-
-
-def encoder_model_problems(cfg: GPTConfig, model: str) -> list[str]:
-    """What BERT and T5 refuse of the GPT's flags. (--untie-embeddings-and-output-weights is
-    BERT's, as megatron-core's BertModel takes it; T5 refuses it itself.)"""
-    problems = []
-    if cfg.num_experts:
-        problems.append(
-            f"--num-experts: the {model} model has no mixture-of-experts layers (use gpt or moe)"
-        )
-    gpt_only = (
-        ("--add-qkv-bias", cfg.add_qkv_bias),
-        ("--qk-layernorm", cfg.qk_layernorm),
-        ("--use-rope-scaling", cfg.use_rope_scaling),
-        ("--rotary-seq-len-interpolation-factor", cfg.rotary_seq_len_interpolation_factor),
-        ("--position-embedding-type yarn", cfg.position_embedding_type == "yarn"),
-    )
-    for flag, value in gpt_only:
-        if value:
-            problems.append(f"{flag}: a GPT (decoder) option; the {model} model has none")
-    return problems
+        return super().validate() + checks.encoder_model_problems(self, "bert")
 
 
 def flops_per_token(cfg: BertConfig, seq_length: int, padded_vocab_size: int) -> float:

@@ -26,32 +26,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mega._deprecated import moved_apart
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import on_meta
 from mega.parallel.linear import Linear
 from mega.parallel.weight_grad import traced
 from mega.plugins.models.bert.config import BertConfig
-from mega.plugins.models.gpt.model import (
-    MLP,
-    Embedding,
-    OutputHead,
-    SelfAttention,
-    TransformerBlock,
-    _norm,
-    checked_max_positions,
-    megatron_init_,
+from mega.plugins.models.common import attention as shared_attention
+from mega.plugins.models.common import heads
+from mega.plugins.models.common.attention import SelfAttention
+from mega.plugins.models.common.checks import checked_max_positions
+from mega.plugins.models.common.embedding import Embedding
+from mega.plugins.models.common.heads import OutputHead
+from mega.plugins.models.common.init import megatron_init_
+from mega.plugins.models.common.layers import TransformerBlock
+from mega.plugins.models.common.mlp import MLP
+from mega.plugins.models.common.norms import norm_layer
+
+# moved on 2026-11-28 to the parts the model families share (T5 uses them too)
+__getattr__ = moved_apart(
+    __name__,
+    {
+        "mega.plugins.models.common.attention": ["key_padding_mask"],
+        "mega.plugins.models.common.heads": ["OutputBias"],
+    },
+    since="2026-11-28",
 )
-
-
-def key_padding_mask(padding_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``padding_mask [b, s]`` (1 on tokens) -> the attention mask, True = masked, for keys only
-    (module docstring), broadcast over heads and queries: ``[b, 1, 1, s]``. None (no padding)
-    stays None, so that attention runs without a mask (flash and cuDNN kernels take none): the
-    model plugin's ``prepare_microbatch`` drops a mask that masks nothing, on the host, where
-    the test costs no device sync."""
-    if padding_mask is None:
-        return None
-    return (padding_mask < 0.5)[:, None, None, :]
 
 
 class BertEmbedding(Embedding):
@@ -62,7 +62,7 @@ class BertEmbedding(Embedding):
         super().__init__(cfg, vocab_size, max_positions)
         types = cfg.num_tokentypes()
         self.tokentype_embeddings = nn.Embedding(types, cfg.hidden_size) if types else None
-        self.layernorm = _norm(cfg, cfg.hidden_size) if cfg.bert_post_layernorm else None
+        self.layernorm = norm_layer(cfg, cfg.hidden_size) if cfg.bert_post_layernorm else None
 
     def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.embed(tokens)  # [b, s, h]
@@ -75,15 +75,15 @@ class BertEmbedding(Embedding):
 
 class PostNormLayer(nn.Module):
     """The original BERT's layer (``--bert-post-layernorm``): x = norm(x + drop(attn(x))), then
-    x = norm(x + drop(mlp(x))). Built by the GPT's TransformerBlock in place of its pre-norm
+    x = norm(x + drop(mlp(x))). Built by the shared TransformerBlock in place of its pre-norm
     layer, with the same call (``rotary`` is always None here)."""
 
     def __init__(self, cfg: BertConfig, moe: bool = False, causal: bool = False) -> None:
         super().__init__()
         self.self_attention = SelfAttention(cfg, causal)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = norm_layer(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
-        self.post_mlp_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_mlp_layernorm = norm_layer(cfg, cfg.hidden_size)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
@@ -117,21 +117,13 @@ class LMHead(nn.Module):
         return self.layer_norm(F.gelu(self.dense(hidden)))
 
 
-class OutputBias(nn.Module):
-    """The tied output layer's bias ``[V]`` (its weight is the word embeddings)."""
-
-    def __init__(self, vocab_size: int) -> None:
-        super().__init__()
-        self.bias = nn.Parameter(torch.empty(vocab_size))
-
-
 def output_layer(cfg: BertConfig, vocab_size: int) -> nn.Module:
     """The masked-LM output layer's parameters, read by the head (never called): the bias
     alone when tied; untied, a ``[V, h]`` weight too, megatron-core's ``output_layer.weight``
     (a Linear so that tensor parallelism splits weight and bias by vocabulary rows together)."""
     if cfg.untie_embeddings_and_output_weights:
         return nn.Linear(cfg.hidden_size, vocab_size)  # biased whatever --disable-bias-linear
-    return OutputBias(vocab_size)
+    return heads.OutputBias(vocab_size)
 
 
 class FirstToken(nn.Module):
@@ -205,7 +197,7 @@ class BertModel(nn.Module):
         masked-LM loss is then computed there only, ``[1, n]``. As a pipeline stage:
         ``hidden_states`` replaces the embeddings; a stage without the heads returns its hidden
         states."""
-        attention_mask = key_padding_mask(padding_mask)
+        attention_mask = shared_attention.key_padding_mask(padding_mask)
         if hidden_states is None:
             hidden = self.embedding(text, types=types)
         else:

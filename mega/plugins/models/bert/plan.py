@@ -23,7 +23,7 @@ from mega.parallel.plan import (
     ParallelPlan,
 )
 from mega.plugins.models.bert.config import BertConfig
-from mega.plugins.models.gpt.plan import (
+from mega.plugins.models.common.plan import (
     EMBEDDING_STYLES,
     hidden_shape,
     layer_styles,

@@ -1,5 +1,9 @@
 """The GPT model plugin: a decoder-only transformer with Megatron-core's names and flags.
 
+The model, its config and its parallel plan live in ``mega.plugins.models.common`` (the moe
+model builds the same decoder); this package registers them as ``gpt`` and holds what only the
+GPT has: its build-time checks of a run and text generation (``generate``).
+
 No torch at import time: the model module is imported inside the factory, so ``mega --help`` and
 ``mega plugins`` stay fast.
 """
@@ -7,14 +11,15 @@ No torch at import time: the model module is imported inside the factory, so ``m
 from __future__ import annotations
 
 from mega import BuildContext, ModelSpec, hookimpl
-from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
-from mega.plugins.models.gpt.plan import gpt_parallel_plan
+from mega.plugins.models.common.config import GPTConfig
+from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
+from mega.plugins.models.common.flops import flops_per_token
 
 __all__ = ["GPTConfig", "flops_per_token", "register_models", "validate_config"]
 
 
 def _build(cfg: GPTConfig, ctx: BuildContext):  # -> torch.nn.Module, imported lazily
-    from mega.plugins.models.gpt.model import GPTModel
+    from mega.plugins.models.common.decoder import GPTModel
 
     return GPTModel(cfg, ctx)
 

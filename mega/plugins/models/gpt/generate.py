@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mega.plugins.models.gpt.model import KVCache
+from mega.plugins.models.common.attention import KVCache
 
 
 def pick_next(

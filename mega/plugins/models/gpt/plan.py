@@ -1,107 +1,19 @@
-"""The GPT's ParallelPlan: where tensor/sequence parallelism cuts ``model.py``. No torch.
+"""Moved on 2026-11-28 to mega.plugins.models.common: the decoder's plan (``common.decoder_plan``,
+the moe model's too) and the plan pieces every model family uses (``common.plan``). The old names
+still work, with a DeprecationWarning."""
 
-Megatron's placement: QKV (its bias too, --add-qkv-bias) and FC1 column-parallel, proj and FC2
-row-parallel; --qk-layernorm's per-head norms replicated, their gradients summed over TP (each
-rank normalises its own heads, as Megatron's finalize_model_grads does); word embeddings
-vocab-parallel; the untied output layer column-parallel over the vocabulary (the head reads its
-weight, never calls it); the loss vocab-parallel. QKV rows are grouped per query group
-(``[np/ng q, k, v]`` per group), so a contiguous split keeps whole groups on each rank. SwiGLU's
-fc1 is ``[gate; up]`` stacked: each half is split separately.
+from mega._deprecated import moved_apart
 
-Under sequence parallelism the embedding dropout is where the sequence is split (after the
-vocab all-reduce and the position embeddings); the whole decoder (layers and final norm) runs on
-``s/tp`` positions between the linears; the head gathers the sequence back.
-
-Pipeline stages: the embedding is on the first, the final norm, the output layer and the head on
-the last; with tied embeddings the last stage keeps its own copy of the word embeddings.
-"""
-
-from __future__ import annotations
-
-from functools import partial
-
-from mega.parallel.plan import (
-    COLUMN,
-    LM_HEAD,
-    ROW,
-    SEQUENCE_SCATTER,
-    VOCAB_EMBEDDING,
-    ParallelPlan,
+__getattr__ = moved_apart(
+    __name__,
+    {
+        "mega.plugins.models.common.decoder_plan": [
+            *("LAYERS", "CORE_ATTENTION", "TIED_WEIGHT", "VOCAB_PARAMETERS", "gpt_parallel_plan"),
+        ],
+        "mega.plugins.models.common.plan": [
+            *("EMBEDDING_STYLES", "layer_styles", "hidden_shape", "tensor_parallel_problems"),
+        ],
+        "mega.plugins.models.common.config": ["GPTConfig"],  # imported here before
+    },
+    since="2026-11-28",
 )
-from mega.plugins.models.gpt.config import GPTConfig
-
-LAYERS = "decoder.layers"
-CORE_ATTENTION = f"{LAYERS}.*.self_attention.core_attention"
-TIED_WEIGHT = "embedding.word_embeddings.weight"
-VOCAB_PARAMETERS = (TIED_WEIGHT, "output_layer.weight")
-
-
-# the embedding's tensor-parallel styles, for every model built on the GPT's Embedding
-EMBEDDING_STYLES = {
-    "embedding.word_embeddings": VOCAB_EMBEDDING,
-    "embedding.embedding_dropout": SEQUENCE_SCATTER,
-}
-
-
-def layer_styles(layers: str) -> dict[str, str]:
-    """The tensor-parallel styles of a stack of the GPT's transformer layers (the ModuleList at
-    ``layers``): Megatron's column-parallel QKV and FC1, row-parallel proj and FC2."""
-    return {
-        f"{layers}.*.self_attention.linear_qkv": COLUMN,
-        f"{layers}.*.self_attention.linear_proj": ROW,
-        f"{layers}.*.mlp.linear_fc1": COLUMN,
-        f"{layers}.*.mlp.linear_fc2": ROW,
-    }
-
-
-def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
-    tensor = {**EMBEDDING_STYLES, **layer_styles(LAYERS), "output_head": LM_HEAD}
-    if cfg.untie_embeddings_and_output_weights:
-        tensor["output_layer"] = COLUMN
-    return ParallelPlan(
-        tensor=tensor,
-        stacked={f"{LAYERS}.*.mlp.linear_fc1": 2} if cfg.swiglu else {},
-        layers=LAYERS,
-        core_attention=CORE_ATTENTION,
-        context_parallel=True,
-        vocab_parameters=VOCAB_PARAMETERS,
-        moe_layers=f"{LAYERS}.*.mlp" if cfg.num_experts else "",
-        moe_dispatcher=cfg.moe_token_dispatcher_type,
-        # --qk-layernorm's weights see only this rank's heads: partial gradients at any SP
-        tensor_parallel_partial_grads=(
-            f"{LAYERS}.*.self_attention.q_layernorm",
-            f"{LAYERS}.*.self_attention.k_layernorm",
-        ),
-        tensor_parallel_rng=(CORE_ATTENTION,),  # attention-probability dropout on local heads
-        sequence_parallel_region=("decoder",),
-        problems=partial(tensor_parallel_problems, cfg),
-        num_layers=cfg.num_layers,
-        pipeline_first=("embedding",),
-        pipeline_last=("decoder.final_layernorm", "output_layer", "output_head"),
-        tied_weight="" if cfg.untie_embeddings_and_output_weights else TIED_WEIGHT,
-        activation_shape=partial(hidden_shape, cfg.hidden_size),
-    )
-
-
-def hidden_shape(hidden_size: int, micro_batch: int, positions: int) -> tuple[int, ...]:
-    return (micro_batch, positions, hidden_size)  # batch-first [b, s, h]
-
-
-def tensor_parallel_problems(cfg: GPTConfig, tp: int) -> list[str]:
-    """Every reason ``cfg`` cannot be split over ``tp`` tensor-parallel ranks, one per flag."""
-    if tp <= 1:
-        return []
-    flag = f"--tensor-model-parallel-size ({tp})"
-    problems = []
-    heads = cfg.num_attention_heads
-    if heads % tp:
-        problems.append(f"--num-attention-heads ({heads}) must be divisible by {flag}")
-    if cfg.group_query_attention:  # without GQA the groups are the heads: one message is enough
-        groups = cfg.resolved_num_query_groups()
-        if groups % tp:
-            problems.append(f"--num-query-groups ({groups}) must be divisible by {flag}")
-    ffn = cfg.resolved_ffn_hidden_size()
-    if ffn % tp:
-        default = "" if cfg.ffn_hidden_size is not None else ", the default for --hidden-size"
-        problems.append(f"--ffn-hidden-size ({ffn}{default}) must be divisible by {flag}")
-    return problems

@@ -4,7 +4,8 @@
 experts with top-2 routing and a load-balancing loss (RoPE, RMSNorm, SwiGLU, grouped-query
 attention, untied embeddings, no biases, no dropout: Mixtral's choices at toy size). Every GPT
 and MoE flag still applies (``--num-experts 16``, ``--expert-model-parallel-size 2``...): this
-plugin changes defaults only; the model is the GPT's (``mega.plugins.models.gpt.moe``).
+plugin changes defaults only; the model is the GPT's decoder and experts
+(``mega.plugins.models.common.decoder``, ``mega.plugins.models.common.moe``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mega import ModelSpec, hookimpl, option
-from mega.plugins.models.gpt import GPTConfig, flops_per_token
-from mega.plugins.models.gpt.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES
-from mega.plugins.models.gpt.plan import gpt_parallel_plan
+from mega.plugins.models.common.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
+from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
+from mega.plugins.models.common.flops import flops_per_token
 
 
 @dataclass(kw_only=True)
@@ -45,7 +46,7 @@ class MoEConfig(GPTConfig):
 
 
 def _build(cfg: MoEConfig, ctx):  # -> torch.nn.Module, imported lazily
-    from mega.plugins.models.gpt.model import GPTModel
+    from mega.plugins.models.common.decoder import GPTModel
 
     return GPTModel(cfg, ctx)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega import ModelSpec, hookimpl
-from mega.plugins.models.bert import without_full_mask
+from mega.plugins.models.common.batches import without_full_mask
 from mega.plugins.models.t5.config import T5Config, flops_per_token
 from mega.plugins.models.t5.plan import t5_parallel_plan
 

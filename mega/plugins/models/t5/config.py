@@ -8,8 +8,8 @@ from typing import ClassVar
 
 from mega.core.config.fields import option
 from mega.plugins.datasets.t5 import DEFAULT_DECODER_SEQ_LENGTH  # noqa: E402  one default
-from mega.plugins.models.bert.config import encoder_model_problems
-from mega.plugins.models.gpt.config import GPTConfig
+from mega.plugins.models.common.checks import encoder_model_problems
+from mega.plugins.models.common.config import GPTConfig
 
 # Megatron's T5 positions: a learned table, or T5's bucketed relative bias per head
 T5_POSITION_EMBEDDINGS = ("learned_absolute", "relative")

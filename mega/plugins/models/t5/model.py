@@ -31,18 +31,14 @@ from torch import nn
 from mega.core.plugins.specs import BuildContext
 from mega.core.training.init import on_meta
 from mega.parallel.linear import Linear
-from mega.plugins.models.bert.model import OutputBias, key_padding_mask
-from mega.plugins.models.gpt.model import (
-    MLP,
-    CoreAttention,
-    Embedding,
-    OutputHead,
-    SelfAttention,
-    TransformerBlock,
-    _norm,
-    checked_max_positions,
-    megatron_init_,
-)
+from mega.plugins.models.common.attention import CoreAttention, SelfAttention, key_padding_mask
+from mega.plugins.models.common.checks import checked_max_positions
+from mega.plugins.models.common.embedding import Embedding
+from mega.plugins.models.common.heads import OutputBias, OutputHead
+from mega.plugins.models.common.init import megatron_init_
+from mega.plugins.models.common.layers import TransformerBlock
+from mega.plugins.models.common.mlp import MLP
+from mega.plugins.models.common.norms import norm_layer
 from mega.plugins.models.t5.config import T5Config
 from mega.plugins.models.t5.relative_position import RelativePositionBias
 
@@ -79,11 +75,11 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: T5Config) -> None:
         super().__init__()
-        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.input_layernorm = norm_layer(cfg, cfg.hidden_size)
         self.self_attention = SelfAttention(cfg, causal=True)
-        self.pre_cross_attn_layernorm = _norm(cfg, cfg.hidden_size)
+        self.pre_cross_attn_layernorm = norm_layer(cfg, cfg.hidden_size)
         self.cross_attention = CrossAttention(cfg)
-        self.pre_mlp_layernorm = _norm(cfg, cfg.hidden_size)
+        self.pre_mlp_layernorm = norm_layer(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
         self.hidden_dropout = nn.Dropout(cfg.hidden_dropout)
 
@@ -107,7 +103,7 @@ class DecoderBlock(nn.Module):
     def __init__(self, cfg: T5Config) -> None:
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.final_layernorm = _norm(cfg, cfg.hidden_size)
+        self.final_layernorm = norm_layer(cfg, cfg.hidden_size)
 
     def forward(
         self,

@@ -21,7 +21,7 @@ from mega.parallel.plan import (
     VOCAB_BIAS,
     ParallelPlan,
 )
-from mega.plugins.models.gpt.plan import EMBEDDING_STYLES, layer_styles, tensor_parallel_problems
+from mega.plugins.models.common.plan import EMBEDDING_STYLES, layer_styles, tensor_parallel_problems
 from mega.plugins.models.t5.config import T5Config
 
 CORE_ATTENTION = "*.layers.*.*.core_attention"  # self- and cross-attention, both stacks
