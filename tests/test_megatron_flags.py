@@ -199,13 +199,13 @@ def test_finetune_loads_weights_only(plugins, saved, tmp_path):
     arch = ["--num-layers", "3", "--hidden-size", "48", "--run-dir", str(tmp_path / "f")]
     resumed = _engine(plugins, *arch, "--train-iters", "4", "--load", str(saved))  # as saved
     weights = {name: value.clone() for name, value in resumed.model.state_dict().items()}
-    resumed.log.close()
+    resumed._shut_down(None)  # the shutdown hook: the sinks close
     engine = _engine(plugins, *arch, "--load", str(saved), "--finetune")
     assert (engine.iteration, engine.consumed_samples, engine.scheduler_steps) == (0, 0, 0)
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, weights[name])
     assert not engine.optimizer.states["exp_avg"].any() and int(engine.optimizer._step) == 0
-    engine.log.close()
+    engine._shut_down(None)
 
 
 def test_no_load_optim_and_no_load_rng(plugins, saved, tmp_path):
@@ -214,14 +214,14 @@ def test_no_load_optim_and_no_load_rng(plugins, saved, tmp_path):
     engine = _engine(plugins, *arch, "--load", str(saved), "--no-load-optim")
     assert engine.iteration == 4 and engine.consumed_samples == 32
     assert not engine.optimizer.states["exp_avg"].any()
-    engine.log.close()
+    engine._shut_down(None)
     engine = _engine(plugins, *arch, "--load", str(saved))
     assert engine.optimizer.states["exp_avg"].any()
     after_load = torch.get_rng_state()
-    engine.log.close()
+    engine._shut_down(None)
     engine = _engine(plugins, *arch, "--load", str(saved), "--no-load-rng")
     assert engine.iteration == 4 and not torch.equal(torch.get_rng_state(), after_load)
-    engine.log.close()
+    engine._shut_down(None)
 
 
 def test_use_checkpoint_args_takes_the_architecture(plugins, saved):
@@ -444,5 +444,5 @@ def test_a_fresh_optimizer_takes_its_fp32_masters_from_the_loaded_weights(
             assert torch.equal(master, param.float()), name
             if param.dim() == 2:  # trained away from the init (bf16 keeps norm weights at 1)
                 assert not torch.equal(param, initial), name
-        engine.log.close()
-        fresh.log.close()
+        engine._shut_down(None)
+        fresh._shut_down(None)

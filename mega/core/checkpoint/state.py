@@ -309,10 +309,10 @@ def save_run(engine: Any) -> Path:
     seconds = time.perf_counter() - started
     engine.interval.excluded += seconds
     engine.last_saved = engine.iteration
-    engine.display.print(
-        f" saved checkpoint at iteration {engine.iteration:8d} to {path} in {seconds:.1f} s"
+    # the "saved checkpoint" line is a built-in implementation (mega.plugins.lifecycle)
+    engine.plugins.pm.hook.checkpoint_saved(
+        path=str(path), iteration=engine.iteration, engine=engine, seconds=seconds
     )
-    engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=engine.iteration)
     return path
 
 
@@ -342,8 +342,9 @@ def finish_pending_save(engine: Any) -> Path | None:
         return None
     engine.pending_save = None
     path = pending.finish()
-    engine.display.print(f" saved checkpoint at iteration {pending.iteration:8d} to {path}")
-    engine.plugins.pm.hook.checkpoint_saved(path=str(path), iteration=pending.iteration)
+    engine.plugins.pm.hook.checkpoint_saved(
+        path=str(path), iteration=pending.iteration, engine=engine, seconds=None
+    )
     return path
 
 

@@ -1,5 +1,8 @@
 """A run's record: its files (resolved config, plugin versions), the iteration and evaluation
-lines, and the metrics sinks. Rank 0 writes; every rank joins the reductions of what is logged."""
+lines, and the records they make. Rank 0 writes; every rank joins the reductions of what is
+logged. The sinks that store the records (``metrics.jsonl``, TensorBoard, W&B) are a built-in
+plugin on the lifecycle hooks (``mega.plugins.lifecycle.metrics_sinks``): an iteration line's
+record is the ``metrics`` of its ``step_end``; the others (evaluations) wait in ``records``."""
 
 from __future__ import annotations
 
@@ -17,13 +20,10 @@ from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import (
     IntervalStats,
-    JsonlSink,
-    TensorBoardSink,
     format_eval_line,
     format_iteration_line,
     metric_key,
 )
-from mega.core.console.metrics_history import resume_record
 from mega.parallel import comm
 from mega.parallel.topology import Topology
 
@@ -41,10 +41,9 @@ class RunLog:
         self.config, self.topology, self.device = config, topology, device
         self.display, self.flops_per_token = display, flops_per_token
         self.loss_names = loss_names
-        self.sinks: list[Any] = []
-        # rank 0 on a GPU: the planner counting this run (mega.core.plan.check), until it reports
-        self.plan_check: Any = None
-        self._peak_gib: float | None = None  # the largest rank's peak at the last line
+        # rank 0, once open: the records the sinks have not taken yet (``take_records``)
+        self.records: list[dict[str, Any]] | None = None
+        self.start_iteration = 0  # where training started: a loaded checkpoint's iteration
         c = config
         run_dir = c.logging.run_dir or c.checkpoint.save
         if not run_dir:
@@ -71,61 +70,31 @@ class RunLog:
         )
 
     def open(self, plugins: Any, iteration: int = 0) -> None:
-        """Write the resolved config and plugin versions; open the metrics sinks (rank 0).
-        ``iteration``: where training starts (a loaded checkpoint's). Appending to a run's
-        ``metrics.jsonl`` first writes a resume marker, so readers drop the records after
-        ``iteration`` that this run will log again (``metrics_history``)."""
+        """Write the resolved config and plugin versions, and start keeping records (rank 0).
+        ``iteration``: where training starts (a loaded checkpoint's)."""
         cfg = self.config
+        self.start_iteration = iteration
         if not self.topology.is_rank0:  # one writer of the run's files: rank 0
             return
         for directory in {self.run_dir, Path(cfg.checkpoint.save or self.run_dir)}:
             directory.mkdir(parents=True, exist_ok=True)
             atomic_write_text(directory / "config.resolved.toml", to_toml(resolved_as_dict(cfg)))
             atomic_write_text(directory / "plugins.txt", plugins_txt(plugins))
-        metrics_file = self.run_dir / "metrics.jsonl"
-        restarted = metrics_file.is_file() and metrics_file.stat().st_size > 0
-        self.sinks.append(JsonlSink(metrics_file))
-        if restarted:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-            self.sinks[-1].write(resume_record(iteration, time=stamp, load=cfg.checkpoint.load))
-        if cfg.logging.tensorboard_dir:
-            self.sinks.append(TensorBoardSink(cfg.logging.tensorboard_dir))
-        if cfg.logging.wandb_project:
-            from mega.core.console.wandb_sink import WandbSink
-
-            log = cfg.logging
-            save_dir = log.wandb_save_dir or self.run_dir / "wandb"
-            config = resolved_as_dict(cfg)
-            self.sinks.append(WandbSink(log.wandb_project, log.wandb_exp_name, save_dir, config))
-
-    def close(self) -> None:
-        if self.plan_check is not None:
-            self.plan_check.stop()
-        for sink in self.sinks:
-            sink.close()
-
-    def _report_plan(self, metrics: dict[str, Any], wait_s: float = 0.0) -> None:
-        """Once the planner has reported: its peak against the measured one, in a line and in
-        ``metrics`` (``planned_memory_gb``)."""
-        planned = self.plan_check.result(wait_s)
-        if planned is None:
-            return
-        self.plan_check = None
-        self.display.print(planned.memory_line(self._peak_gib))
-        if not planned.error:
-            metrics["planned_memory_gb"] = round(planned.peak_gib, 3)
-
-    def finish_plan_check(self, iteration: int, wait_s: float = 60.0) -> None:
-        """At the end of a run too short for the planner to report beside it: wait for it."""
-        if self.plan_check is not None and self._peak_gib is not None:
-            record: dict[str, Any] = {}
-            self._report_plan(record, wait_s)
-            if record:  # the peak it was set against beside it
-                self.write({"iteration": iteration, "max_memory_gb": self._peak_gib, **record})
+        self.records = []
 
     def write(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.write(record)
+        """A record for the sinks that is no iteration line's (an evaluation's): they take it
+        at the next ``step_end``, ``checkpoint_saved`` or ``shutdown``."""
+        if self.records is not None:
+            self.records.append(record)
+
+    def take_records(self) -> list[dict[str, Any]]:
+        """The records written since the last call, oldest first (none before ``open`` and on
+        ranks other than 0)."""
+        if not self.records:
+            return []
+        taken, self.records = self.records, []
+        return taken
 
     def dp_mean(self, values: list[torch.Tensor]) -> list[Any]:
         """Per-rank loss means -> their mean over the data-parallel ranks, synced to the host
@@ -160,7 +129,7 @@ class RunLog:
         progress: dict[str, int],
         extra: dict[str, Any] | None = None,
     ) -> tuple[dict[str, float], int]:
-        """Sync the interval's losses once, print the iteration line, feed the sinks.
+        """Sync the interval's losses once and print the iteration line.
         ``progress`` holds iteration, consumed_samples, skipped_total and nan_total (before this
         interval's NaNs); ``extra``: more metrics (the MoE routers'). Returns the line's metrics
         and the interval's NaN iterations."""
@@ -196,12 +165,7 @@ class RunLog:
             by_rank = self._peak_memory_gb_by_rank()
             metrics["max_memory_gb"] = max(by_rank)
             metrics["max_memory_gb_by_rank"] = by_rank
-            self._peak_gib = max(by_rank)
         self.display.print(format_iteration_line(metrics, cfg.train_iters, self.loss_names))
-        if self.plan_check is not None and self._peak_gib is not None:
-            self._report_plan(metrics)
-        nan_total = progress["nan_total"] + nan_count
-        self.write({**metrics, "skipped_total": progress["skipped_total"], "nan_total": nan_total})
         return metrics, nan_count
 
     def evaluation_line(self, label: str, losses: dict[str, float], iteration: int) -> None:

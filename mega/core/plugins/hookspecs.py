@@ -13,6 +13,9 @@ manager is built. They receive a ``register`` callback; call it once per thing y
 
 *Lifecycle hooks* fire at most once per training step, never per layer or micro-batch, and never
 inside a compiled region. Hooks that may run collectives say so and are called on every rank.
+mega's own metrics sinks, plan check and "saved checkpoint" line are implementations of them
+(``mega.plugins.lifecycle``). A hook may gain an argument: implementations name the arguments
+they take, so ones written before it still run.
 """
 
 from __future__ import annotations
@@ -169,11 +172,15 @@ def validate_config(config: Any) -> list[str] | None:
 
 
 @hookspec
-def topology_ready(topology: Any) -> None:
+def topology_ready(topology: Any, engine: Any) -> None:
     """The process topology exists.
 
     :param topology: the run's ``mega.parallel.topology.Topology`` (world size, rank, groups).
         Collectives are allowed here, and then this hook must do the same ones on every rank.
+    :param engine: the engine being set up: ``config``, ``plugins``, ``device`` and ``display``
+        exist; its model, optimizer, data and log do not yet. (Added after the first release:
+        an implementation may leave it out, as any hook's implementation may leave out
+        arguments it does not use.)
 
     Called on: every rank. When: once, after process groups exist and before the model is built.
     """
@@ -198,7 +205,7 @@ def train_step(engine: Any, microbatches: list[dict[str, Any]], iteration: int) 
 
 @hookspec
 def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
-    """An iteration finished; a place for metrics sinks.
+    """An iteration finished; a place for metrics sinks (the built-in ones run first).
 
     :param engine: the running engine.
     :param iteration: the iteration just completed (1-based).
@@ -214,11 +221,16 @@ def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
 
 
 @hookspec
-def checkpoint_saved(path: str, iteration: int) -> None:
+def checkpoint_saved(path: str, iteration: int, engine: Any, seconds: float | None) -> None:
     """A checkpoint is complete: its marker has been written.
 
     :param path: the checkpoint's directory (``<save>/iter_0000100``).
     :param iteration: the iteration it holds.
+    :param engine: the engine that saved it.
+    :param seconds: how long the save held training up; ``None`` for an ``--async-save``
+        checkpoint, written beside training and completed at the next save or the end.
+        (``engine`` and ``seconds`` were added after the first release: an implementation may
+        leave them out.)
 
     Called on: every rank. When: after each save, once the checkpoint is complete.
     """

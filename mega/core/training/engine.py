@@ -27,7 +27,6 @@ from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog
-from mega.core.plan.check import start_plan_check
 from mega.core.plugins.hookspecs import hookimpl
 from mega.core.plugins.manager import Plugins
 from mega.core.training.batches import BatchPrefetcher, global_batch
@@ -93,7 +92,6 @@ class Engine(Evaluation):
         self.device, self.topology = join_job(cfg)
         if self.device.type == "cpu":
             warm_up_vector_math()  # before any multi-threaded first call (see cpu_math)
-        plan_check = start_plan_check(cfg, self.device) if self.topology.is_rank0 else None
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
             self.display = Display(enabled=False, rank=self.topology.rank)
         # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
@@ -101,7 +99,7 @@ class Engine(Evaluation):
         # hold other positions of the same sequences: their dropout masks must differ too.
         topo = self.topology
         seed_everything(t.seed + 100 * topo.pp_rank + 7919 * topo.group_rank("cp"))
-        self.plugins.pm.hook.topology_ready(topology=self.topology)
+        self.plugins.pm.hook.topology_ready(topology=self.topology, engine=self)
         self.parts = parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
         self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model
         self.vocab_rows = parts.vocab_rows
@@ -113,7 +111,6 @@ class Engine(Evaluation):
         self.log = RunLog(
             cfg, self.topology, self.device, self.display, parts.flops_per_token, self.loss_names
         )
-        self.log.plan_check = plan_check
         self.run_dir = self.log.run_dir
         if cfg.checkpoint.load:
             load_run(self, cfg.checkpoint.load)
@@ -212,7 +209,6 @@ class Engine(Evaluation):
                 self.save()
             finish_pending_save(self)
             self.display.stop_progress()
-            self.log.finish_plan_check(self.iteration)
             if stop:  # as Megatron: saved, and no final evaluation
                 self.display.print(f" exiting after iteration {self.iteration}: {stop}")
                 return last
@@ -234,10 +230,9 @@ class Engine(Evaluation):
         return last
 
     def _shut_down(self, error: BaseException | None) -> None:
-        """The ``shutdown`` hook (told of the error that ended the command), then the log."""
+        """The ``shutdown`` hook, told of the error that ended the command (the built-in sinks
+        close there, and the plan check ends: mega.plugins.lifecycle)."""
         self.plugins.pm.hook.shutdown(engine=self, exc=error)
-        if hasattr(self, "log"):
-            self.log.close()
 
     def _log_interval(self, result: StepResult) -> dict[str, float]:
         progress = {
