@@ -178,3 +178,35 @@ def test_the_checks_see_a_wrong_arrow(tmp_path, monkeypatch):
     edges = import_edges()
     assert edges["mega.core.a"] == {"mega.plugins.b"}  # the module, not its package
     assert cycles(edges) == [["mega.core.a", "mega.plugins.b"]]
+
+
+def test_the_training_loop_does_not_import_the_planner():
+    # the plan check is a built-in plugin on the lifecycle hooks (mega.plugins.lifecycle)
+    planner = [
+        b for b in import_edges()["mega.core.training.engine"] if b.startswith("mega.core.plan")
+    ]
+    assert planner == []
+
+
+LIFECYCLE_HOOKS = ("topology_ready", "step_end", "checkpoint_saved", "shutdown")
+
+
+def test_every_lifecycle_hook_has_a_builtin_implementation(monkeypatch):
+    """mega's own features use the hooks it offers plugins (the metrics sinks, the plan check,
+    the "saved checkpoint" line), so every run exercises them. The one test here that imports
+    mega: it counts, hook by hook, the implementations of the built-in plugins alone."""
+    from mega.core.plugins.manager import make_plugins
+
+    monkeypatch.setenv("MEGA_DISABLE_PLUGIN_AUTOLOAD", "1")  # no third-party plugin
+    monkeypatch.delenv("MEGA_PLUGINS_DIR", raising=False)
+    monkeypatch.delenv("MEGA_BLOCK_PLUGINS", raising=False)
+    plugins = make_plugins()
+    builtin = {info.name for info in plugins.infos if info.builtin and info.error is None}
+    assert builtin == {info.name for info in plugins.infos}
+    counts = {
+        hook: sum(
+            impl.plugin_name in builtin for impl in getattr(plugins.pm.hook, hook).get_hookimpls()
+        )
+        for hook in LIFECYCLE_HOOKS
+    }
+    assert all(count > 0 for count in counts.values()), counts
