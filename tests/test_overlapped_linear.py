@@ -64,7 +64,7 @@ def _gradients_rank(rank: int, world: int, sp: bool, fused: bool, compiled: bool
         weight_grad = (
             layer.weight.main_grad if fused and name == "overlapped" else layer.weight.grad
         )
-        out[name] = (xi.grad.clone(), weight_grad.clone(), layer.bias.grad.clone())
+        out[name] = (y.detach(), xi.grad.clone(), weight_grad.clone(), layer.bias.grad.clone())
     return out
 
 
