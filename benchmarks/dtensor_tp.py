@@ -54,7 +54,7 @@ vocabulary), dropout 0. Plain PyTorch modules, parallelized only with
 Timing: per step CUDA events (a ``synchronize`` after the loop; on the CPU ``perf_counter``),
 median step ms over ``--iters`` steps after ``--warmup``, tokens/s in total and per GPU, model
 TFLOP/s per GPU with mega's FLOPs per token (``flops_per_token`` in
-``mega/plugins/models/gpt/config.py``: ``6 N + 12 L h s``, replicated below), peak memory per GPU.
+``mega/plugins/models/common/flops.py``: ``6 N + 12 L h s``, replicated below), peak memory per GPU.
 
 First runs (2026-11-27, H100 80GB HBM3 with NVLink, torch 2.11, --compile, --gbs 8, 20 timed
 steps; step times varied by +-30% step to step, so these are rough): TP2 316 ms (235 TFLOP/s per
@@ -293,7 +293,7 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
 
 
 def flops_per_token(layers: int, hidden: int, heads: int, seq: int, vocab: int) -> float:
-    """mega's ``flops_per_token`` (``mega/plugins/models/gpt/config.py``) for this model (no GQA,
+    """mega's ``flops_per_token`` (``mega/plugins/models/common/flops.py``) for this model (no GQA,
     GeLU MLP of 4 x hidden, dense): ``6 N + 12 L h s``, N the matmul weights one token passes
     through (QKV, proj, fc1, fc2 per layer and the output layer once)."""
     attention_params = hidden * 3 * hidden + hidden * hidden

@@ -441,7 +441,7 @@ def with_timing(
 
 
 def megatron_flops_per_token(args: argparse.Namespace) -> float:
-    from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
+    from mega.plugins.models.gpt import GPTConfig, flops_per_token
 
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads)
     return flops_per_token(cfg, args.seq, args.vocab)

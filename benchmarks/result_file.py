@@ -39,8 +39,10 @@ def provenance() -> dict[str, Any]:
     """The date, commit, command, device (``cpu`` without CUDA), GPU count and versions."""
     import torch
 
-    from mega import __version__
-
+    try:
+        from mega import __version__
+    except ImportError:  # a driver of other trees (ab_trees.py) started where mega is not on
+        __version__ = None  # the path: its rows (each tree's own) must not be lost for this
     return {
         "date": datetime.date.today().isoformat(),
         "commit": commit(),
