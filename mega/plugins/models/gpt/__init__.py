@@ -10,32 +10,19 @@ No torch at import time: the model module is imported inside the factory, so ``m
 
 from __future__ import annotations
 
-from mega import BuildContext, ModelSpec, hookimpl
+from mega import hookimpl
 from mega.plugins.models.common.config import GPTConfig
-from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
+from mega.plugins.models.common.decoder_spec import build_decoder, decoder_model_spec
 from mega.plugins.models.common.flops import flops_per_token
 
 __all__ = ["GPTConfig", "flops_per_token", "register_models", "validate_config"]
 
-
-def _build(cfg: GPTConfig, ctx: BuildContext):  # -> torch.nn.Module, imported lazily
-    from mega.plugins.models.common.decoder import GPTModel
-
-    return GPTModel(cfg, ctx)
+_build = build_decoder  # the name tests and callers have used for the GPT's build
 
 
 @hookimpl
 def register_models(register) -> None:
-    register(
-        ModelSpec(
-            name="gpt",
-            config_cls=GPTConfig,
-            build=_build,
-            flops_per_token=flops_per_token,
-            parallel_plan=gpt_parallel_plan,
-            description="Decoder-only GPT (Megatron-style)",
-        )
-    )
+    register(decoder_model_spec("gpt", GPTConfig, "Decoder-only GPT (Megatron-style)"))
 
 
 @hookimpl

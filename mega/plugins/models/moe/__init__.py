@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mega import ModelSpec, hookimpl, option
+from mega import hookimpl, option
 from mega.plugins.models.common.config import NORMALIZATIONS, POSITION_EMBEDDING_TYPES, GPTConfig
-from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
-from mega.plugins.models.common.flops import flops_per_token
+from mega.plugins.models.common.decoder_spec import decoder_model_spec
 
 
 @dataclass(kw_only=True)
@@ -45,21 +44,10 @@ class MoEConfig(GPTConfig):
     )
 
 
-def _build(cfg: MoEConfig, ctx):  # -> torch.nn.Module, imported lazily
-    from mega.plugins.models.common.decoder import GPTModel
-
-    return GPTModel(cfg, ctx)
-
-
 @hookimpl
 def register_models(register) -> None:
     register(
-        ModelSpec(
-            name="moe",
-            config_cls=MoEConfig,
-            build=_build,
-            flops_per_token=flops_per_token,
-            parallel_plan=gpt_parallel_plan,
-            description="GPT with mixture-of-experts layers (a small Mixtral-like preset)",
+        decoder_model_spec(
+            "moe", MoEConfig, "GPT with mixture-of-experts layers (a small Mixtral-like preset)"
         )
     )
