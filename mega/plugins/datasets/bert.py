@@ -37,11 +37,10 @@ seed 1234; CPython 3.11's corpus) one epoch is 691 train samples and 8 valid one
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mega import BuildContext, DataRequest, DatasetSpec, DatasetSplits, hookimpl
-from mega.core.config.fields import option
+from mega.plugins.datasets.masked_samples import MaskedWordPieceConfig, MaskedWordPieceSamples
 from mega.plugins.datasets.masking import (
     WordPieceVocabulary,
     mask_ngrams,
@@ -58,21 +57,11 @@ if TYPE_CHECKING:  # pragma: no cover
 BERT_MAX_NGRAM = 3  # pretrain_bert.py: masking_max_ngram=3, full words, 1/n n-gram sizes
 
 
-@dataclass(kw_only=True)
-class BertDatasetConfig:
-    mask_prob: float = option(0.15, "Probability of replacing a token with mask.")
-    short_seq_prob: float = option(0.1, "Probability of producing a short sequence.")
-
-    def validate(self) -> list[str]:
-        problems = []
-        if not 0.0 < self.mask_prob < 1.0:
-            problems.append(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            problems.append(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
-        return problems
+class BertDatasetConfig(MaskedWordPieceConfig):
+    """The bert dataset's flags: --mask-prob and --short-seq-prob, as T5's."""
 
 
-class BertSamples:
+class BertSamples(MaskedWordPieceSamples):
     """One split: ``sample_index`` rows turned into masked sentence pairs on demand."""
 
     def __init__(
@@ -86,17 +75,8 @@ class BertSamples:
         name: str,
         binary_head: bool = True,
     ) -> None:
-        self.indexed = indexed
-        self.sample_index = sample_index
-        self.config = config
+        super().__init__(indexed, sample_index, config, vocab, seq_length, seed, name)
         self.binary_head = binary_head
-        self.vocab = vocab
-        self.seq_length = int(seq_length)
-        self.seed = int(seed)
-        self.name = name
-
-    def __len__(self) -> int:
-        return len(self.sample_index)
 
     def _replacement(self, rng: np.random.RandomState) -> int | None:
         # 80% [MASK]; else half the time a random vocabulary id, half the time unchanged.
@@ -111,11 +91,7 @@ class BertSamples:
         import numpy as np
 
         idx = int(idx)
-        if not 0 <= idx < len(self):
-            raise IndexError(f"{self.name} sample {idx} out of range [0, {len(self)})")
-        start, end, target = (int(x) for x in self.sample_index[idx])
-        sentences = [self.indexed.get(i).tolist() for i in range(start, end)]
-        rng = np.random.RandomState((self.seed + idx) % 2**32)
+        sentences, target, rng = self._row(idx)
 
         pivot, is_random = len(sentences), False
         if self.binary_head:

@@ -39,11 +39,10 @@ valid ones; no test split.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mega import BuildContext, DataRequest, DatasetSpec, DatasetSplits, hookimpl
-from mega.core.config.fields import option
+from mega.plugins.datasets.masked_samples import MaskedWordPieceConfig, MaskedWordPieceSamples
 from mega.plugins.datasets.masking import (
     WordPieceVocabulary,
     mask_ngrams,
@@ -63,21 +62,11 @@ DEFAULT_DECODER_SEQ_LENGTH = 128
 T5_MAX_NGRAM = 10  # pretrain_t5.py: masking_max_ngram=10, full words, geometric span lengths
 
 
-@dataclass(kw_only=True)
-class T5DatasetConfig:
-    mask_prob: float = option(0.15, "Probability of replacing a token with mask.")
-    short_seq_prob: float = option(0.1, "Probability of producing a short sequence.")
-
-    def validate(self) -> list[str]:
-        problems = []
-        if not 0.0 < self.mask_prob < 1.0:
-            problems.append(f"--mask-prob must be in (0, 1), got {self.mask_prob}")
-        if not 0.0 <= self.short_seq_prob <= 1.0:
-            problems.append(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
-        return problems
+class T5DatasetConfig(MaskedWordPieceConfig):
+    """The t5 dataset's flags: --mask-prob and --short-seq-prob, as BERT's."""
 
 
-class T5Samples:
+class T5Samples(MaskedWordPieceSamples):
     """One split: ``sample_index`` rows turned into span-corrupted encoder/decoder pairs."""
 
     def __init__(
@@ -92,20 +81,11 @@ class T5Samples:
         name: str,
         decoder_seq_length: int = DEFAULT_DECODER_SEQ_LENGTH,
     ) -> None:
-        self.indexed = indexed
-        self.sample_index = sample_index
-        self.config = config
+        super().__init__(indexed, sample_index, config, vocab, seq_length, seed, name)
         self.decoder_seq_length = int(decoder_seq_length)
-        self.vocab = vocab
         self.bos = int(tokenizer.bos)
         self.eos = int(tokenizer.eos)
         self.sentinels = [int(i) for i in tokenizer.additional_special_tokens_ids]
-        self.seq_length = int(seq_length)
-        self.seed = int(seed)
-        self.name = name
-
-    def __len__(self) -> int:
-        return len(self.sample_index)
 
     def _replacement(self, rng: np.random.RandomState) -> int:
         return self.vocab.mask  # T5 always masks: no random ids, no kept tokens, no draws
@@ -114,11 +94,8 @@ class T5Samples:
         import numpy as np
 
         idx = int(idx)
-        if not 0 <= idx < len(self):
-            raise IndexError(f"{self.name} sample {idx} out of range [0, {len(self)})")
-        start, end, target = (int(x) for x in self.sample_index[idx])
-        rng = np.random.RandomState((self.seed + idx) % 2**32)
-        tokens = [t for i in range(start, end) for t in self.indexed.get(i).tolist()]
+        sentences, target, rng = self._row(idx)
+        tokens = [t for sentence in sentences for t in sentence]
         truncated = len(tokens) > target
         tokens = tokens[:target]
 
