@@ -11,6 +11,8 @@ and the closed form where there is one. Pure Python: no torch.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -25,6 +27,18 @@ def _analytic_text(spec, pp: int, vpp: int, m: int) -> str | None:
     if value is None:
         return None
     return f"{value:.4f}"  # the spec's own closed form, whatever its formula
+
+
+def _cost_option(flag: str, step: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The simulated time of one ``step`` (forward or backward) of one chunk: the two options
+    differ only in the step they time."""
+    return click.option(
+        flag,
+        type=click.FloatRange(min=0, min_open=True),
+        default=1.0,
+        show_default=True,
+        help=f"Time of one {step} of one chunk.",
+    )
 
 
 @click.command("schedule")
@@ -70,20 +84,8 @@ def _analytic_text(spec, pp: int, vpp: int, m: int) -> str | None:
     default=None,
     help="Also check that this many layers split evenly over pp x vpp stages.",
 )
-@click.option(
-    "--forward-cost",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Time of one forward of one chunk.",
-)
-@click.option(
-    "--backward-cost",
-    type=click.FloatRange(min=0, min_open=True),
-    default=1.0,
-    show_default=True,
-    help="Time of one backward of one chunk.",
-)
+@_cost_option("--forward-cost", "forward")
+@_cost_option("--backward-cost", "backward")
 @click.option(
     "--p2p",
     type=click.Choice(["eager", "rendezvous"]),
