@@ -70,8 +70,8 @@ _LAZY = {
 _REMOVED = {
     "ParallelSpec": (
         "mega.ParallelSpec was removed on 2026-11-23: a --parallel schedule is now a"
-        " mega.PipelineScheduleSpec, a table of actions registered with the register_parallel"
-        " hook (one executor runs every table; see 'Schedules' in docs/plugins.md), and where"
+        " mega.PipelineScheduleSpec, a table of actions registered with the"
+        " register_parallel_choices hook (one executor runs every table; see 'Schedules' in docs/plugins.md), and where"
         " tensor/sequence/pipeline parallelism cut a model is its ModelSpec.parallel_plan"
     ),
 }

@@ -251,7 +251,7 @@ class ToyGPipe:
     )
 
     @hookimpl
-    def register_parallel(self, register):
+    def register_parallel_choices(self, register):
         register(self.spec)
 
 

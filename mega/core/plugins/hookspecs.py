@@ -67,12 +67,32 @@ def register_datasets(register: Callable[[Any], None]) -> None:
 
 
 @hookspec
-def register_parallel(register: Callable[[Any], None]) -> None:
-    """Register schedules.
+def register_parallel_choices(register: Callable[[Any], None]) -> None:
+    """Register parallel choices: pipeline schedules, MoE token dispatchers, context-parallel
+    communication types, and any kind a plugin adds.
 
-    :param register: call ``register(PipelineScheduleSpec(...))``; users select one with
-        ``mega train --parallel NAME``. A schedule is a table of actions that the one executor
-        runs (``mega.parallel.pipeline``); ``no-pipelining`` is the one-stage table.
+    :param register: call ``register(spec)`` once per choice. The spec's class says which
+        registry it joins by its ``choice_kind`` class attribute: ``PipelineScheduleSpec``
+        (``"parallel"``, selected with ``--parallel NAME``: a table of actions that the one
+        executor runs, ``mega.parallel.pipeline``), ``MoEDispatcherSpec`` (``"moe dispatcher"``,
+        ``--moe-token-dispatcher-type NAME``: moves each token to the expert-parallel ranks of
+        its experts and back, ``mega.parallel.expert``), ``CPCommTypeSpec`` (``"cp comm type"``,
+        ``--cp-comm-type NAME``: causal attention over a sequence split across the
+        context-parallel ranks, ``mega.parallel.context``). A new kind of choice is a new spec
+        class with its own ``choice_kind``; its registry is ``plugins.choices(KIND)``, made
+        when the first spec of that kind arrives (nothing in ``mega.core.plugins`` changes).
+
+    Called on: every rank. When: once, while the plugin manager is built.
+    """
+
+
+@hookspec
+def register_parallel(register: Callable[[Any], None]) -> None:
+    """Deprecated since 2026-11-28: use ``register_parallel_choices`` (a ``PipelineScheduleSpec``
+    says its own kind). Still called for a release, with a ``DeprecationWarning``; what it
+    registers joins the ``--parallel`` choices.
+
+    :param register: as ``register_parallel_choices``'.
 
     Called on: every rank. When: once, while the plugin manager is built.
     """
@@ -103,12 +123,10 @@ def register_checkpoint_converters(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def register_moe_dispatchers(register: Callable[[Any], None]) -> None:
-    """Register MoE token dispatchers.
+    """Deprecated since 2026-11-28: use ``register_parallel_choices`` (a ``MoEDispatcherSpec``
+    says its own kind). Still called for a release, with a ``DeprecationWarning``.
 
-    :param register: call ``register(MoEDispatcherSpec(...))``; users select one with
-        ``--moe-token-dispatcher-type NAME``. A dispatcher moves each token to the
-        expert-parallel ranks of its experts and brings their weighted outputs back
-        (``mega.parallel.expert``); ``allgather`` and ``alltoall`` are built in.
+    :param register: as ``register_parallel_choices``'.
 
     Called on: every rank. When: once, while the plugin manager is built.
     """
@@ -116,12 +134,10 @@ def register_moe_dispatchers(register: Callable[[Any], None]) -> None:
 
 @hookspec
 def register_cp_comm_types(register: Callable[[Any], None]) -> None:
-    """Register context-parallel communication types.
+    """Deprecated since 2026-11-28: use ``register_parallel_choices`` (a ``CPCommTypeSpec``
+    says its own kind). Still called for a release, with a ``DeprecationWarning``.
 
-    :param register: call ``register(CPCommTypeSpec(...))``; users select one with
-        ``--cp-comm-type NAME``. A type computes causal attention over a sequence split across
-        the context-parallel ranks (``mega.parallel.context``); ``p2p``, ``all_gather`` and
-        ``a2a`` are built in.
+    :param register: as ``register_parallel_choices``'.
 
     Called on: every rank. When: once, while the plugin manager is built.
     """

@@ -15,6 +15,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,14 @@ from typing import Any
 import pluggy
 
 from mega.core.plugins import hookspecs
-from mega.core.plugins.registry import REGISTRY_HOOKS, DuplicateNameError, Registry
+from mega.core.plugins.registry import (
+    BUILTIN_CHOICE_KINDS,
+    CHOICES_HOOK,
+    DEPRECATED_CHOICE_HOOKS,
+    REGISTRY_HOOKS,
+    DuplicateNameError,
+    Registry,
+)
 from mega.errors import MegaUsageError, unknown_name_message
 
 GROUP = "mega"
@@ -69,7 +77,8 @@ class Plugins:
 
     @property
     def parallel(self) -> Registry[Any]:
-        return self.registries["parallel"]
+        """The pipeline schedules (``--parallel``)."""
+        return self.choices("parallel")
 
     @property
     def checkpoint_backends(self) -> Registry[Any]:
@@ -81,11 +90,16 @@ class Plugins:
 
     @property
     def moe_dispatchers(self) -> Registry[Any]:
-        return self.registries["moe dispatcher"]
+        return self.choices("moe dispatcher")
 
     @property
     def cp_comm_types(self) -> Registry[Any]:
-        return self.registries["cp comm type"]
+        return self.choices("cp comm type")
+
+    def choices(self, kind: str) -> Registry[Any]:
+        """The parallel choices of ``kind`` (a spec class's ``choice_kind``) that plugins
+        registered through ``register_parallel_choices``; empty when none did."""
+        return self.registries.get(kind) or Registry(kind)
 
     @property
     def optimizers(self) -> Registry[Any]:
@@ -234,6 +248,13 @@ def _register(pm: pluggy.PluginManager, plugin: Any, info: PluginInfo) -> None:
         info.error = "; ".join(unknown_name_message("hook", name, known) for name in unknown)
 
 
+def _registration_hooks() -> list[tuple[str, str | None]]:
+    """(hook, the registry kind it fills, or None where each spec names its own), in the order
+    providers are first seen (a clash keeps the first)."""
+    fixed = [(hook, kind) for kind, hook in REGISTRY_HOOKS.items()]
+    return [*fixed, (CHOICES_HOOK, None), *DEPRECATED_CHOICE_HOOKS.items()]
+
+
 def _fill_registries(
     pm: pluggy.PluginManager, infos: dict[str, PluginInfo]
 ) -> tuple[dict[str, Registry[Any]], list[str]]:
@@ -245,9 +266,11 @@ def _fill_registries(
     not its other hooks (``validate_config``, ``step_end``, ...), not a name clash it caused."""
     collected: list[tuple[str, str, Any]] = []  # (kind, provider, spec), in hook order
     failed: set[str] = set()
-    for kind, hook_name in REGISTRY_HOOKS.items():
+    for hook_name, kind in _registration_hooks():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
             provider = impl.plugin_name
+            if hook_name in DEPRECATED_CHOICE_HOOKS:
+                _warn_deprecated_hook(hook_name, impl.function)
             specs: list[Any] = []
             try:
                 impl.function(register=_collector(specs, kind, provider))
@@ -257,28 +280,51 @@ def _fill_registries(
                 if info is not None and info.error is None:
                     info.error = f"{hook_name}: {type(exc).__name__}: {exc}"
                 continue
-            collected += [(kind, provider, spec) for spec in specs]
+            collected += [(kind or spec.choice_kind, provider, spec) for spec in specs]
     for provider in failed:
         plugin = pm.get_plugin(provider)
         if plugin is not None:
             pm.unregister(plugin)
         if provider in infos:
             infos[provider].registers.clear()
-    registries: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in REGISTRY_HOOKS}
+    kinds = (*REGISTRY_HOOKS, *BUILTIN_CHOICE_KINDS)
+    registries: dict[str, Registry[Any]] = {kind: Registry(kind) for kind in kinds}
     problems: list[str] = []
     for kind, provider, spec in collected:
         if provider not in failed:
-            _callback(registries[kind], kind, provider, infos.get(provider), problems)(spec)
+            registry = registries.setdefault(kind, Registry(kind))  # a plugin's new kind
+            _callback(registry, kind, provider, infos.get(provider), problems)(spec)
     return registries, problems
 
 
-def _collector(specs: list[Any], kind: str, provider: str):
-    """The ``register`` a plugin's hook receives: it keeps each spec for the second phase."""
+def _warn_deprecated_hook(hook_name: str, function: Any) -> None:
+    """A ``DeprecationWarning`` pointing at the plugin's implementation of an old hook."""
+    code = getattr(function, "__code__", None)
+    warnings.warn_explicit(
+        f"the {hook_name} hook is deprecated since 2026-11-28: implement "
+        f"{CHOICES_HOOK} (the spec's class says which choice it is)",
+        DeprecationWarning,
+        filename=code.co_filename if code else "<plugin>",
+        lineno=code.co_firstlineno if code else 0,
+        module=getattr(function, "__module__", None),
+    )
+
+
+def _collector(specs: list[Any], kind: str | None, provider: str):
+    """The ``register`` a plugin's hook receives: it keeps each spec for the second phase.
+    ``kind`` None: a parallel choice, whose class names its kind."""
 
     def register(spec: Any) -> None:
+        what = kind or "parallel choice"
         name = getattr(spec, "name", None)
         if not isinstance(name, str) or not name:
-            raise TypeError(f"{provider} registered a {kind} without a name: {spec!r}")
+            raise TypeError(f"{provider} registered a {what} without a name: {spec!r}")
+        if kind is None and not isinstance(getattr(spec, "choice_kind", None), str):
+            raise TypeError(
+                f"{provider} registered {spec!r} as a parallel choice, but its class has no "
+                "choice_kind (PipelineScheduleSpec, MoEDispatcherSpec and CPCommTypeSpec have "
+                "one; a new kind of choice declares its own)"
+            )
         specs.append(spec)
 
     return register

@@ -86,11 +86,20 @@ REGISTRY_HOOKS: dict[str, str] = {
     "model": "register_models",
     "tokenizer": "register_tokenizers",
     "dataset": "register_datasets",
-    "parallel": "register_parallel",
     "checkpoint backend": "register_checkpoint_backends",
     "checkpoint converter": "register_checkpoint_converters",
-    "moe dispatcher": "register_moe_dispatchers",
-    "cp comm type": "register_cp_comm_types",
     "optimizer": "register_optimizers",
     "command": "register_commands",
+}
+
+# One hook fills every parallel choice's registry: each spec's class names its kind
+# (``choice_kind``), so a new kind of choice needs no entry here.
+CHOICES_HOOK = "register_parallel_choices"
+# The kinds mega's own code looks up (present even when no plugin registered one)
+BUILTIN_CHOICE_KINDS = ("parallel", "moe dispatcher", "cp comm type")
+# The hooks each of those had before; still called for a release, with a DeprecationWarning
+DEPRECATED_CHOICE_HOOKS: dict[str, str] = {
+    "register_parallel": "parallel",
+    "register_moe_dispatchers": "moe dispatcher",
+    "register_cp_comm_types": "cp comm type",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from mega.parallel.data.rules import OptimizerSpec  # noqa: F401  (a spec, defined by the machinery running it)
 from mega.parallel.pipeline.spec import PipelineScheduleSpec  # noqa: F401  (a spec, defined by the machinery running it)
@@ -172,6 +172,7 @@ class CPCommTypeSpec:
     ``heads_split``: it splits heads over the group (they must divide by its size).
     """
 
+    choice_kind: ClassVar[str] = "cp comm type"  # its registry (``register_parallel_choices``)
     name: str
     build: Callable[..., Any]
     description: str = ""
@@ -194,6 +195,7 @@ class MoEDispatcherSpec:
     dropped slots and ``pad_to`` (``--moe-expert-capacity-factor`` is refused otherwise).
     """
 
+    choice_kind: ClassVar[str] = "moe dispatcher"  # its registry (``register_parallel_choices``)
     name: str
     build: Callable[[Any], Any]
     description: str = ""

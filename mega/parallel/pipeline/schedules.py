@@ -1,6 +1,6 @@
 """Pipeline schedules in the plugin registry, what they need, and the checks before a launch.
 
-A schedule is a ``PipelineScheduleSpec`` registered with the ``register_parallel`` hook
+A schedule is a ``PipelineScheduleSpec`` registered with the ``register_parallel_choices`` hook
 (``mega.plugins.parallel.schedules`` registers the built-in ones; a third-party plugin adds one
 the same way). ``schedule_spec`` finds one by name; the functions
 below take the spec. Everything here is pure Python.

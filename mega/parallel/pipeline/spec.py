@@ -1,11 +1,11 @@
 """The pipeline schedule spec (``--parallel NAME``): defined here, beside the machinery that
-runs its tables, and registered through ``mega.core.plugins.specs`` like every other spec."""
+runs its tables, and registered through the ``register_parallel_choices`` hook like every parallel choice."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,6 +24,8 @@ class PipelineScheduleSpec:
     ``max_pp``: the most pipeline ranks the table is for (1 for ``no-pipelining``), or None.
     """
 
+    # the registry it joins through ``register_parallel_choices`` (the ``--parallel`` choice)
+    choice_kind: ClassVar[str] = "parallel"
     name: str
     table: Callable[[int, int, int], Any]
     description: str = ""

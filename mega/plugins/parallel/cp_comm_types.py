@@ -49,7 +49,7 @@ def _a2a(group: Any, rank: int, size: int, peers: tuple[int, int]) -> Any:
 
 
 @hookimpl
-def register_cp_comm_types(register: Any) -> None:
+def register_parallel_choices(register: Any) -> None:
     register(
         CPCommTypeSpec(
             name="p2p",

@@ -22,7 +22,7 @@ def _alltoall(group: Any) -> Any:
 
 
 @hookimpl
-def register_moe_dispatchers(register: Any) -> None:
+def register_parallel_choices(register: Any) -> None:
     register(
         MoEDispatcherSpec(
             name="allgather",

@@ -67,6 +67,6 @@ BUILTIN_SCHEDULES = (NO_PIPELINING, GPIPE, ONE_F_ONE_B, INTERLEAVED, ONE_F_ONE_B
 
 
 @hookimpl
-def register_parallel(register) -> None:
+def register_parallel_choices(register) -> None:
     for spec in BUILTIN_SCHEDULES:
         register(spec)

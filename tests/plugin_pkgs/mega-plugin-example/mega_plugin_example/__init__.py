@@ -25,7 +25,7 @@ __all__ = [
     "ExampleCharTokenizer",
     "register_commands",
     "register_models",
-    "register_parallel",
+    "register_parallel_choices",
     "register_tokenizers",
     "shutdown",
     "train_step",
@@ -64,7 +64,7 @@ def register_tokenizers(register: Any) -> None:
 
 
 @hookimpl
-def register_parallel(register: Any) -> None:
+def register_parallel_choices(register: Any) -> None:
     # A pipeline schedule is a table builder (pure Python): `mega train --parallel toy-sequential`
     register(TOY_SEQUENTIAL)
 
