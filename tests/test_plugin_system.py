@@ -161,6 +161,10 @@ def test_plugins_json_lists_every_plugin():
     assert rows["gpt"]["distribution"] == "mega" and rows["gpt"]["version"] == "0.1.0"
     assert rows["torch_checkpoint"]["registers"] == {"checkpoint backend": ["torch"]}
     assert rows["commands"]["registers"] == {"command": ["train", "plugins"]}
+    # what a plugin does besides registering: mega's own lifecycle plugins register nothing
+    assert rows["metrics_sinks"]["hooks"] == ["checkpoint_saved", "shutdown", "step_end"]
+    assert rows["plan_check"]["registers"] == {} and "topology_ready" in rows["plan_check"]["hooks"]
+    assert rows["torch_checkpoint"]["hooks"] == []
 
 
 class _ClashingTokenizer:

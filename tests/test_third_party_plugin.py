@@ -150,6 +150,7 @@ def test_plugins_json_lists_the_package_and_what_it_registers(venv, tmp_path):
             "builtin": False,
             "module": "mega_plugin_example",
             "registers": REGISTERS,
+            "hooks": ["shutdown", "train_step"],  # its lifecycle and step hooks
             "error": None,
         }
     ]

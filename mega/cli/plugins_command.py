@@ -1,4 +1,6 @@
-"""``mega plugins``: every plugin, its distribution, version and what it registers."""
+"""``mega plugins``: every plugin, its distribution, version, what it registers and which other
+hooks it implements (the lifecycle hooks, ``validate_config``...): without them a plugin such as
+mega's own metrics sinks, which registers nothing, would show as doing nothing."""
 
 from __future__ import annotations
 
@@ -7,7 +9,18 @@ import json
 import click
 
 
+def implemented_hooks(plugins) -> dict[str, list[str]]:
+    """Plugin name -> the hooks it implements besides the ``register_*`` ones, by name."""
+    hooks: dict[str, list[str]] = {}
+    for name, caller in vars(plugins.pm.hook).items():
+        if caller.has_spec() and not name.startswith("register_"):
+            for impl in caller.get_hookimpls():
+                hooks.setdefault(impl.plugin_name, []).append(name)
+    return hooks
+
+
 def plugin_rows(plugins) -> list[dict]:
+    hooks = implemented_hooks(plugins)
     return [
         {
             "name": info.name,
@@ -16,6 +29,7 @@ def plugin_rows(plugins) -> list[dict]:
             "builtin": info.builtin,
             "module": info.module,
             "registers": info.registers,
+            "hooks": hooks.get(info.name, []) if info.error is None else [],
             "error": info.error,
         }
         for info in plugins.infos
@@ -41,6 +55,8 @@ def plugins_command(as_json: bool) -> None:
         table.add_column(column)
     for row in rows:
         registers = "\n".join(f"{k}: {', '.join(v)}" for k, v in row["registers"].items())
+        if row["hooks"]:
+            registers += ("\n" if registers else "") + f"hooks: {', '.join(row['hooks'])}"
         if row["error"]:
             registers = f"[red]failed to load: {row['error']}[/red]"
         table.add_row(row["name"], row["distribution"], row["version"], registers or "-")
