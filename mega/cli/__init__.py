@@ -55,7 +55,7 @@ def make_cli(plugins=None) -> MegaGroup:
         """mega: train transformer language models the Megatron-LM way, with plugins.
 
         \b
-        Quickstart (CPU, about a minute):
+        Quickstart (CPU, about 2.5 minutes on 2 cores):
           mega train --model gpt --save runs/quickstart
         """
 
