@@ -148,9 +148,9 @@ def _library_load_one(rank: int, world_size: int, directory: str) -> dict:
 
 def _tiny_gpt(seed: int = 7):
     from mega import BuildContext
+    from mega.plugins.models.common.decoder import GPTModel
+    from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
     from mega.plugins.models.gpt import GPTConfig
-    from mega.plugins.models.gpt.model import GPTModel
-    from mega.plugins.models.gpt.plan import gpt_parallel_plan
 
     cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
     ctx = BuildContext(

@@ -16,9 +16,9 @@ from mega.parallel.recompute import apply_recompute
 from mega.plugins.models.bert.config import BertConfig
 from mega.plugins.models.bert.model import BertModel
 from mega.plugins.models.bert.plan import bert_parallel_plan
-from mega.plugins.models.gpt.config import GPTConfig
-from mega.plugins.models.gpt.model import GPTModel
-from mega.plugins.models.gpt.plan import gpt_parallel_plan
+from mega.plugins.models.common.config import GPTConfig
+from mega.plugins.models.common.decoder import GPTModel
+from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
 from mega.testing import train_losses
 
 from conftest import TINY

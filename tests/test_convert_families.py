@@ -117,8 +117,8 @@ def _mega_model(ckpt: Path, **change) -> torch.nn.Module:
     from mega import BuildContext
     from mega.core.checkpoint.api import load, sharded_state
     from mega.core.checkpoint.store import find_checkpoint
+    from mega.plugins.models.common.decoder import GPTModel
     from mega.plugins.models.gpt import GPTConfig
-    from mega.plugins.models.gpt.model import GPTModel
 
     fields = {**_model_section(ckpt), **change}
     fields.pop("name")

@@ -68,8 +68,8 @@ def mega_model(ckpt: Path) -> torch.nn.Module:
     from mega import BuildContext
     from mega.core.checkpoint.api import load, sharded_state
     from mega.core.checkpoint.store import find_checkpoint
+    from mega.plugins.models.common.decoder import GPTModel
     from mega.plugins.models.gpt import GPTConfig
-    from mega.plugins.models.gpt.model import GPTModel
 
     directory = find_checkpoint(ckpt)
     marker = json.loads((directory / "complete.json").read_text())

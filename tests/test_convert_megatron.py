@@ -247,8 +247,8 @@ def mega_logits(ckpt: Path, tokens: torch.Tensor) -> torch.Tensor:
     from mega import BuildContext
     from mega.core.checkpoint.api import load, sharded_state
     from mega.core.checkpoint.store import find_checkpoint
+    from mega.plugins.models.common.decoder import GPTModel
     from mega.plugins.models.gpt import GPTConfig
-    from mega.plugins.models.gpt.model import GPTModel
 
     directory = find_checkpoint(ckpt)
     config = json.loads((directory / "complete.json").read_text())["config"]

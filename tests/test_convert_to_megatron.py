@@ -93,8 +93,8 @@ def _mega_checkpoint(name: str, path: Path) -> torch.Tensor:
     """A random mega GPT (norms and biases away from 1 and 0) saved as a mega checkpoint at
     ``path``; returns its logits on TOKENS."""
     from mega import BuildContext
+    from mega.plugins.models.common.decoder import GPTModel
     from mega.plugins.models.gpt import GPTConfig
-    from mega.plugins.models.gpt.model import GPTModel
 
     fields, tokenizer = MODELS[name]
     fields = {**fields, "hidden_dropout": 0.0, "attention_dropout": 0.0, "init_method_std": 0.2}

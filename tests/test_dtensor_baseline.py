@@ -49,7 +49,8 @@ def test_dtensor_tp_smoke_run_on_the_cpu(tmp_path: Path):
 def test_dtensor_tp_counts_flops_as_mega_does():
     """The script's FLOPs per token (replicated so that it runs without mega installed) is
     mega's ``flops_per_token`` for the benchmark model."""
-    from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
+    from mega.plugins.models.common.config import GPTConfig
+    from mega.plugins.models.common.flops import flops_per_token
 
     sys.path.insert(0, str(SCRIPT.parent))
     try:

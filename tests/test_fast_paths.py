@@ -238,8 +238,8 @@ def test_deferred_weight_gradients_wait_for_the_queue_then_equal_autograd():
 
 
 def _gpt_layer_with_buffer(compiled: bool) -> tuple[nn.Module, ParamAndGradBuffer]:
-    from mega.plugins.models.gpt.config import GPTConfig
-    from mega.plugins.models.gpt.model import TransformerLayer
+    from mega.plugins.models.common.config import GPTConfig
+    from mega.plugins.models.common.layers import TransformerLayer
 
     cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
     cfg.hidden_dropout = cfg.attention_dropout = 0.0

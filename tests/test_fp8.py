@@ -165,7 +165,7 @@ def test_deferred_fp8_weight_gradients_wait_for_the_queue():
 
 
 def tiny_gpt(plugins, layers: int = 4):
-    from mega.plugins.models.gpt.plan import gpt_parallel_plan
+    from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
 
     args = [*TINY, "--num-layers", str(layers), "--untie-embeddings-and-output-weights"]
     config = resolve_config(args, plugins)

@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 from mega import BuildContext, ModelSpec
 from mega.core.training.init import normal_
+from mega.plugins.models.common.config import GPTConfig
+from mega.plugins.models.common.decoder import GPTModel
+from mega.plugins.models.common.flops import flops_per_token
+from mega.plugins.models.common.rotary import rotary_cos_sin
 from mega.plugins.models.gpt import register_models
-from mega.plugins.models.gpt.config import GPTConfig, flops_per_token
-from mega.plugins.models.gpt.model import GPTModel, rotary_cos_sin
 
 VOCAB, SEQ = 256, 16
 
@@ -526,7 +528,7 @@ def test_llama3_rope_frequencies_are_transformers_ones():
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mega.plugins.models.gpt.model import llama3_scaled
+    from mega.plugins.models.common.rotary import llama3_scaled
 
     config = transformers.LlamaConfig(
         hidden_size=128, num_attention_heads=1, rope_theta=500000.0,
@@ -560,7 +562,7 @@ def test_yarn_frequencies_and_scale_are_transformers_ones(scaling):
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from mega.plugins.models.gpt.model import yarn_scaled
+    from mega.plugins.models.common.rotary import yarn_scaled
 
     config = transformers.LlamaConfig(
         hidden_size=64, num_attention_heads=1, rope_theta=10000.0, max_position_embeddings=65536,

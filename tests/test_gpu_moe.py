@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mega.plugins.models.common.moe import GroupedExperts
 from mega.plugins.models.gpt import GPTConfig
-from mega.plugins.models.gpt.moe import GroupedExperts
 
 pytestmark = pytest.mark.gpu
 

@@ -258,7 +258,7 @@ def megatron() -> dict:
 
 
 def _mega_config(case: dict):
-    from mega.plugins.models.gpt.config import GPTConfig
+    from mega.plugins.models.common.config import GPTConfig
 
     return GPTConfig(
         num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=FFN,
@@ -270,8 +270,8 @@ def _mega_config(case: dict):
 def _mega_run(name: str, reference: dict):
     """mega's MoELayer with megatron's weights, forward (training mode) on the same tokens."""
     from mega.parallel.expert.aux_loss import set_backward_scale
-    from mega.plugins.models.gpt.model import MLP
-    from mega.plugins.models.gpt.moe import MoELayer
+    from mega.plugins.models.common.mlp import MLP
+    from mega.plugins.models.common.moe import MoELayer
 
     cfg = _mega_config(CASES[name])
     assert cfg.validate() == []

@@ -115,8 +115,8 @@ def test_a_token_block_drops_by_position_among_its_own_tokens():
     """Capacity dropping by position on a rank's token block: each expert keeps the block's
     first ``capacity`` tokens routed to it, ordered by (position, sequence) as Megatron orders
     tokens, whichever sequences the block holds."""
-    from mega.plugins.models.gpt.config import GPTConfig
-    from mega.plugins.models.gpt.moe import Router
+    from mega.plugins.models.common.config import GPTConfig
+    from mega.plugins.models.common.moe import Router
 
     b, s, experts, k, blocks = 3, 8, 4, 2, 2
     cfg = GPTConfig(

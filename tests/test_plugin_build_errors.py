@@ -10,8 +10,7 @@ from conftest import run_mega
 
 PLUGIN = """
 from mega import ModelSpec, hookimpl
-from mega.plugins.models.gpt.config import GPTConfig
-from mega.plugins.models.gpt import flops_per_token
+from mega.plugins.models.gpt import GPTConfig, flops_per_token
 
 
 def build(config, ctx):

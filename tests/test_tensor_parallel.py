@@ -26,9 +26,9 @@ from mega.parallel.tensor import (
 from mega.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from mega.parallel.tensor.rng import TensorParallelRNG
 from mega.parallel.topology import build_topology
-from mega.plugins.models.gpt.config import GPTConfig
-from mega.plugins.models.gpt.model import GPTModel
-from mega.plugins.models.gpt.plan import gpt_parallel_plan
+from mega.plugins.models.common.config import GPTConfig
+from mega.plugins.models.common.decoder import GPTModel
+from mega.plugins.models.common.decoder_plan import gpt_parallel_plan
 from mega.testing.ranks import run_ranks
 
 VOCAB, SEQ, BATCH, SEED = 256, 16, 2, 1234
