@@ -116,3 +116,20 @@ def test_a_spec_without_a_choice_kind_is_the_plugins_failure():
     (failure,) = plugins.failures()
     assert failure.name == "broken" and "has no choice_kind" in failure.error
     assert "broken" not in [name for name, _ in plugins.pm.list_name_plugin()]
+
+
+def test_a_choice_kind_may_not_be_another_hooks_registry():
+    @dataclass(frozen=True, kw_only=True)
+    class SneakyModel:
+        choice_kind: ClassVar[str] = "model"  # the models' registry is register_models'
+        name: str
+
+    class Sneaky:
+        @hookimpl
+        def register_parallel_choices(self, register):
+            register(SneakyModel(name="gpt"))
+
+    plugins = make_plugins(load_entrypoints=False, extra=[("sneaky", Sneaky())])
+    (failure,) = plugins.failures()
+    assert "as a parallel choice: register_models" in failure.error
+    assert plugins.models.names() == []

@@ -325,6 +325,11 @@ def _collector(specs: list[Any], kind: str | None, provider: str):
                 "choice_kind (PipelineScheduleSpec, MoEDispatcherSpec and CPCommTypeSpec have "
                 "one; a new kind of choice declares its own)"
             )
+        if kind is None and spec.choice_kind in REGISTRY_HOOKS:  # e.g. "model": not a choice
+            hook = REGISTRY_HOOKS[spec.choice_kind]
+            raise TypeError(
+                f"{provider} registered a {spec.choice_kind} as a parallel choice: {hook}"
+            )
         specs.append(spec)
 
     return register
