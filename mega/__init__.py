@@ -28,6 +28,7 @@ from mega.core.plugins.specs import (
     TokenizerSpec,
 )
 from mega.errors import MegaRunError, MegaUsageError
+from mega.parallel.dimension import ParallelDimension
 from mega.parallel.plan import ParallelPlan
 
 __version__ = "0.1.0"
@@ -89,6 +90,7 @@ __all__ = [
     "ModelSpec",
     "MoEDispatcherSpec",
     "OptimizerSpec",
+    "ParallelDimension",
     "ParallelPlan",
     "PipelineScheduleSpec",
     "TokenizerSpec",

@@ -6,18 +6,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega.parallel.context.validate import context_parallel_problems
+from mega._deprecated import moved
+from mega.parallel.dimension import ParallelDimension
 from mega.parallel.fp8.checks import fp8_run_problems
+from mega.parallel.parallelize import BUILT_IN
 from mega.parallel.pipeline.setup import pipeline_setup
 from mega.parallel.plan import no_plan_message, plan_features
-from mega.parallel.tensor.validate import sequence_parallel_problems
 from mega.parallel.topology import layout_problems as world_problems
+
+# moved to the expert-parallel package with the dimension that runs it (2026-11-29)
+__getattr__ = moved(
+    __name__, "mega.parallel.expert.validate", ["expert_problems"], since="2026-11-29"
+)
 
 
 def parallel_problems(config: Any, plugins: Any) -> list[str]:
     """Every reason the run's parallel layout cannot run."""
     p = config.parallel
-    errors = world_problems(config.world_size, p.sizes())
+    errors: list[str] = []
+    extra = extra_dimensions(p.extra_sizes(), plugins, errors)
+    sizes = {**p.sizes(), **{d.name: p.extra_sizes()[d.name] for d in extra}}
+    errors += world_problems(config.world_size, sizes)
     if p.expert_tensor_parallel_size != 1:
         errors.append(
             f"--expert-tensor-parallel-size {p.expert_tensor_parallel_size}: experts are not split"
@@ -33,12 +42,10 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             errors.append(no_plan_message(f"model '{config.model_name}'", features))
         elif features:
             errors += plan.problems(tp)
-    errors += expert_problems(config, plan, plugins)
-    errors += context_parallel_problems(config, plan, plugins)
+    for dimension in [*BUILT_IN, *extra]:
+        errors += dimension.problems(config, plan, plugins)
     errors += fp8_run_problems(config, plan)
     errors += pipeline_setup(config, plugins)[1]
-    if p.sequence_parallel:
-        errors += sequence_parallel_problems(config.training.seq_length, tp)
     ckpt = config.checkpoint
     backends = plugins.checkpoint_backends
     if ckpt.ckpt_format in backends:
@@ -55,40 +62,17 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
     return errors
 
 
-def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
-    """What the run's expert layout and MoE dispatcher need."""
-    p = config.parallel
-    ep, tp = p.expert_model_parallel_size, p.tensor_model_parallel_size
-    moe = plan is not None and bool(plan.moe_layers)
-    errors = []
-    if ep > 1 and not moe:
+def extra_dimensions(
+    sizes: dict[str, int], plugins: Any, errors: list[str]
+) -> list[ParallelDimension]:
+    """The registered dimensions that ``--extra-parallel-size`` names; an unknown name goes to
+    ``errors``, naming the registered ones."""
+    registered = plugins.choices(ParallelDimension.choice_kind)
+    unknown = [name for name in sizes if name not in registered]
+    if unknown:
+        have = ", ".join(registered.names()) or "none registered"
         errors.append(
-            f"--expert-model-parallel-size {ep}: model '{config.model_name}' has no experts"
-            " (give --num-experts)"
+            f"--extra-parallel-size: no parallel dimension {', '.join(map(repr, unknown))}"
+            f" (have: {have})"
         )
-    if not moe:
-        return errors
-    experts = getattr(config.model, "num_experts", None)
-    if experts and experts % ep:
-        errors.append(
-            f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size ({ep})"
-        )
-    if tp > 1 and not p.sequence_parallel:
-        errors.append(
-            f"--tensor-model-parallel-size {tp} with experts needs --sequence-parallel"
-            " (as in Megatron: each rank routes its own slice of the sequence)"
-        )
-    dispatchers = plugins.moe_dispatchers
-    if plan.moe_dispatcher not in dispatchers:
-        errors.append(
-            f"--moe-token-dispatcher-type {plan.moe_dispatcher!r}: no such dispatcher"
-            f" (have: {', '.join(dispatchers.names())})"
-        )
-    elif (
-        getattr(config.model, "moe_expert_capacity_factor", None) is not None
-        and not dispatchers.peek(plan.moe_dispatcher).drops_tokens
-    ):
-        errors.append(
-            f"--moe-expert-capacity-factor: the {plan.moe_dispatcher} dispatcher cannot drop tokens"
-        )
-    return errors
+    return [registered.get(name) for name in sizes if name in registered]

@@ -101,9 +101,10 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def join_job(config: Any) -> tuple[Any, Any]:
+def join_job(config: Any, joins: dict[str, tuple[str, ...]] | None = None) -> tuple[Any, Any]:
     """Pick this process's device, join the job's process group (several processes) and build
-    its topology; returns ``(torch.device, Topology)``."""
+    its topology; returns ``(torch.device, Topology)``. ``joins``: the derived groups each of
+    the run's plugin dimensions (``--extra-parallel-size``) joins."""
     import torch
 
     from mega.errors import MegaUsageError
@@ -131,6 +132,8 @@ def join_job(config: Any) -> tuple[Any, Any]:
         place.rank,
         local_rank=place.local_rank,
         high_priority=parallel.high_priority_stream_groups,
+        extra=parallel.extra_sizes(),
+        joins=joins,
         **parallel.sizes(),
     )
     return device, topology

@@ -1,6 +1,7 @@
 """Turn a single-device model into this rank's part of the parallel model. The order:
-tensor/sequence -> expert -> context -> pipeline split -> activation recompute (per chunk) -> data
-parallel / distributed optimizer (in the engine, once the model sits on its device in its dtype).
+tensor/sequence -> expert -> context -> a plugin's dimensions (each a ``ParallelDimension``) ->
+pipeline split -> activation recompute (per chunk) -> data parallel / distributed optimizer (in
+the engine, once the model sits on its device in its dtype).
 
 Tensor parallelism goes first, on the whole model, so that every plan path exists when it is
 applied; the split then keeps modules that are already sharded. (DESIGN.md listed the split
@@ -13,19 +14,39 @@ The model arrives fully built and initialised (fp32, CPU): the same global weigh
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mega.errors import MegaUsageError
-from mega.parallel.context.apply import apply_context_parallel
-from mega.parallel.expert.apply import apply_expert_parallel
+from mega.parallel.context.dimension import ContextDimension
+from mega.parallel.dimension import ParallelDimension
+from mega.parallel.expert.dimension import ExpertDimension
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
 from mega.parallel.plan import ParallelPlan, no_plan_message, plan_features
 from mega.parallel.recompute import apply_recompute
+from mega.parallel.tensor.dimension import TensorDimension
 from mega.parallel.topology import Topology
+
+# The built-in dimensions, in the order they are applied: tensor/sequence first (on the whole
+# model, every plan path present), then expert (its dispatcher under sequence parallelism),
+# then context (it wraps the core attention the others left in place).
+BUILT_IN: tuple[ParallelDimension, ...] = (TensorDimension(), ExpertDimension(), ContextDimension())
+
+
+def run_dimensions(topology: Topology, choices: Any) -> list[ParallelDimension]:
+    """The run's dimensions in order: the built-in ones, then each plugin dimension the
+    topology has a coordinate for (``--extra-parallel-size``), in that flag's order."""
+    registered = choices(ParallelDimension.choice_kind) if topology.extra_sizes else None
+    return [*BUILT_IN, *(registered.get(name) for name in topology.extra_sizes)]
+
+
+def extra_joins(parallel: Any, choices: Any) -> dict[str, tuple[str, ...]]:
+    """The derived groups each plugin dimension of the run (``--extra-parallel-size``) joins,
+    for ``build_topology``."""
+    registered = choices(ParallelDimension.choice_kind) if parallel.extra_sizes() else {}
+    return {name: registered.get(name).joins for name in parallel.extra_sizes()}
 
 
 def parallelize(
@@ -34,32 +55,19 @@ def parallelize(
     parallel: Any,
     topology: Topology,
     layout: PipelineLayout | None = None,
-    build_dispatcher: Callable[[Any], Any] | None = None,
-    cp_comm_type: Any = None,
+    choices: Any = None,
 ) -> tuple[torch.nn.Module, list[torch.nn.Module]]:
     """This rank's model (global parameter names) and its pipeline chunks (``[model]`` without
-    pipelining). Tensor/sequence parallelism, expert parallelism (``build_dispatcher``: the
-    registered MoE dispatcher's ``build``), context parallelism (``cp_comm_type``: the
-    registered ``CPCommTypeSpec``) and recompute are applied in place."""
+    pipelining). Every dimension of the run (``run_dimensions``) is applied in place, then the
+    pipeline split and recompute. ``choices``: the run's choice registries by kind
+    (``Plugins.choices``), where the dimensions find the MoE dispatcher and CP comm type."""
     features = plan_features(parallel)
     if layout is not None and layout.pp * layout.vpp > 1:
         features.append("pipeline stages")
     if features and plan is None:  # resolve_config refuses this first; a library caller may not
         raise MegaUsageError(no_plan_message("this model", features))
-    if topology.tensor_model_parallel_size > 1:
-        from mega.parallel.tensor.apply import apply_tensor_parallel
-
-        apply_tensor_parallel(
-            model,
-            plan,
-            topology,
-            sequence_parallel=parallel.sequence_parallel,
-            comm_overlap=parallel.tp_comm_overlap is not False,  # on unless turned off
-        )
-    apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, build_dispatcher)
-    if topology.context_parallel_size > 1:
-        spec = cp_comm_type
-        apply_context_parallel(model, plan, topology, spec.build, spec.name)
+    for dimension in run_dimensions(topology, choices):
+        dimension.apply(model, plan, parallel, topology, choices)
     chunks = [model]
     if layout is not None:
         model, chunks = split_for_pipeline(model, plan, layout, topology.pp_rank)

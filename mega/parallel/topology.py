@@ -15,48 +15,87 @@ alone, ``dp / ep`` ranks), over which expert gradients are summed.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-# Innermost first: rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp))).
+# Innermost first: rank = tp + TP*(cp + CP*(ep + EP*(dp + DP*pp))). A plugin's parallel
+# dimension (``mega.parallel.dimension``) puts its coordinate between ep and dp.
 ORDER = ("tp", "cp", "ep", "dp", "pp")
+# the derived groups whose ranks vary each coordinate, besides the coordinate's own group:
+# e.g. "dpcp" (the ranks with the same dense weights) varies cp, ep and dp. "dp" as a group is
+# the dense data-parallel one, which varies ep too (see the module docstring).
+JOINS: dict[str, tuple[str, ...]] = {
+    "tp": ("mp", "tpcp"),
+    "cp": ("dpcp", "edpcp", "tpcp"),
+    "ep": ("dp", "dpcp"),
+    "dp": ("dp", "edp", "dpcp", "edpcp"),
+    "pp": ("mp",),
+}
 # the groups spanning the cp coordinate too; each reuses a group of the same ranks made before
 # it (build_topology): without context parallelism dpcp is dp, edpcp edp and tpcp tp
 CP_GROUPS = ("dpcp", "edpcp", "tpcp")
+DERIVED = ("mp", "edp", *CP_GROUPS)
+# the groups whose ranks hold different data: a plugin's dimension may not join them (its ranks
+# hold the same data, so that the batch arithmetic, micro-batch x dp, stays the engine's)
+DATA_GROUPS = ("dp", "edp", "dpcp", "edpcp")
 # every group a rank may belong to: the dimensions, their combinations (``group_ranks``) and the
 # pipeline's first-and-last-stage pair
-GROUP_NAMES = (*ORDER, "mp", "edp", *CP_GROUPS, "embd")
+GROUP_NAMES = (*ORDER, *DERIVED, "embd")
 
 
 def layout_problems(world_size: int, sizes: dict[str, int]) -> list[str]:
     """Why ``world_size`` cannot be split into these model-parallel sizes (empty when it can).
 
-    ``sizes`` maps "tp", "cp", "ep" and "pp" to the requested sizes; "dp" is derived.
+    ``sizes`` maps "tp", "cp", "ep" and "pp" (and a plugin's dimensions) to the requested
+    sizes; "dp" is derived.
     """
-    problems = [f"--{_FLAGS[k]} must be >= 1 (got {v})" for k, v in sizes.items() if v < 1]
+    problems = [
+        setting(k, v, "{} must be >= 1 (got {})") + ("" if k in _FLAGS else " must be >= 1")
+        for k, v in sizes.items()
+        if v < 1
+    ]
     if problems:
         return problems
     model_parallel = math.prod(sizes.values())
     if world_size % model_parallel:
-        factors = [(f"--{_FLAGS[k]}", v) for k, v in sizes.items() if v > 1]
+        factors = [(k, v) for k, v in sizes.items() if v > 1]
         if len(factors) == 1:  # "by --tensor-model-parallel-size (2)", as the other checks say
-            product = f"{factors[0][0]} ({factors[0][1]})"
+            product = setting(*factors[0], "{} ({})")
         else:  # "by --tensor-model-parallel-size 2 x --pipeline-model-parallel-size 2 = 4"
-            product = " x ".join(f"{flag} {v}" for flag, v in factors) + f" = {model_parallel}"
+            product = " x ".join(setting(k, v, "{} {}") for k, v in factors)
+            product += f" = {model_parallel}"
         problems.append(f"the world size ({world_size} processes) is not divisible by {product}")
     return problems
 
 
 _FLAGS = {
-    "tp": "tensor-model-parallel-size",
-    "cp": "context-parallel-size",
-    "ep": "expert-model-parallel-size",
-    "pp": "pipeline-model-parallel-size",
+    "tp": "--tensor-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
 }
 
 
-def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[int]]]:
+def setting(dim: str, size: int, form: str) -> str:
+    """``dim`` at ``size`` in a message: ``form`` filled with its flag and the size (e.g.
+    "{} ({})": "--tensor-model-parallel-size (2)"); a plugin's dimension, whose size is set as
+    NAME=SIZE, always as "--extra-parallel-size rc=2"."""
+    if dim in _FLAGS:
+        return form.format(_FLAGS[dim], size)
+    return f"--extra-parallel-size {dim}={size}"
+
+
+def coordinates(extra: Iterable[str] = ()) -> tuple[str, ...]:
+    """The rank's coordinates, innermost first, with a plugin's dimensions (``extra``)."""
+    return (*ORDER[:3], *extra, *ORDER[3:])
+
+
+def group_ranks(
+    world_size: int,
+    sizes: dict[str, int],
+    joins: dict[str, tuple[str, ...]] | None = None,
+) -> dict[str, list[list[int]]]:
     """Every group of every dimension: ``{"tp": [[0, 1], [2, 3]], "dp": ..., "mp": ...}``.
 
     "mp" (model parallel) is tp x pp: the ranks that hold one copy of the dense model between
@@ -66,27 +105,32 @@ def group_ranks(world_size: int, sizes: dict[str, int]) -> dict[str, list[list[i
     cp, ep and dp (the ranks with the same dense weights, over which their gradients are
     reduced), "edpcp" cp and dp (the same experts), "tpcp" tp and cp (the ranks holding the
     other tokens of a micro-batch under sequence parallelism).
+
+    ``sizes`` may name a plugin's dimensions besides "tp", "cp", "ep" and "pp" (their
+    coordinates sit between ep and dp, in the order given); ``joins`` says which derived groups
+    (``DERIVED``, not ``DATA_GROUPS``) each of them varies in too.
     """
     problems = layout_problems(world_size, sizes)
     if problems:
         raise ValueError("; ".join(problems))
-    dims = {k: sizes.get(k, 1) for k in ORDER if k != "dp"}
+    extra = [k for k in sizes if k not in ORDER]
+    joined = {**JOINS, **{k: tuple((joins or {}).get(k, ())) for k in extra}}
+    dims = {k: sizes.get(k, 1) for k in coordinates(extra) if k != "dp"}
     dims["dp"] = world_size // math.prod(dims.values())
-    shape = [dims[k] for k in ORDER]
+    order = coordinates(extra)
+    shape = [dims[k] for k in order]
 
     def coords(rank: int) -> dict[str, int]:
         out = {}
-        for name, size in zip(ORDER, shape, strict=True):
+        for name, size in zip(order, shape, strict=True):
             out[name], rank = rank % size, rank // size
         return out
 
     groups: dict[str, list[list[int]]] = {}
-    combined = {
-        "mp": {"tp", "pp"}, "dp": {"ep", "dp"}, "edp": {"dp"},
-        "dpcp": {"cp", "ep", "dp"}, "edpcp": {"cp", "dp"}, "tpcp": {"tp", "cp"},
-    }  # fmt: skip
-    for varying in [*ORDER, *combined]:
-        axes = combined.get(varying, {varying})
+    for varying in [*order, *DERIVED]:
+        axes = {k for k in order if varying in joined[k]}
+        if varying in order and varying not in axes and not axes:
+            axes = {varying}  # a coordinate's own group (dp's is the derived one above)
         by_key: dict[tuple, list[int]] = {}
         for rank in range(world_size):
             c = coords(rank)
@@ -105,6 +149,9 @@ class Topology:
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    # a plugin's dimensions (``mega.parallel.dimension``): name -> size, coordinates between ep
+    # and dp in this order; their ranks hold the same data
+    extra_sizes: dict[str, int] = field(default_factory=dict)
     # dimension -> the ranks of this rank's group, in group-rank order
     members: dict[str, tuple[int, ...]] = field(default_factory=dict, compare=False)
     # dimension -> torch.distributed ProcessGroup (absent in a one-process run)
@@ -117,8 +164,20 @@ class Topology:
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
             * self.context_parallel_size
+            * math.prod(self.extra_sizes.values())
         )
         return self.world_size // model_parallel
+
+    def size(self, dim: str) -> int:
+        """A coordinate's size: "tp", "cp", "ep", "pp", "dp" or a plugin dimension's name."""
+        built_in = {
+            "tp": self.tensor_model_parallel_size,
+            "cp": self.context_parallel_size,
+            "ep": self.expert_model_parallel_size,
+            "pp": self.pipeline_model_parallel_size,
+            "dp": self.data_parallel_size,
+        }
+        return built_in[dim] if dim in built_in else self.extra_sizes.get(dim, 1)
 
     @property
     def data_context_parallel_size(self) -> int:
@@ -167,9 +226,10 @@ class Topology:
         dp = f"dp {self.data_parallel_size}"
         if ep > 1:  # the experts' split of the data-parallel ranks
             dp = f"dp {self.data_parallel_size} (ep {ep} x edp {self.expert_data_parallel_size})"
+        extra = "".join(f" x {name} {size}" for name, size in self.extra_sizes.items())
         return (
-            f"world {self.world_size} = {dp} x pp {self.pipeline_model_parallel_size} x cp "
-            f"{self.context_parallel_size} x tp {self.tensor_model_parallel_size}"
+            f"world {self.world_size} = {dp}{extra} x pp {self.pipeline_model_parallel_size} x "
+            f"cp {self.context_parallel_size} x tp {self.tensor_model_parallel_size}"
         )
 
 
@@ -199,12 +259,23 @@ def build_topology(
     ep: int = 1,
     pp: int = 1,
     high_priority: Collection[str] = (),
+    extra: dict[str, int] | None = None,
+    joins: dict[str, tuple[str, ...]] | None = None,
 ) -> Topology:
     """The topology of an initialised process group; creates every group (collective call).
     The groups of the dimensions in ``high_priority`` (``--high-priority-stream-groups``) run
-    their NCCL kernels on high-priority streams (no effect on other backends)."""
-    sizes = {"tp": tp, "cp": cp, "ep": ep, "pp": pp}
-    all_groups = group_ranks(world_size, sizes)
+    their NCCL kernels on high-priority streams (no effect on other backends). ``extra``: a
+    plugin's dimensions and their sizes, ``joins`` the derived groups each varies in too."""
+    extra = dict(extra or {})
+    allowed = set(DERIVED) - set(DATA_GROUPS)
+    for name, joined in (joins or {}).items():
+        if name in extra and set(joined) - allowed:
+            raise ValueError(
+                f"parallel dimension '{name}' joins {sorted(set(joined) - allowed)}: a "
+                f"plugin's dimension may join only {sorted(allowed)}"
+            )
+    sizes = {"tp": tp, "cp": cp, "ep": ep, "pp": pp, **extra}
+    all_groups = group_ranks(world_size, sizes, joins)
     members: dict[str, tuple[int, ...]] = {}
     groups: dict[str, Any] = {}
     if world_size > 1:
@@ -244,6 +315,7 @@ def build_topology(
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
+        extra_sizes=extra,
         members=members,
         groups=groups,
     )

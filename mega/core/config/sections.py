@@ -534,6 +534,12 @@ class ParallelConfig:
         " overlapping compute gets SMs first: any of " + ", ".join(STREAM_GROUPS) + ".",
         nargs="+",
     )
+    extra_parallel_size: list[str] = option(
+        [],
+        "Sizes of parallel dimensions that plugins register (mega.parallel.dimension), as"
+        " NAME=SIZE; their ranks hold the same data, as tensor-parallel ranks do.",
+        nargs="+",
+    )
 
     def __post_init__(self) -> None:
         # Megatron's shorthands become the flags they stand for (so the resolved config says
@@ -556,13 +562,24 @@ class ParallelConfig:
                 self.recompute_num_layers = self.recompute_num_layers or 1
 
     def sizes(self) -> dict[str, int]:
-        """The model-parallel sizes by dimension, in the topology's names."""
+        """The built-in model-parallel sizes by dimension, in the topology's names (a plugin's
+        dimensions: ``extra_sizes``)."""
         return {
             "tp": self.tensor_model_parallel_size,
             "cp": self.context_parallel_size,
             "ep": self.expert_model_parallel_size,
             "pp": self.pipeline_model_parallel_size,
         }
+
+    def extra_sizes(self) -> dict[str, int]:
+        """``--extra-parallel-size NAME=SIZE ...`` as ``{NAME: SIZE}`` (malformed items and
+        built-in names left out: ``validate`` names them)."""
+        sizes = {}
+        for item in self.extra_parallel_size:
+            name, _, size = item.partition("=")
+            if name.strip() not in STREAM_GROUPS and size.strip().lstrip("-").isdigit():
+                sizes[name.strip()] = int(size)
+        return sizes
 
     def validate(self) -> list[str]:
         errors = []
@@ -602,6 +619,19 @@ class ParallelConfig:
             errors.append("--ddp-bucket-size must be at least 1")
         if self.distributed_timeout_minutes <= 0:
             errors.append("--distributed-timeout-minutes must be positive")
+        for item in self.extra_parallel_size:
+            name, _, size = item.partition("=")
+            if not name.strip() or not size.strip().lstrip("-").isdigit():
+                errors.append(f"--extra-parallel-size: '{item}' is not NAME=SIZE")
+            elif name.strip() in STREAM_GROUPS:
+                errors.append(
+                    f"--extra-parallel-size: '{name.strip()}' is a built-in dimension or group"
+                    " (set its own flag)"
+                )
+        names = [item.partition("=")[0].strip() for item in self.extra_parallel_size]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            errors.append(f"--extra-parallel-size names {', '.join(repeated)} more than once")
         unknown = [g for g in self.high_priority_stream_groups if g not in STREAM_GROUPS]
         if unknown:
             errors.append(
@@ -689,7 +719,7 @@ class RunConfig:
     def data_parallel_size(self) -> int:
         """Ranks with the same dense weights and different data: expert-parallel ranks count
         (they hold different experts but different data too)."""
-        sizes = self.parallel.sizes()
+        sizes = {**self.parallel.sizes(), **self.parallel.extra_sizes()}
         return max(self.world_size // (math.prod(sizes.values()) // sizes["ep"]), 1)
 
     @property

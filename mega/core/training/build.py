@@ -29,7 +29,8 @@ from mega.core.training.vocab import padded_vocab_size
 from mega.errors import MegaUsageError
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import FlatOptimizer
-from mega.parallel.parallelize import parallelize
+from mega.parallel.dimension import ParallelDimension, chain
+from mega.parallel.parallelize import parallelize, run_dimensions
 from mega.parallel.pipeline.executor import PipelineExecutor
 from mega.parallel.pipeline.setup import PipelineSetup, pipeline_setup
 from mega.parallel.pipeline.split import tied_weights
@@ -58,6 +59,8 @@ class RunParts:
     loss_names: tuple[str, ...]  # the model's loss parts, in the order the executor gives them
     prepare_microbatch: Any  # ModelSpec.prepare_microbatch: the host-side step of each batch
     fp8_scaling: Any = None  # --fp8-recipe delayed: DelayedScaling, updated after each step
+    # the run's parallel dimensions, in the order they were applied (``run_dimensions``)
+    dimensions: tuple[ParallelDimension, ...] = ()
 
 
 def build_run(
@@ -141,15 +144,8 @@ def build_parts(
     if pipeline is None:  # resolve_config reported these already; a library caller may not have
         raise MegaUsageError(problems)
     layout = pipeline.layout
-    dispatcher = None
-    if plan is not None and plan.moe_layers:
-        dispatcher = plugins.moe_dispatchers.get(plan.moe_dispatcher).build
-    cp_comm_type = None
-    if topology.context_parallel_size > 1:
-        cp_comm_type = plugins.cp_comm_types.get(config.parallel.cp_comm_type)
-    model, chunks = parallelize(
-        model, plan, config.parallel, topology, layout, dispatcher, cp_comm_type
-    )
+    dimensions = run_dimensions(topology, plugins.choices)
+    model, chunks = parallelize(model, plan, config.parallel, topology, layout, plugins.choices)
     if config.precision.fp8_format:
         mark_fp8_weights(model, plan, config.precision, device, display)
     dtype = DTYPES[config.precision.params_dtype]
@@ -172,9 +168,13 @@ def build_parts(
             param.fuse_wgrad = True
     rule = plugins.optimizers.get(config.optimizer.optimizer)
     optimizer = FlatOptimizer(buffer, config.optimizer, config.precision, rule)
-    # the positions one rank holds: its context-parallel share, split again by SP
-    positions = t.seq_length // topology.context_parallel_size
-    positions //= p.tensor_model_parallel_size if p.sequence_parallel else 1
+    # the positions one rank holds between layers (context parallelism's share, split again
+    # by sequence parallelism's)
+    positions = t.seq_length
+    loss_fn = loss_parts(model_spec, config.model)
+    for dimension in dimensions:
+        positions = dimension.local_positions(positions, p, topology)
+        loss_fn = dimension.share_loss(loss_fn, topology)
     executor = PipelineExecutor(
         name=pipeline.spec.name,
         chunks=chunks,
@@ -186,8 +186,9 @@ def build_parts(
         dtype=dtype,
         device=device,
         forward_fn=model_forward,
-        loss_fn=loss_parts(model_spec, config.model, topology.group("cp")),
+        loss_fn=loss_fn,
         overlap_p2p=p.overlap_p2p_communication,
+        scale_hooks=[dimension.step_scale for dimension in dimensions],
     )
     if layout.pp * layout.vpp > 1 and display is not None:
         display.print(f" > pipeline layers by rank and chunk: {layout.describe()}")
@@ -205,8 +206,11 @@ def build_parts(
         lr_schedule=lr_schedule(config),
         flops_per_token=model_spec.flops_per_token(config.model, t.seq_length, padded_vocab),
         loss_names=model_spec.losses_of(config.model),
-        prepare_microbatch=microbatch_preparation(model_spec.prepare_microbatch, topology),
+        prepare_microbatch=microbatch_preparation(
+            model_spec.prepare_microbatch, topology, dimensions
+        ),
         fp8_scaling=fp8_scaling,
+        dimensions=tuple(dimensions),
     )
 
 
@@ -323,19 +327,12 @@ def compiles_layers(flag: bool | None, device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def microbatch_preparation(model_step: Any, topology: Topology) -> Any:
+def microbatch_preparation(
+    model_step: Any, topology: Topology, dimensions: list[ParallelDimension] | None = None
+) -> Any:
     """The host-side step of each micro-batch: the model's (``ModelSpec.prepare_microbatch``),
-    then, under context parallelism, the cut to this rank's positions."""
-    cp = topology.context_parallel_size
-    if cp == 1:
-        return model_step
-    from mega.parallel.context.layout import split_microbatch
-
-    rank = topology.group_rank("cp")
-
-    def prepare(arrays: dict) -> dict:
-        if model_step is not None:
-            arrays = model_step(arrays)
-        return split_microbatch(arrays, rank, cp)
-
-    return prepare
+    then each parallel dimension's (context parallelism: the cut to this rank's positions).
+    ``dimensions``: the run's (``run_dimensions``); the built-in ones when None."""
+    if dimensions is None:
+        dimensions = run_dimensions(topology, None)
+    return chain([model_step, *(d.prepare_microbatch(topology) for d in dimensions)])

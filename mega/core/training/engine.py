@@ -40,7 +40,7 @@ from mega.core.training.sample_schedule import batch_schedule, schedule_incremen
 from mega.core.training.step import StepResult
 from mega.errors import MegaRunError
 from mega.parallel.distributed import join_job
-from mega.parallel.expert.stats import router_metrics
+from mega.parallel.parallelize import extra_joins, run_dimensions
 from mega.parallel.topology import Topology
 
 # moved to mega.core.training.evaluation with the rest of evaluation (2026-11-27)
@@ -89,16 +89,17 @@ class Engine(Evaluation):
 
     def setup(self) -> None:
         cfg, t = self.config, self.config.training
-        self.device, self.topology = join_job(cfg)
+        self.device, self.topology = join_job(cfg, extra_joins(cfg.parallel, self.plugins.choices))
         if self.device.type == "cpu":
             warm_up_vector_math()  # before any multi-threaded first call (see cpu_math)
         if not self.topology.is_rank0:  # rank 0 owns the console; others warn with a prefix
             self.display = Display(enabled=False, rank=self.topology.rank)
         # Megatron offsets the seed per pipeline stage; init does not use it (weights are seeded
-        # per parameter name), dropout and other runtime randomness do. Context-parallel ranks
-        # hold other positions of the same sequences: their dropout masks must differ too.
+        # per parameter name), dropout and other runtime randomness do; so may a dimension
+        # (context-parallel ranks hold other positions: their dropout masks must differ too)
         topo = self.topology
-        seed_everything(t.seed + 100 * topo.pp_rank + 7919 * topo.group_rank("cp"))
+        offsets = (d.seed_offset(topo) for d in run_dimensions(topo, self.plugins.choices))
+        seed_everything(t.seed + 100 * topo.pp_rank + sum(offsets))
         self.plugins.pm.hook.topology_ready(topology=self.topology, engine=self)
         self.parts = parts = build_run(cfg, self.plugins, self.topology, self.device, self.display)
         self.tokenizer, self.splits, self.model = parts.tokenizer, parts.splits, parts.model
@@ -243,7 +244,9 @@ class Engine(Evaluation):
             # the last step's (it differs from --global-batch-size during a ramp)
             "global_batch_size": self._previous_gbs or self.config.global_batch_size,
         }
-        extra = router_metrics(self.model, self.topology)  # MoE: load balancing, drops
+        extra = {}  # each dimension's (MoE: load balancing, drops)
+        for dimension in self.parts.dimensions:
+            extra.update(dimension.metrics(self.model, self.topology))
         metrics, nan_count = self.log.iteration_line(self.interval, result, progress, extra)
         self.nan_total += nan_count
         self.interval = IntervalStats()

@@ -69,16 +69,12 @@ def lm_loss(per_token: torch.Tensor, microbatch: dict[str, torch.Tensor]) -> dic
     return {"lm loss": masked_mean(per_token, microbatch)}
 
 
-def loss_parts(
-    spec: Any, config: Any, cp_group: Any = None
-) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]:
+def loss_parts(spec: Any, config: Any) -> Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]:
     """The executor's loss function for a model built from ``config``: its named parts as one
-    fp32 vector, in ``spec.losses_of(config)`` order (the executor trains on their sum). Under
-    context parallelism (``cp_group``) each rank's parts are its share of the micro-batch's
-    (``mega.parallel.context.apply.context_parallel_loss``)."""
+    fp32 vector, in ``spec.losses_of(config)`` order (the executor trains on their sum). A
+    parallel dimension whose ranks hold shares of a micro-batch wraps it
+    (``ParallelDimension.share_loss``)."""
     names, loss = spec.losses_of(config), spec.loss or lm_loss
-    if cp_group is not None:
-        from mega.parallel.context.apply import context_parallel_loss
 
     def parts(output: Any, microbatch: dict[str, torch.Tensor]) -> torch.Tensor:
         named = loss(output, microbatch)
@@ -87,10 +83,7 @@ def loss_parts(
                 f"model '{spec.name}': its loss returned parts {tuple(named)}, not the"
                 f" declared loss_names {names}"
             )
-        stacked = torch.stack([value.float().reshape(()) for value in named.values()])
-        if cp_group is None:
-            return stacked
-        return context_parallel_loss(stacked, microbatch["cp_loss_weight"], cp_group)
+        return torch.stack([value.float().reshape(()) for value in named.values()])
 
     return parts
 

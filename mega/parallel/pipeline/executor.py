@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ from torch.autograd.variable import Variable
 
 from mega.errors import MegaRunError
 from mega.parallel import comm
-from mega.parallel.expert.aux_loss import set_backward_scale
 from mega.parallel.pipeline import (
     Action,
     Backward,
@@ -149,8 +148,13 @@ class PipelineExecutor:
         forward_fn: ForwardFn,
         loss_fn: LossFn,
         overlap_p2p: bool = False,
+        scale_hooks: Sequence[Callable[[float, torch.device], None]] = (),
     ) -> None:
         self.name = name
+        # told each step's scale of a micro-batch's loss gradient, before its forwards: losses
+        # added inside the forward (MoE's auxiliary ones, ``ParallelDimension.step_scale``)
+        # take the same
+        self.scale_hooks = tuple(scale_hooks)
         self.overlap_p2p = overlap_p2p
         self.chunks = chunks
         self.table = table
@@ -227,8 +231,8 @@ class PipelineExecutor:
         self._weight_grads: dict[tuple[int, int], WeightGradQueue] = {}
         unwaited: comm.PostedBatch | None = None  # a batch the weight gradients after it overlap
         scale = grad_scale / len(microbatches)
-        # losses added inside the forward (MoE) get the same scale
-        set_backward_scale(scale, self.device)
+        for hook in self.scale_hooks:  # losses added inside the forward take the same scale
+            hook(scale, self.device)
         losses = []
         timer = self.timing if train else None
         for index, step in enumerate(steps):
