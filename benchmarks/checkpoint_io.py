@@ -199,7 +199,11 @@ def main() -> None:
 
     from mega import __version__ as mega_version
     from mega.core.checkpoint.sharded_store import create_arrays
-    from mega.core.checkpoint.state import (
+    from mega.core.config.resolve import resolve_config
+    from mega.core.console.display import Display
+    from mega.core.plugins.manager import make_plugins
+    from mega.core.training.engine import Engine
+    from mega.core.training.run_state import (
         finish_pending_save,
         layout_of,
         load_run,
@@ -207,10 +211,6 @@ def main() -> None:
         save_run,
         sharded_tensors,
     )
-    from mega.core.config.resolve import resolve_config
-    from mega.core.console.display import Display
-    from mega.core.plugins.manager import make_plugins
-    from mega.core.training.engine import Engine
 
     root = Path(args.dir).resolve()
     argv = shlex.split(args.model) + shlex.split(args.flags)

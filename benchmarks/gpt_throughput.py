@@ -351,7 +351,7 @@ def initial_weights(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 def run_reference(
     args: argparse.Namespace, clock: StepClock, total_iters: int, fp32_master: bool, fp8: bool
 ) -> dict:
-    from mega.core.training.lr_schedule import LRSchedule
+    from mega.core.schedules.learning_rate import LRSchedule
 
     model = ReferenceGPT(args.layers, args.hidden, args.heads, args.vocab, args.seq)
     model.load_state_dict(initial_weights(args))

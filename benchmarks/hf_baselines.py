@@ -64,7 +64,7 @@ def train_hf(
     """Train ``model`` (fp32, on the device) as system ``name`` (``HF_SYSTEMS``) on
     ``batches(step)``: its own loss (``.loss``), the schedule, clipping and AdamW mega uses.
     Returns the mean loss of the timed steps, the first step's and the parameter count."""
-    from mega.core.training.lr_schedule import LRSchedule
+    from mega.core.schedules.learning_rate import LRSchedule
 
     bf16 = name.startswith("hf-bf16")
     if bf16:

@@ -125,7 +125,7 @@ def run_hf(
 ) -> dict:
     import transformers
 
-    from mega.core.training.lr_schedule import LRSchedule
+    from mega.core.schedules.learning_rate import LRSchedule
 
     experts = name.removeprefix("hf-").removesuffix("-compile")
     model = transformers.MixtralForCausalLM.from_pretrained(

@@ -117,6 +117,35 @@ def test_parallel_is_the_ground_floor():
     assert arrows(lambda a, b: layer(a) == "parallel" and layer(b) in above) == []
 
 
+# mega.core's rooms, bottom first: each imports only rooms below it (and modules outside core).
+# The schedules are pure arithmetic over the config's values; the plugin machinery knows the
+# specs; the checkpoint storage knows files, and checkpoint conversion other tools' files; the
+# config validates against plugins and storage; the console prints runs; training builds and
+# runs them; the planner shadows a training build.
+CORE_ROOMS = (
+    "schedules", "plugins", "checkpoint", "convert", "config", "console", "training", "plan",
+)  # fmt: skip
+
+
+def core_room(module: str) -> str | None:
+    """The room (sub-package) of ``mega.core`` a module lives in; None outside them (the
+    package's own modules, which are deprecated aliases, and everything outside core)."""
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["mega", "core"] and len(parts) > 3 else None
+
+
+def test_core_rooms_form_a_stack():
+    rooms = {path.name for path in (PACKAGE / "core").iterdir() if (path / "__init__.py").exists()}
+    assert rooms == set(CORE_ROOMS), "a new room of mega.core takes its place in CORE_ROOMS"
+    level = {room: index for index, room in enumerate(CORE_ROOMS)}
+
+    def upward(a: str, b: str) -> bool:
+        ra, rb = core_room(a), core_room(b)
+        return ra is not None and rb is not None and level[rb] > level[ra]
+
+    assert arrows(upward) == []
+
+
 def test_the_package_face_is_imported_only_from_above_it():
     # mega/__init__.py re-exports core's and parallel's names for plugin authors; core and
     # parallel import the defining modules, never the face (an arrow back up)

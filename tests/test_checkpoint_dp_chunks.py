@@ -32,11 +32,11 @@ def _save_and_load(rank: int, world_size: int, directory: str, flags: list[str])
 
     from mega.core.checkpoint import api
     from mega.core.checkpoint.sharded_store import start_sharded_save
-    from mega.core.checkpoint.state import sharded_tensors
     from mega.core.config.resolve import resolve_config
     from mega.core.console.display import Display
     from mega.core.plugins.manager import make_plugins
     from mega.core.training.engine import Engine
+    from mega.core.training.run_state import sharded_tensors
 
     plugins = make_plugins()
     config = resolve_config([*ARGS, *flags, "--run-dir", f"{directory}/run{rank}"], plugins)

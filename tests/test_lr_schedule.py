@@ -4,7 +4,11 @@ import math
 
 import pytest
 
-from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters, validate_schedule_args
+from mega.core.schedules.learning_rate import (
+    LRSchedule,
+    resolve_warmup_iters,
+    validate_schedule_args,
+)
 from mega.errors import MegaUsageError
 
 SQRT2 = math.sqrt(2.0)

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from mega.core.config.resolve import resolve_config
+from mega.core.schedules.samples import BatchSchedule, train_iters_from_samples
 from mega.core.training.engine import Engine
-from mega.core.training.sample_schedule import BatchSchedule, train_iters_from_samples
 from mega.errors import MegaUsageError
 
 from conftest import TINY, lm_losses, run_mega

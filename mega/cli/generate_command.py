@@ -80,7 +80,6 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega import BuildContext
     from mega.core.checkpoint.api import load as load_sharded
     from mega.core.checkpoint.api import sharded_state
-    from mega.core.checkpoint.state import model_with_padding
     from mega.core.checkpoint.store import (
         find_checkpoint,
         load_checkpoint,
@@ -88,6 +87,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
         unpadded_model,
     )
     from mega.core.checkpoint.strict import state_dict_mismatch
+    from mega.core.training.run_state import model_with_padding
     from mega.core.training.vocab import padded_vocab_size
     from mega.parallel.sharded_state import vocab_rows
     from mega.plugins.models.common.decoder import GPTModel

@@ -76,7 +76,7 @@ class TrainingConfig:
             self.train_iters = 500
 
     def validate(self) -> list[str]:
-        from mega.core.training.sample_schedule import training_length_problems
+        from mega.core.schedules.samples import training_length_problems
 
         errors = training_length_problems(self)
         for name in ("micro_batch_size", "seq_length", "train_iters", "log_interval"):
@@ -727,7 +727,7 @@ class RunConfig:
         """Iterations to train: --train-iters, or from --train-samples as Megatron computes them."""
         if self.training.train_samples is None:
             return self.training.train_iters
-        from mega.core.training.sample_schedule import batch_schedule, train_iters_from_samples
+        from mega.core.schedules.samples import batch_schedule, train_iters_from_samples
 
         return train_iters_from_samples(self.training.train_samples, batch_schedule(self))
 

@@ -9,8 +9,8 @@ from mega.core.checkpoint.store import validate_checkpoint_dirs
 from mega.core.config.run_checks import run_problems, schedule_inputs_ok
 from mega.core.config.sections import RunConfig
 from mega.core.plugins.manager import Plugins
-from mega.core.training.lr_schedule import validate_schedule_args
-from mega.core.training.sample_schedule import sample_schedule_problems, schedule_lengths
+from mega.core.schedules.learning_rate import validate_schedule_args
+from mega.core.schedules.samples import sample_schedule_problems, schedule_lengths
 from mega.errors import MegaUsageError
 from mega.parallel.checks import parallel_problems
 from mega.parallel.distributed import process_place

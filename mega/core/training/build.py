@@ -19,11 +19,11 @@ from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.plugins.manager import Plugins
 from mega.core.plugins.specs import BuildContext, DataRequest
+from mega.core.schedules.learning_rate import LRSchedule, resolve_warmup_iters
+from mega.core.schedules.samples import schedule_lengths
 from mega.core.training.batches import requested_samples
 from mega.core.training.compile import compile_model
-from mega.core.training.lr_schedule import LRSchedule, resolve_warmup_iters
 from mega.core.training.parameter_count import unpadded_parameter_count
-from mega.core.training.sample_schedule import schedule_lengths
 from mega.core.training.step import loss_parts, model_forward
 from mega.core.training.vocab import padded_vocab_size
 from mega.errors import MegaUsageError
@@ -245,7 +245,7 @@ def split_paths(data: Any) -> tuple[tuple[str, ...], ...] | None:
 def lr_schedule(config: RunConfig) -> LRSchedule:
     """The run's learning-rate schedule (Megatron's OptimizerParamScheduler)."""
     s = config.scheduler
-    # counted in iterations, or in samples with --train-samples (sample_schedule)
+    # counted in iterations, or in samples with --train-samples (mega.core.schedules.samples)
     lengths = schedule_lengths(config)
     decay_iters = lengths["decay_iters"]
     return LRSchedule(

@@ -17,18 +17,13 @@ from typing import Any
 import torch
 
 from mega._deprecated import moved
-from mega.core.checkpoint.state import (
-    finish_pending_save,
-    load_run,
-    prepare_async_save,
-    save_run,
-)
 from mega.core.config.sections import RunConfig
 from mega.core.console.display import Display
 from mega.core.console.metrics import IntervalStats
 from mega.core.console.run_log import RunLog
 from mega.core.plugins.hookspecs import hookimpl
 from mega.core.plugins.manager import Plugins
+from mega.core.schedules.samples import batch_schedule, schedule_increment
 from mega.core.training.batches import BatchPrefetcher, global_batch
 from mega.core.training.build import build_run
 from mega.core.training.cpu_math import warm_up_vector_math
@@ -36,7 +31,12 @@ from mega.core.training.evaluation import Evaluation
 from mega.core.training.exit_conditions import ExitConditions
 from mega.core.training.interrupt import interrupted_message
 from mega.core.training.rng import seed_everything
-from mega.core.training.sample_schedule import batch_schedule, schedule_increment
+from mega.core.training.run_state import (
+    finish_pending_save,
+    load_run,
+    prepare_async_save,
+    save_run,
+)
 from mega.core.training.step import StepResult
 from mega.errors import MegaRunError
 from mega.parallel.distributed import join_job
