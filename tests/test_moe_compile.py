@@ -84,3 +84,45 @@ def test_a_compiled_layer_scales_the_aux_loss_gradient_as_it_is_set_at_run_time(
         assert grads[0].abs().max() > 0
         torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=0)
     set_backward_scale(1.0)
+
+
+def _frames_for_routings(capacity_factor: str | None) -> list[int]:
+    """Frames dynamo has compiled after each of four training forwards and backwards of one
+    compiled MoE layer, on inputs of one shape whose routings differ: other rows per expert,
+    and with a capacity other slots kept. One eager forward first: the router's statistics
+    then hold every sum already, as they do from a run's second micro-batch on."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    plugins = make_plugins()
+    flags = ["--moe-expert-capacity-factor", capacity_factor] if capacity_factor else []
+    config = resolve_config(
+        ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
+         "4", "--moe-ffn-hidden-size", "16", "--num-experts", "4", *flags],
+        plugins,
+    )  # fmt: skip
+    ctx = BuildContext(
+        seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
+        tokenizer=None, topology=None,
+    )  # fmt: skip
+    layer = plugins.models.get("moe").build(config.model, ctx).decoder.layers[0].train()
+    g = torch.Generator().manual_seed(2)
+    layer(torch.randn(2, 16, 32, generator=g))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter)
+    frames = []
+    for _ in range(4):
+        x = torch.randn(2, 16, 32, generator=g)
+        compiled(x).sum().backward()
+        frames.append(counter.frame_count)
+    return frames
+
+
+def test_a_compiled_moe_layer_compiles_once_whatever_its_routing():
+    """The experts' loop (CPU, or no --moe-grouped-gemm) splits rows by expert on the host, and
+    with a capacity the slots kept are found by ``nonzero``: the graphs after them take sizes
+    the routing sets. They compile once for all sizes (mega.parallel.expert.traced); before,
+    each recompiled at its second call, and again at sizes that happened to repeat."""
+    for capacity_factor in (None, "1.0"):
+        frames = _frames_for_routings(capacity_factor)
+        assert frames[1:] == frames[:1] * 3, (capacity_factor, frames)

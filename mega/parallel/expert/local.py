@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from mega.parallel.weight_grad import traced
+
 
 class Experts(Protocol):
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -56,6 +58,10 @@ def assign(
     each (module docstring)."""
     k = indices.shape[1]
     flat = indices.reshape(-1)
+    if traced() and not indices.is_meta:  # eager; its sizes unbacked for the graph after it
+        from mega.parallel.expert.traced import held_slots
+
+        return Assignment(*held_slots(flat, k, first, count))
     local = flat - first
     mine = (flat >= 0) & (local >= 0) & (local < count)
     if indices.is_meta:

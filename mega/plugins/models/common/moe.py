@@ -39,6 +39,7 @@ from torch import nn
 from mega.parallel.expert.aux_loss import attach
 from mega.parallel.expert.local import balanced_rows, local_mixture
 from mega.parallel.functional_comm import all_reduced
+from mega.parallel.weight_grad import traced
 from mega.plugins.models.common.config import GPTConfig
 
 
@@ -290,6 +291,10 @@ class GroupedExperts(nn.Module):
             return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
         if x.is_meta:
             pieces = x.split(balanced_rows(x.shape[0], self.count))
+        elif traced():  # eager, each piece's rows unbacked: one graph for all counts
+            from mega.parallel.expert.traced import split_rows
+
+            pieces = split_rows(x, counts)
         else:
             pieces = x.split(counts.tolist())
         # unbind: one stack in backward (indexing w1[e] would add a full-size zero gradient
