@@ -28,6 +28,7 @@ from mega.core.plugins.specs import (
     TokenizerSpec,
 )
 from mega.errors import MegaRunError, MegaUsageError
+from mega.parallel.attention_spec import AttentionKernelSpec
 from mega.parallel.dimension import ParallelDimension
 from mega.parallel.plan import ParallelPlan
 
@@ -78,6 +79,7 @@ _REMOVED = {
 }
 
 __all__ = [
+    "AttentionKernelSpec",
     "BuildContext",
     "CheckpointBackendSpec",
     "CheckpointConverterSpec",

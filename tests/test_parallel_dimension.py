@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mega import MegaRunError, MegaUsageError, ParallelDimension, hookimpl
-from mega.parallel.parallelize import BUILT_IN
+from mega.parallel.dimensions import BUILT_IN
 from mega.parallel.topology import JOINS, Topology, build_topology, group_ranks
 from mega.testing.commands import TINY_GPT, with_free_port
 

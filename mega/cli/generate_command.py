@@ -89,6 +89,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
     from mega.core.checkpoint.strict import state_dict_mismatch
     from mega.core.training.run_state import model_with_padding
     from mega.core.training.vocab import padded_vocab_size
+    from mega.parallel import attention_kernels
     from mega.parallel.sharded_state import vocab_rows
     from mega.plugins.models.common.decoder import GPTModel
 
@@ -104,6 +105,7 @@ def load_model(load: Path, plugins: Any, tokenizer: Any, config: dict[str, Any],
         seed=0, device=device, params_dtype="float32", seq_length=seq_length,
         padded_vocab_size=padded, tokenizer=tokenizer,
     )  # fmt: skip
+    attention_kernels.install(plugins.choices(attention_kernels.AttentionKernelSpec.choice_kind))
     try:
         model_config = spec.config_cls(**fields)
         model = spec.build(model_config, ctx)

@@ -7,9 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from mega._deprecated import moved
+from mega.parallel.attention_spec import BLOCKS, BUILT_IN_NAMES, AttentionKernelSpec
 from mega.parallel.dimension import ParallelDimension
+from mega.parallel.dimensions import BUILT_IN
 from mega.parallel.fp8.checks import fp8_run_problems
-from mega.parallel.parallelize import BUILT_IN
 from mega.parallel.pipeline.setup import pipeline_setup
 from mega.parallel.plan import no_plan_message, plan_features
 from mega.parallel.topology import layout_problems as world_problems
@@ -44,6 +45,7 @@ def parallel_problems(config: Any, plugins: Any) -> list[str]:
             errors += plan.problems(tp)
     for dimension in [*BUILT_IN, *extra]:
         errors += dimension.problems(config, plan, plugins)
+    errors += attention_kernel_problems(config, plugins)
     errors += fp8_run_problems(config, plan)
     errors += pipeline_setup(config, plugins)[1]
     ckpt = config.checkpoint
@@ -76,3 +78,20 @@ def extra_dimensions(
             f" (have: {have})"
         )
     return [registered.get(name) for name in sizes if name in registered]
+
+
+def attention_kernel_problems(config: Any, plugins: Any) -> list[str]:
+    """``--attention-backend`` names a built-in attention kernel or a registered one (a model
+    without the flag has nothing to check)."""
+    name = getattr(config.model, "attention_backend", None)
+    registered = plugins.choices(AttentionKernelSpec.choice_kind)
+    if name in registered and registered.peek(name).blocks not in BLOCKS:
+        blocks = registered.peek(name).blocks
+        return [
+            f"--attention-backend {name}: the kernel's blocks {blocks!r} is not one of"
+            f" {', '.join(BLOCKS)} (plugin '{registered.provider(name)}')"
+        ]
+    if name is None or name in BUILT_IN_NAMES or name in registered:
+        return []
+    have = [*BUILT_IN_NAMES, *registered.names()]
+    return [f"--attention-backend {name!r}: no such attention kernel (have: {', '.join(have)})"]

@@ -4,7 +4,7 @@ ranks, so that the training code (build, step, engine, executor) names no dimens
 A dimension is named by its coordinate in the topology ("tp", "cp", "ep", or a plugin's) and
 may override any of the methods below; the defaults do nothing. The built-in ones
 (``mega.parallel.tensor.dimension``, ``expert.dimension``, ``context.dimension``) are applied
-in the order ``mega.parallel.parallelize.BUILT_IN`` writes down (the order stays code, as in
+in the order ``mega.parallel.dimensions.BUILT_IN`` writes down (the order stays code, as in
 torchtitan's ``parallelize``); a plugin's, registered through ``register_parallel_choices``
 and sized by ``--extra-parallel-size NAME=SIZE``, after them, in the order of that flag.
 

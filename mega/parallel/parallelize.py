@@ -19,34 +19,14 @@ from typing import Any
 import torch
 
 from mega.errors import MegaUsageError
-from mega.parallel.context.dimension import ContextDimension
-from mega.parallel.dimension import ParallelDimension
-from mega.parallel.expert.dimension import ExpertDimension
+from mega.parallel.dimensions import BUILT_IN, extra_joins, run_dimensions
 from mega.parallel.pipeline.layout import PipelineLayout
 from mega.parallel.pipeline.split import split_for_pipeline
 from mega.parallel.plan import ParallelPlan, no_plan_message, plan_features
 from mega.parallel.recompute import apply_recompute
-from mega.parallel.tensor.dimension import TensorDimension
 from mega.parallel.topology import Topology
 
-# The built-in dimensions, in the order they are applied: tensor/sequence first (on the whole
-# model, every plan path present), then expert (its dispatcher under sequence parallelism),
-# then context (it wraps the core attention the others left in place).
-BUILT_IN: tuple[ParallelDimension, ...] = (TensorDimension(), ExpertDimension(), ContextDimension())
-
-
-def run_dimensions(topology: Topology, choices: Any) -> list[ParallelDimension]:
-    """The run's dimensions in order: the built-in ones, then each plugin dimension the
-    topology has a coordinate for (``--extra-parallel-size``), in that flag's order."""
-    registered = choices(ParallelDimension.choice_kind) if topology.extra_sizes else None
-    return [*BUILT_IN, *(registered.get(name) for name in topology.extra_sizes)]
-
-
-def extra_joins(parallel: Any, choices: Any) -> dict[str, tuple[str, ...]]:
-    """The derived groups each plugin dimension of the run (``--extra-parallel-size``) joins,
-    for ``build_topology``."""
-    registered = choices(ParallelDimension.choice_kind) if parallel.extra_sizes() else {}
-    return {name: registered.get(name).joins for name in parallel.extra_sizes()}
+__all__ = ["BUILT_IN", "extra_joins", "parallelize", "run_dimensions"]  # the dimensions' list too
 
 
 def parallelize(

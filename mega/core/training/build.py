@@ -27,10 +27,12 @@ from mega.core.training.parameter_count import unpadded_parameter_count
 from mega.core.training.step import loss_parts, model_forward
 from mega.core.training.vocab import padded_vocab_size
 from mega.errors import MegaUsageError
+from mega.parallel import attention_kernels
 from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import FlatOptimizer
 from mega.parallel.dimension import ParallelDimension, chain
-from mega.parallel.parallelize import parallelize, run_dimensions
+from mega.parallel.dimensions import run_dimensions
+from mega.parallel.parallelize import parallelize
 from mega.parallel.pipeline.executor import PipelineExecutor
 from mega.parallel.pipeline.setup import PipelineSetup, pipeline_setup
 from mega.parallel.pipeline.split import tied_weights
@@ -96,6 +98,8 @@ def build_context(
 ) -> BuildContext:
     """The tokenizer and what the factories are told about the run (a padded vocabulary)."""
     t = config.training
+    # the model finds its attention kernel by name, a plugin's too (mega.parallel.attention_kernels)
+    attention_kernels.install(plugins.choices(attention_kernels.AttentionKernelSpec.choice_kind))
     with plugin_imports("tokenizer", config.tokenizer_name, plugins.tokenizers):
         tokenizer = plugins.tokenizers.get(config.tokenizer_name).build(config.tokenizer)
     vocab = tokenizer.vocab_size

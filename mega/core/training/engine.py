@@ -39,8 +39,8 @@ from mega.core.training.run_state import (
 )
 from mega.core.training.step import StepResult
 from mega.errors import MegaRunError
+from mega.parallel.dimensions import extra_joins, run_dimensions
 from mega.parallel.distributed import join_job
-from mega.parallel.parallelize import extra_joins, run_dimensions
 from mega.parallel.topology import Topology
 
 # moved to mega.core.training.evaluation with the rest of evaluation (2026-11-27)

@@ -57,15 +57,20 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mode: str, scale: float) -> torch.
 GPU_KERNEL = "cudnn"
 
 
-def kernel_for(q: torch.Tensor) -> str:
+def kernel_for(q: torch.Tensor, blocks: str = "auto") -> str:
     """The block implementation for ``q``: ``cudnn`` or ``flash`` (a GPU, bf16/fp16, head size a
     multiple of 8; cuDNN up to 128, flash up to 256), ``cpu`` (the CPU's flash kernel) or
-    ``math``."""
+    ``math``. ``blocks``: the attention kernel's choice (``AttentionKernelSpec.blocks``): "math"
+    always takes the math path; "cudnn" and "flash" are kept where they run, else the pick
+    falls back as for "auto"."""
+    if blocks == "math":
+        return "math"
     if q.is_cuda:
         d = q.shape[-1]
         if q.dtype not in (torch.bfloat16, torch.float16) or d % 8 or d > 256:
             return "math"
-        cudnn = GPU_KERNEL == "cudnn" and d <= 128 and torch.backends.cuda.cudnn_sdp_enabled()
+        wanted = GPU_KERNEL if blocks == "auto" else blocks
+        cudnn = wanted == "cudnn" and d <= 128 and torch.backends.cuda.cudnn_sdp_enabled()
         return "cudnn" if cudnn else "flash"
     return "cpu" if q.device.type == "cpu" else "math"
 
@@ -76,11 +81,16 @@ _EXTRAS: dict[tuple[str, torch.device], tuple] = {}
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mode: str,
+    scale: float,
+    blocks: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out ``[b, h, sq, d]``, lse ``[b, h, sq]`` float32) of ``q`` over this block; out in the
-    inputs' dtype from a kernel, float32 from the math path."""
-    kernel = kernel_for(q)
+    inputs' dtype from a kernel, float32 from the math path. ``blocks``: ``kernel_for``'s."""
+    kernel = kernel_for(q, blocks)
     if kernel == "math":
         return math_block_forward(q, k, v, mode, scale)
     heads, causal = q.shape[1], mode == CAUSAL
@@ -170,11 +180,13 @@ def block_backward(
     lse: torch.Tensor,
     mode: str,
     scale: float,
+    blocks: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block, given the *merged* ``out`` and ``lse`` of ``q``'s whole
     attention and its gradient ``dout``; dk and dv have ``k``'s heads. In the inputs' dtype from
-    a kernel (dk, dv float32 where GQA groups were summed), float32 from the math path."""
-    kernel = kernel_for(q)
+    a kernel (dk, dv float32 where GQA groups were summed), float32 from the math path.
+    ``blocks``: as the forward's."""
+    kernel = kernel_for(q, blocks)
     if kernel == "math":
         return math_block_backward(dout, q, k, v, out, lse, mode, scale)
     heads, groups, causal = q.shape[1], k.shape[1], mode == CAUSAL

@@ -48,6 +48,7 @@ def _forward_body(
     rank: int,
     cp: int,
     scale: float,
+    blocks: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out ``[b, h, s_local, d]`` in ``q``'s dtype, lse, the local ``kv [2, b, g, s_local, d]``)."""
     kv = torch.stack((k, v))  # [2, b, g, s_local, d]
@@ -59,9 +60,9 @@ def _forward_body(
         acc = None
         if chunk:
             earlier = torch.cat([_chunk(gathered, c, cp) for c in range(chunk)], dim=-2)
-            acc = block_forward(part, earlier[0], earlier[1], FULL, scale)
+            acc = block_forward(part, earlier[0], earlier[1], FULL, scale, blocks)
         own = _chunk(gathered, chunk, cp)
-        out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale))
+        out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale, blocks))
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
@@ -72,7 +73,7 @@ _forward = OpaqueWhenTraced("mega::gathered_attention_forward", _forward_body)
 
 
 @_forward.op.register_fake
-def _(q, k, v, group_name, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, group_name, rank, cp, scale, blocks):  # noqa: ANN001, ANN202
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     return q.new_empty(q.shape), lse, k.new_empty((2, *k.shape))
 
@@ -87,6 +88,7 @@ def _backward_body(
     rank: int,
     cp: int,
     scale: float,
+    blocks: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, in ``q``'s dtype."""
     group = _resolve_process_group(group_name)
@@ -99,12 +101,12 @@ def _backward_body(
         args = (dout[:, :, rows], q[:, :, rows])
         saved = (out[:, :, rows], lse[:, :, rows])
         own = _chunk(gathered, chunk, cp)
-        dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale)
+        dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale, blocks)
         dq = dq.float()  # summed over the blocks in float32
         _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
         for earlier in range(chunk):  # one block per chunk: same sums as one wide block
             kv = _chunk(gathered, earlier, cp)
-            dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale)
+            dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale, blocks)
             dq = dq + dq_e
             _chunk(dgathered, earlier, cp).add_(torch.stack((dk, dv)))
         dqs.append(dq)
@@ -120,7 +122,7 @@ _backward = OpaqueWhenTraced("mega::gathered_attention_backward", _backward_body
 
 
 @_backward.op.register_fake
-def _(dout, q, kv, out, lse, group_name, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(dout, q, kv, out, lse, group_name, rank, cp, scale, blocks):  # noqa: ANN001, ANN202
     return q.new_empty(q.shape), kv.new_empty(kv.shape[1:]), kv.new_empty(kv.shape[1:])
 
 
@@ -142,8 +144,16 @@ class _GatheredAttention(torch.autograd.Function):
 
 
 def gathered_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any, rank: int, cp: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: Any,
+    rank: int,
+    cp: int,
+    scale: float,
+    blocks: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of this rank's queries ``q [b, h, s_local, d]`` over the whole sequence,
-    whose keys and values ``[b, g, s_local, d]`` are split over ``group``: ``[b, h, s_local, d]``."""
-    return _GatheredAttention.apply(q, k, v, group.group_name, rank, cp, scale)
+    whose keys and values ``[b, g, s_local, d]`` are split over ``group``: ``[b, h, s_local, d]``.
+    ``blocks``: the attention kernel's block implementation (``mega.parallel.attention_kernels``)."""
+    return _GatheredAttention.apply(q, k, v, group.group_name, rank, cp, scale, blocks)

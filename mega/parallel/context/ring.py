@@ -81,6 +81,7 @@ def _forward_body(
     rank: int,
     cp: int,
     scale: float,
+    blocks: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(context ``[b, s_local, h, d]`` in ``q``'s dtype, lse ``[b, h, s_local]`` float32, the
     last block received ``[2, b, g, s_local, d]``)."""
@@ -94,7 +95,8 @@ def _forward_body(
     for step in range(cp):
         posted = ahead.send([kv]) if step < cp - 1 else None
         rows, keys, mode = _step(rank, (rank - step) % cp)
-        part = block_forward(_part(q, rows), _part(kv[0], keys), _part(kv[1], keys), mode, scale)
+        q_rows, k_cols, v_cols = _part(q, rows), _part(kv[0], keys), _part(kv[1], keys)
+        part = block_forward(q_rows, k_cols, v_cols, mode, scale, blocks)
         if out is None:  # step 0: all queries, the accumulators' first values
             out, lse = (part[0].float() if _wide(cp) else part[0]), part[1]
         else:  # merged in place into the rows' accumulators (all, or one half)
@@ -111,7 +113,7 @@ _forward = OpaqueWhenTraced("mega::ring_attention_forward", _forward_body)
 
 
 @_forward.op.register_fake
-def _(q, k, v, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(q, k, v, group_name, following, previous, rank, cp, scale, blocks):  # noqa: ANN001, ANN202
     b, h, s, d = q.shape
     lse = q.new_empty((b, h, s), dtype=torch.float32)
     return q.new_empty((b, s, h, d)), lse, k.new_empty((2, *k.shape))
@@ -149,6 +151,7 @@ def _backward_body(
     rank: int,
     cp: int,
     scale: float,
+    blocks: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq ``[b, s_local, h, d]``, dk, dv ``[b, g, s_local, d]``), contiguous; ``kv``: the last
     block forward received (rank ``rank + 1``'s)."""
@@ -180,7 +183,7 @@ def _backward_body(
         dout_r, out_r, lse_r = halves[rows]
         dq_part, dk, dv = block_backward(
             dout_r, _part(q, rows), _part(keys, cols), _part(values, cols), out_r, lse_r[..., 0],
-            mode, scale,
+            mode, scale, blocks,
         )  # fmt: skip
         dq = _accumulate(dq, dq_part, rows, dq_zeros, wide)
         if arriving is None:  # the first block: this rank starts its accumulator (contiguous,
@@ -207,7 +210,7 @@ _backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
 
 
 @_backward.op.register_fake
-def _(dout, q, k, v, out, lse, kv, group_name, following, previous, rank, cp, scale):  # noqa: ANN001, ANN202
+def _(dout, q, k, v, out, lse, kv, group_name, following, previous, rank, cp, scale, blocks):  # noqa: ANN001, ANN202
     b, h, s, d = q.shape
     return q.new_empty((b, s, h, d)), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -237,11 +240,13 @@ def ring_attention(
     rank: int,
     cp: int,
     scale: float,
+    blocks: str = "auto",
 ) -> torch.Tensor:
     """Causal attention of this rank's queries ``q [b, h, s_local, d]`` over the whole sequence,
     keys and values ``[b, g, s_local, d]`` passed around the ring; ``peers``: the global ranks of
     the next and the previous member of ``group``. ``[b, h, s_local, d]`` (a view of a
-    ``[b, s_local, h, d]`` tensor)."""
+    ``[b, s_local, h, d]`` tensor). ``blocks``: the attention kernel's block implementation
+    (``mega.parallel.attention_kernels``)."""
     following, previous = peers
-    args = (group.group_name, following, previous, rank, cp, scale)
+    args = (group.group_name, following, previous, rank, cp, scale, blocks)
     return _RingAttention.apply(q, k, v, *args).transpose(1, 2)

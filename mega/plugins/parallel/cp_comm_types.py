@@ -14,11 +14,14 @@ def _scale(query: Any) -> float:
 
 
 def _blockwise(attention: Any, *args: Any) -> Any:
-    """``attend`` over a blockwise function of ``[b, heads, s, d]`` tensors."""
+    """``attend`` over a blockwise function of ``[b, heads, s, d]`` tensors, its blocks those of
+    the model's attention kernel (``--attention-backend``: ``AttentionKernelSpec.blocks``)."""
+    from mega.parallel.attention_kernels import kernel_of
 
     def attend(query: Any, key: Any, value: Any, core_attention: Any) -> Any:
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        context = attention(q, k, v, *args, _scale(query))  # [b, h, s_local, d]
+        blocks = kernel_of(core_attention).blocks
+        context = attention(q, k, v, *args, _scale(query), blocks)  # [b, h, s_local, d]
         return context.transpose(1, 2).reshape(*query.shape[:2], -1)
 
     return attend

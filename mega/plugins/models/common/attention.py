@@ -1,4 +1,5 @@
-"""Attention: the SDPA kernel choice (--attention-backend), the parameter-free core attention,
+"""Attention: the parameter-free core attention (its kernel from ``--attention-backend``, one
+table with context parallelism's: ``mega.parallel.attention_kernels``),
 self-attention with grouped query/key/value rows (Megatron's ``linear_qkv``/``linear_proj``),
 the KV cache generation feeds, and the key padding mask of the encoders (BERT's, T5's).
 
@@ -11,18 +12,18 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mega.parallel.attention_kernels import attention_kernel
 from mega.parallel.linear import Linear
 from mega.plugins.models.common.config import GPTConfig
 from mega.plugins.models.common.norms import norm_layer
 from mega.plugins.models.common.rotary import apply_rotary
 
-# --attention-backend (Megatron's names) -> the SDPA kernels allowed. "fused" is cuDNN's fused
-# attention (what Megatron reaches through Transformer Engine), "unfused" the plain math of
-# softmax(QK^T)V; "auto" leaves the choice to PyTorch, which on Hopper picks cuDNN (torch 2.11).
+# The built-in --attention-backend names -> the SDPA kernels allowed (what
+# mega.parallel.attention_kernels' built-in kernels run; kept for code that enters the same
+# context around its own SDPA calls).
 SDPA_KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
     "fused": [SDPBackend.CUDNN_ATTENTION],
@@ -50,6 +51,8 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout_p = dropout_p
         self.backend = backend
+        # looked up once: a plugin's kernel is in the table before the run builds its model
+        self.kernel = attention_kernel(backend)
         self.causal = causal
 
     def forward(
@@ -62,9 +65,8 @@ class CoreAttention(nn.Module):
         """``query [b, s, np, d]``, ``key``/``value [b, s_k, ng, d]`` -> context ``[b, s, np*d]``;
         ``attention_mask`` broadcast to ``[b, np, s, s_k]``: bool, True = masked; or float, added
         to the scores (T5's relative position bias, with -inf where masked)."""
-        b, s, heads, _ = query.shape
-        with sdpa_backends(self.backend):
-            context = self._sdpa(query, key, value, attention_mask)
+        b, s = query.shape[:2]
+        context = self._sdpa(query, key, value, attention_mask)
         return context.transpose(1, 2).reshape(b, s, -1)  # [b, s, np*d]
 
     def _sdpa(
@@ -74,21 +76,18 @@ class CoreAttention(nn.Module):
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        heads = query.shape[2]
         mask = attention_mask
         if mask is not None:
             # Megatron's bool mask is True where attention is *not* allowed; SDPA's the opposite
             mask = ~mask if mask.dtype == torch.bool else mask.to(query.dtype)
-        # SDPA wants [b, heads, s, d]. Query head i belongs to group i // (np/ng), which is exactly
-        # the repeat_interleave that enable_gqa applies to key/value heads.
-        return F.scaled_dot_product_attention(
+        # the kernels take [b, heads, s, d]. Query head i belongs to group i // (np/ng)
+        return self.kernel.attend(
             query.transpose(1, 2),
             key.transpose(1, 2),
             value.transpose(1, 2),
-            attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=attention_mask is None and self.causal,
-            enable_gqa=heads != key.shape[2],  # only when needed: not every fused kernel has it
+            mask,
+            self.dropout_p if self.training else 0.0,
+            self.causal,
         )
 
 

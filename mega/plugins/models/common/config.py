@@ -22,6 +22,7 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
 DROP_POLICIES = ("probs", "position")
+# the built-in attention kernels (mega.parallel.attention_kernels); a plugin may register more
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused")
 
 
@@ -104,9 +105,9 @@ class GPTConfig:
     attention_dropout: float = option(0.1, "Dropout on the attention probabilities.")
     attention_backend: str = option(
         "auto",
-        "Attention kernels: flash (FlashAttention), fused (cuDNN), unfused (plain math), or auto "
-        "(PyTorch's choice: cuDNN on Hopper GPUs with torch 2.11).",
-        choices=ATTENTION_BACKENDS,
+        "Attention kernels: flash (FlashAttention), fused (cuDNN), unfused (plain math), auto "
+        "(PyTorch's choice: cuDNN on Hopper GPUs with torch 2.11), or a plugin's kernel. Context "
+        "parallelism's blocks follow it.",
     )
     use_flash_attn: bool = option(
         False, "Megatron's older switch for --attention-backend flash (FlashAttention)."

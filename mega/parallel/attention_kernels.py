@@ -1,0 +1,129 @@
+"""The attention kernels, one table: what ``--attention-backend NAME`` selects, for the model's
+core attention and for context parallelism's blockwise attention alike.
+
+A kernel is an ``AttentionKernelSpec``: ``attend`` computes attention over the whole sequence
+(the model's ``CoreAttention`` calls it, and Ulysses CP, which reassembles whole sequences);
+``blocks`` names the block implementation ring and all-gather CP use with it
+(``mega.parallel.context.blocks``: "cudnn", "flash", "math", or "auto", mega's pick for the device
+and dtype), since a block needs its log-sum-exp and a backward that takes the merged one.
+
+Built in (Megatron's names): ``auto`` (PyTorch's SDPA picks), ``flash`` (FlashAttention),
+``fused`` (cuDNN's fused attention, what Megatron reaches through Transformer Engine) and
+``unfused`` (softmax(QK^T)V in plain math). A plugin adds one through
+``register_parallel_choices``; the run installs the registered ones here before it builds the
+model (``install``), so a model finds every kernel by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mega.parallel.attention_spec import BLOCKS, AttentionKernelSpec
+
+__all__ = ["BLOCKS", "BUILT_IN", "AttentionKernelSpec", "attention_kernel", "install", "kernel_of"]
+
+
+def _attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float,
+    causal: bool,
+) -> torch.Tensor:
+    """``AttentionKernelSpec.attend`` through ``scaled_dot_product_attention``, its kernels
+    PyTorch's choice."""
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=mask is None and causal,
+        enable_gqa=query.shape[1] != key.shape[1],  # only when needed: not every kernel has it
+    )
+
+
+def _limited_to(*backends: SDPBackend) -> Callable[..., torch.Tensor]:
+    """``_attend`` with SDPA limited to ``backends``."""
+
+    def attend(*args: Any) -> torch.Tensor:
+        with sdpa_kernel(list(backends)):
+            return _attend(*args)
+
+    return attend
+
+
+BUILT_IN: dict[str, AttentionKernelSpec] = {
+    spec.name: spec
+    for spec in (
+        AttentionKernelSpec(
+            name="auto",
+            attend=_attend,
+            description="PyTorch's choice (cuDNN on Hopper with torch 2.11)",
+        ),
+        AttentionKernelSpec(
+            name="flash",
+            attend=_limited_to(SDPBackend.FLASH_ATTENTION),
+            blocks="flash",
+            description="FlashAttention (SDPA's flash kernel)",
+        ),
+        AttentionKernelSpec(
+            name="fused",
+            attend=_limited_to(SDPBackend.CUDNN_ATTENTION),
+            blocks="cudnn",
+            description="cuDNN's fused attention (Transformer Engine's in Megatron)",
+        ),
+        AttentionKernelSpec(
+            name="unfused",
+            attend=_limited_to(SDPBackend.MATH),
+            blocks="math",
+            description="softmax(QK^T)V in plain math, scores materialised",
+        ),
+    )
+}
+
+# name -> kernel: the built-in ones and, once a run installed them, its plugins'
+_TABLE: dict[str, AttentionKernelSpec] = dict(BUILT_IN)
+
+
+def install(registered: Any) -> None:
+    """Make the kernels of a plugin registry (``Plugins.choices("attention kernel")``) the
+    table's besides the built-in ones (the previous run's plugin kernels leave)."""
+    _TABLE.clear()
+    _TABLE.update(BUILT_IN)
+    for name in registered.names():
+        spec = registered.get(name)
+        if spec.blocks not in BLOCKS:
+            raise ValueError(
+                f"attention kernel '{name}': blocks {spec.blocks!r} is not one of {', '.join(BLOCKS)}"
+            )
+        _TABLE[name] = spec
+
+
+def attention_kernel(name: str) -> AttentionKernelSpec:
+    """The kernel ``--attention-backend name`` selects."""
+    if name not in _TABLE:
+        raise ValueError(
+            f"--attention-backend {name!r}: no such kernel (have: {', '.join(_TABLE)})"
+        )
+    return _TABLE[name]
+
+
+def kernel_names() -> list[str]:
+    return list(_TABLE)
+
+
+def kernel_of(core_attention: Any) -> AttentionKernelSpec:
+    """The kernel of a model's core attention, through the wrappers parallelism puts around it
+    (the tensor-parallel RNG's, recompute's); ``auto`` for a module that names none."""
+    for module in core_attention.modules():
+        kernel = getattr(module, "kernel", None)
+        if isinstance(kernel, AttentionKernelSpec):
+            return kernel
+    return BUILT_IN["auto"]
