@@ -59,33 +59,16 @@ def _limited_to(*backends: SDPBackend) -> Callable[..., torch.Tensor]:
     return attend
 
 
+# name, attend, the blocks context parallelism computes with it, description
+_BUILT_IN_ROWS = (
+    ("auto", _attend, "auto", "PyTorch's choice (cuDNN on Hopper with torch 2.11)"),
+    ("flash", _limited_to(SDPBackend.FLASH_ATTENTION), "flash", "FlashAttention (SDPA's)"),
+    ("fused", _limited_to(SDPBackend.CUDNN_ATTENTION), "cudnn", "cuDNN's fused attention"),
+    ("unfused", _limited_to(SDPBackend.MATH), "math", "softmax(QK^T)V, scores materialised"),
+)
 BUILT_IN: dict[str, AttentionKernelSpec] = {
-    spec.name: spec
-    for spec in (
-        AttentionKernelSpec(
-            name="auto",
-            attend=_attend,
-            description="PyTorch's choice (cuDNN on Hopper with torch 2.11)",
-        ),
-        AttentionKernelSpec(
-            name="flash",
-            attend=_limited_to(SDPBackend.FLASH_ATTENTION),
-            blocks="flash",
-            description="FlashAttention (SDPA's flash kernel)",
-        ),
-        AttentionKernelSpec(
-            name="fused",
-            attend=_limited_to(SDPBackend.CUDNN_ATTENTION),
-            blocks="cudnn",
-            description="cuDNN's fused attention (Transformer Engine's in Megatron)",
-        ),
-        AttentionKernelSpec(
-            name="unfused",
-            attend=_limited_to(SDPBackend.MATH),
-            blocks="math",
-            description="softmax(QK^T)V in plain math, scores materialised",
-        ),
-    )
+    name: AttentionKernelSpec(name=name, attend=attend, blocks=blocks, description=description)
+    for name, attend, blocks, description in _BUILT_IN_ROWS
 }
 
 # name -> kernel: the built-in ones and, once a run installed them, its plugins'

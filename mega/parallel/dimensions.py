@@ -10,11 +10,26 @@ from mega.parallel.context.dimension import ContextDimension
 from mega.parallel.dimension import ParallelDimension
 from mega.parallel.expert.dimension import ExpertDimension
 from mega.parallel.tensor.dimension import TensorDimension
+from mega.parallel.topology import JOINS
 
 # The built-in dimensions, in the order they are applied: tensor/sequence first (on the whole
 # model, every plan path present), then expert (its dispatcher under sequence parallelism),
 # then context (it wraps the core attention the others left in place).
-BUILT_IN: tuple[ParallelDimension, ...] = (TensorDimension(), ExpertDimension(), ContextDimension())
+BUILT_IN: tuple[ParallelDimension, ...] = (
+    TensorDimension(
+        name="tp",
+        joins=JOINS["tp"],
+        description="tensor (and sequence) parallelism (--tensor-model-parallel-size)",
+    ),
+    ExpertDimension(
+        name="ep",
+        joins=JOINS["ep"],
+        description="expert parallelism (--expert-model-parallel-size)",
+    ),
+    ContextDimension(
+        name="cp", joins=JOINS["cp"], description="context parallelism (--context-parallel-size)"
+    ),
+)
 
 
 def run_dimensions(topology: Any, choices: Any) -> list[ParallelDimension]:

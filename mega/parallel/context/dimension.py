@@ -10,15 +10,10 @@ from typing import Any
 
 from mega.parallel.context.validate import context_parallel_problems
 from mega.parallel.dimension import LossFn, ParallelDimension, Prepare
-from mega.parallel.topology import JOINS
 
 
 @dataclass(frozen=True, kw_only=True)
 class ContextDimension(ParallelDimension):
-    name: str = "cp"
-    joins: tuple[str, ...] = JOINS["cp"]
-    description: str = "context parallelism (--context-parallel-size)"
-
     def problems(self, config: Any, plan: Any, plugins: Any) -> list[str]:
         return context_parallel_problems(config, plan, plugins)
 

@@ -10,15 +10,10 @@ from typing import Any
 
 from mega.parallel.dimension import ParallelDimension
 from mega.parallel.expert.validate import expert_problems
-from mega.parallel.topology import JOINS
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertDimension(ParallelDimension):
-    name: str = "ep"
-    joins: tuple[str, ...] = JOINS["ep"]
-    description: str = "expert parallelism (--expert-model-parallel-size)"
-
     def problems(self, config: Any, plan: Any, plugins: Any) -> list[str]:
         return expert_problems(config, plan, plugins)
 

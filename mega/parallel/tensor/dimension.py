@@ -9,15 +9,10 @@ from typing import Any
 
 from mega.parallel.dimension import ParallelDimension
 from mega.parallel.tensor.validate import sequence_parallel_problems
-from mega.parallel.topology import JOINS
 
 
 @dataclass(frozen=True, kw_only=True)
 class TensorDimension(ParallelDimension):
-    name: str = "tp"
-    joins: tuple[str, ...] = JOINS["tp"]
-    description: str = "tensor (and sequence) parallelism (--tensor-model-parallel-size)"
-
     def problems(self, config: Any, plan: Any, plugins: Any) -> list[str]:
         p = config.parallel
         if not p.sequence_parallel:
