@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from mega import BuildContext
@@ -126,3 +127,39 @@ def test_a_compiled_moe_layer_compiles_once_whatever_its_routing():
     for capacity_factor in (None, "1.0"):
         frames = _frames_for_routings(capacity_factor)
         assert frames[1:] == frames[:1] * 3, (capacity_factor, frames)
+
+
+def test_a_compiled_moe_layer_compiles_once_from_its_first_call_through_log_lines():
+    """The router's statistics hold every sum it records from the start, at zero on its
+    device: the dict a compiled forward adds to has the same keys at every call, and again after
+    an iteration line takes them (``router_metrics``). Before, the first micro-batch compiled
+    with an empty dict and the second once more (8, 9, 9, 9 frames here)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mega.parallel.expert.stats import router_metrics
+    from mega.parallel.topology import Topology
+
+    torch._dynamo.reset()
+    set_backward_scale(1.0, torch.device("cpu"))  # as the executor does before each step
+    plugins = make_plugins()
+    config = resolve_config(
+        ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
+         "4", "--moe-ffn-hidden-size", "16", "--num-experts", "4", "--moe-z-loss-coeff", "1e-3"],
+        plugins,
+    )  # fmt: skip
+    ctx = BuildContext(
+        seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
+        tokenizer=None, topology=None,
+    )  # fmt: skip
+    model = plugins.models.get("moe").build(config.model, ctx)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.decoder.layers[0].train(), backend=counter)
+    g = torch.Generator().manual_seed(2)
+    frames = []
+    for call in range(4):
+        compiled(torch.randn(2, 16, 32, generator=g)).sum().backward()
+        frames.append(counter.frame_count)
+        if call == 1:  # an iteration line
+            metrics = router_metrics(model, Topology())
+            assert metrics["z_loss"] > 0 and sum(metrics["expert_load"]) == pytest.approx(1.0)
+    assert frames == frames[:1] * 4, frames

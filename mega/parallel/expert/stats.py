@@ -35,18 +35,17 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
     totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
     for router in routers:
         sums = router.stats.take()
-        if "calls" not in sums:  # no training forward on this stage's router since the last line
-            continue
-        totals[0] += 1
-        totals[1] += sums["calls"].double()
+        calls = sums["calls"].double()
+        ran = (calls > 0).double()  # 0 for a router with no training forward since the last line
+        totals[0] += ran
+        totals[1] += calls
         for slot, name in ((2, "load_balancing_loss"), (3, "z_loss")):
-            if name in sums:
+            if name in sums:  # the loss is on for this router
                 totals[slot] += sums[name].double()
-                totals[slot + 2] += 1
-        if "dropped" in sums:
-            totals[6] += sums["dropped"].double()
-            totals[7] += sums["routed"].double()
-            totals[8:] += sums["tokens_per_expert"].double()
+                totals[slot + 2] += ran
+        totals[6] += sums["dropped"].double()
+        totals[7] += sums["routed"].double()
+        totals[8:] += sums["tokens_per_expert"].double()
     if topology.world_size > 1:
         import torch.distributed as dist
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,18 +64,35 @@ class RouterStats:
     """What the router saw since the last ``take()``, summed on the device (no host sync):
     load-balancing and z losses (without their coefficients), tokens per expert, drops, and the
     number of forwards (``calls``). Tensors only, so that a compiled layer adds to them without
-    recompiling (a Python counter would be a new constant at every call)."""
+    recompiling (a Python counter would be a new constant at every call); and every sum the
+    router records exists from the start, at zero on the router's device, so that the dict a
+    compiled forward adds to has the same keys at every call (one filling up was one recompile
+    of the layer per run)."""
 
-    def __init__(self, num_experts: int) -> None:
+    # what every training forward records; the losses' sums exist where they are on
+    RECORDED = ("calls", "tokens_per_expert", "dropped", "routed")
+
+    def __init__(self, num_experts: int, losses: tuple[str, ...] = ()) -> None:
         self.num_experts = num_experts
+        self.names = (*self.RECORDED, *losses)
+        self.device = torch.device("cpu")
         self.reset()
 
     def reset(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, torch.Tensor] = {
+            name: torch.zeros(
+                self.num_experts if name == "tokens_per_expert" else (), device=self.device
+            )
+            for name in self.names
+        }
+
+    def move_to(self, device: torch.device) -> None:
+        """The router's parameters moved: the sums start again there."""
+        self.device = device
+        self.reset()
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        value = value.detach().float()
-        self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
+        self.sums[name] = self.sums[name] + value.detach().float()
 
     def take(self) -> dict[str, torch.Tensor]:
         sums = self.sums
@@ -100,7 +118,17 @@ class Router(nn.Module):
         self.token_group = None  # sequence parallelism: the ranks holding the rest of the tokens
         # sequence parallelism: this rank's block of the micro-batch's tokens (rank, blocks)
         self.token_block = (0, 1)
-        self.stats = RouterStats(cfg.num_experts)
+        losses = ("z_loss",) if self.z_coeff else ()
+        if self.balancing in ("aux_loss", "seq_aux_loss") and self.aux_coeff:
+            losses += ("load_balancing_loss",)
+        self.stats = RouterStats(cfg.num_experts, losses)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Router:
+        # .to(device) and the like: the statistics follow the weight (not a buffer: they stay
+        # float32 whatever the parameters' dtype, and outside the state dict)
+        super()._apply(fn, recurse)
+        self.stats.move_to(self.weight.device)
+        return self
 
     def _group_size(self) -> int:
         if self.token_group is None:
