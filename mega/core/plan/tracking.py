@@ -386,14 +386,20 @@ flash_attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def planning_block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mode: str, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mode: str,
+    scale: float,
+    blocks: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What replaces a context-parallel block of attention
     (``mega.parallel.context.blocks.block_forward``) while planning: the fused kernel a GPU
     block runs (cuDNN's, as ``scaled_dot_product_attention`` picks on an H100 or H200, the
     kernel the attention rates were calibrated on), out in the inputs' dtype and the float32
     log-sum-exp, one call. On meta the block would take the float32 math path, which keeps the
-    ``[sq, sk]`` scores no GPU block makes."""
+    ``[sq, sk]`` scores no GPU block makes. ``blocks`` (the attention kernel's choice) is not
+    modelled: an ``unfused`` run's math blocks are planned as fused ones."""
     heads = q.shape[1]
     k, v = _expand(k, heads), _expand(v, heads)
     return flash_attention(q, k, v, mode == "causal")
@@ -408,6 +414,7 @@ def planning_block_backward(
     lse: torch.Tensor,
     mode: str,
     scale: float,
+    blocks: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``block_backward``'s stand-in (see :func:`planning_block_forward`): one backward call;
     the GQA groups' gradients summed in float32 as the GPU path sums them."""

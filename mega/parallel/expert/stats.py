@@ -35,6 +35,8 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
     totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
     for router in routers:
         sums = router.stats.take()
+        if "calls" not in sums:  # a router that never ran here (its sums made at the first add)
+            continue
         calls = sums["calls"].double()
         ran = (calls > 0).double()  # 0 for a router with no training forward since the last line
         totals[0] += ran
@@ -43,9 +45,10 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
             if name in sums:  # the loss is on for this router
                 totals[slot] += sums[name].double()
                 totals[slot + 2] += ran
-        totals[6] += sums["dropped"].double()
-        totals[7] += sums["routed"].double()
-        totals[8:] += sums["tokens_per_expert"].double()
+        if "dropped" in sums:
+            totals[6] += sums["dropped"].double()
+            totals[7] += sums["routed"].double()
+            totals[8:] += sums["tokens_per_expert"].double()
     if topology.world_size > 1:
         import torch.distributed as dist
 

@@ -79,12 +79,14 @@ class RouterStats:
         self.reset()
 
     def reset(self) -> None:
-        self.sums: dict[str, torch.Tensor] = {
-            name: torch.zeros(
-                self.num_experts if name == "tokens_per_expert" else (), device=self.device
-            )
-            for name in self.names
-        }
+        # on the meta device (mega plan) the sums appear at their first add, as a real run's
+        # first micro-batch made them before: the planner's counts stay those it was
+        # calibrated with, and a plan does not depend on the plans before it in the process
+        self.sums: dict[str, torch.Tensor] = {}
+        if self.device.type != "meta":
+            for name in self.names:
+                size = self.num_experts if name == "tokens_per_expert" else ()
+                self.sums[name] = torch.zeros(size, device=self.device)
 
     def move_to(self, device: torch.device) -> None:
         """The router's parameters moved: the sums start again there."""
@@ -92,7 +94,8 @@ class RouterStats:
         self.reset()
 
     def add(self, name: str, value: torch.Tensor) -> None:
-        self.sums[name] = self.sums[name] + value.detach().float()
+        value = value.detach().float()
+        self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
 
     def take(self) -> dict[str, torch.Tensor]:
         sums = self.sums
