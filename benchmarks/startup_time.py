@@ -1,12 +1,14 @@
 """How long `mega --help` and `mega plugins` take to answer (target: under 0.5 s, no torch).
 
     python benchmarks/startup_time.py            # 10 runs each, writes benchmarks/results/
+    python benchmarks/startup_time.py --runs 20 --name startup_time_after_x
 
 Both paths only discover plugins; neither may import torch, which alone takes 1.5-2.5 s.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -32,7 +34,15 @@ def time_command(argv: list[str], runs: int) -> list[float]:
 
 
 def main() -> None:
-    runs = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10, help="runs of each command")
+    parser.add_argument(
+        "--name", default="startup_time", help="result file name prefix (<name>_<date>.json)"
+    )
+    args = parser.parse_args()
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    runs = args.runs
     rows = []
     for argv in COMMANDS:
         samples = time_command(argv, runs)
@@ -63,7 +73,7 @@ def main() -> None:
             "results": rows,
         }
     )
-    out = Path(__file__).parent / "results" / f"startup_time_{today}.json"
+    out = Path(__file__).parent / "results" / f"{args.name}_{today}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     for row in rows:
