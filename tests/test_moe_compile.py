@@ -54,18 +54,23 @@ def test_the_complete_path_equals_the_general_one_with_its_gradients():
         torch.testing.assert_close(complete, general, rtol=1e-6, atol=1e-6)
 
 
-def _moe_layer() -> torch.nn.Module:
+def _moe_model(*flags: str) -> torch.nn.Module:
+    """A one-layer MoE model (hidden 32, 4 heads, experts of ffn 16) with ``flags``, on the CPU."""
     plugins = make_plugins()
     config = resolve_config(
         ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
-         "4", "--moe-ffn-hidden-size", "16", "--moe-z-loss-coeff", "1e-3"],
+         "4", "--moe-ffn-hidden-size", "16", *flags],
         plugins,
     )  # fmt: skip
     ctx = BuildContext(
         seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
         tokenizer=None, topology=None,
     )  # fmt: skip
-    return plugins.models.get("moe").build(config.model, ctx).decoder.layers[0].train()
+    return plugins.models.get("moe").build(config.model, ctx)
+
+
+def _moe_layer() -> torch.nn.Module:
+    return _moe_model("--moe-z-loss-coeff", "1e-3").decoder.layers[0].train()
 
 
 def test_a_compiled_layer_scales_the_aux_loss_gradient_as_it_is_set_at_run_time():
@@ -95,18 +100,8 @@ def _frames_for_routings(capacity_factor: str | None) -> list[int]:
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    plugins = make_plugins()
     flags = ["--moe-expert-capacity-factor", capacity_factor] if capacity_factor else []
-    config = resolve_config(
-        ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
-         "4", "--moe-ffn-hidden-size", "16", "--num-experts", "4", *flags],
-        plugins,
-    )  # fmt: skip
-    ctx = BuildContext(
-        seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
-        tokenizer=None, topology=None,
-    )  # fmt: skip
-    layer = plugins.models.get("moe").build(config.model, ctx).decoder.layers[0].train()
+    layer = _moe_model("--num-experts", "4", *flags).decoder.layers[0].train()
     g = torch.Generator().manual_seed(2)
     layer(torch.randn(2, 16, 32, generator=g))
     counter = CompileCounterWithBackend("aot_eager")
@@ -141,17 +136,7 @@ def test_a_compiled_moe_layer_compiles_once_from_its_first_call_through_log_line
 
     torch._dynamo.reset()
     set_backward_scale(1.0, torch.device("cpu"))  # as the executor does before each step
-    plugins = make_plugins()
-    config = resolve_config(
-        ["--model", "moe", "--num-layers", "1", "--hidden-size", "32", "--num-attention-heads",
-         "4", "--moe-ffn-hidden-size", "16", "--num-experts", "4", "--moe-z-loss-coeff", "1e-3"],
-        plugins,
-    )  # fmt: skip
-    ctx = BuildContext(
-        seed=1, device="cpu", params_dtype="float32", seq_length=16, padded_vocab_size=128,
-        tokenizer=None, topology=None,
-    )  # fmt: skip
-    model = plugins.models.get("moe").build(config.model, ctx)
+    model = _moe_model("--num-experts", "4", "--moe-z-loss-coeff", "1e-3")
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model.decoder.layers[0].train(), backend=counter)
     g = torch.Generator().manual_seed(2)
