@@ -107,6 +107,23 @@ def test_context_parallel_blocks_follow_the_kernel(mega_cli, tmp_path, monkeypat
     assert math_blocks.exists() and len(math_blocks.read_text().split()) >= 2 * 2 * 2
 
 
+def test_the_built_in_kernels_are_one_table():
+    from torch.nn.attention import SDPBackend
+
+    from mega.parallel.attention_spec import BUILT_IN_NAMES
+    from mega.plugins.models.common.attention import SDPA_KERNELS
+
+    assert tuple(BUILT_IN) == BUILT_IN_NAMES  # the torch-free names the checks read
+    assert {name: spec.blocks for name, spec in BUILT_IN.items()} == {
+        "auto": "auto", "flash": "flash", "fused": "cudnn", "unfused": "math",
+    }  # fmt: skip
+    assert SDPA_KERNELS == {
+        "flash": [SDPBackend.FLASH_ATTENTION],
+        "fused": [SDPBackend.CUDNN_ATTENTION],
+        "unfused": [SDPBackend.MATH],
+    }
+
+
 def test_the_kernel_is_found_through_the_wrappers_parallelism_adds():
     import torch
 

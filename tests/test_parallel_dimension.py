@@ -172,7 +172,7 @@ def test_a_plugin_dimension_gets_a_coordinate_between_expert_and_data():
     assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # the replicas hold the same data
     assert groups["mp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # it joined mp
     topology = Topology(world_size=8, tensor_model_parallel_size=2, extra_sizes={"rc": 2})
-    assert topology.data_parallel_size == 2 and topology.size("rc") == 2
+    assert topology.data_parallel_size == 2 and topology.extra_sizes == {"rc": 2}
     with pytest.raises(ValueError, match="may join only"):
         build_topology(2, 0, extra={"rc": 2}, joins={"rc": ("dp",)})
 

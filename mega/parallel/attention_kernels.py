@@ -23,9 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mega.parallel.attention_spec import BLOCKS, AttentionKernelSpec
+from mega.parallel.attention_spec import BLOCKS, AttentionKernelSpec, blocks_problem
 
-__all__ = ["BLOCKS", "BUILT_IN", "AttentionKernelSpec", "attention_kernel", "install", "kernel_of"]
+__all__ = [
+    "BLOCKS", "BUILT_IN", "SDPA_BACKENDS", "AttentionKernelSpec", "attention_kernel", "install",
+    "kernel_of",
+]  # fmt: skip
 
 
 def _attend(
@@ -59,12 +62,18 @@ def _limited_to(*backends: SDPBackend) -> Callable[..., torch.Tensor]:
     return attend
 
 
+# the built-in names that limit SDPA to some of its kernels ("auto" leaves the choice to it)
+SDPA_BACKENDS: dict[str, tuple[SDPBackend, ...]] = {
+    "flash": (SDPBackend.FLASH_ATTENTION,),
+    "fused": (SDPBackend.CUDNN_ATTENTION,),
+    "unfused": (SDPBackend.MATH,),
+}
 # name, attend, the blocks context parallelism computes with it, description
 _BUILT_IN_ROWS = (
     ("auto", _attend, "auto", "PyTorch's choice (cuDNN on Hopper with torch 2.11)"),
-    ("flash", _limited_to(SDPBackend.FLASH_ATTENTION), "flash", "FlashAttention (SDPA's)"),
-    ("fused", _limited_to(SDPBackend.CUDNN_ATTENTION), "cudnn", "cuDNN's fused attention"),
-    ("unfused", _limited_to(SDPBackend.MATH), "math", "softmax(QK^T)V, scores materialised"),
+    ("flash", _limited_to(*SDPA_BACKENDS["flash"]), "flash", "FlashAttention (SDPA's)"),
+    ("fused", _limited_to(*SDPA_BACKENDS["fused"]), "cudnn", "cuDNN's fused attention"),
+    ("unfused", _limited_to(*SDPA_BACKENDS["unfused"]), "math", "softmax(QK^T)V"),
 )
 BUILT_IN: dict[str, AttentionKernelSpec] = {
     name: AttentionKernelSpec(name=name, attend=attend, blocks=blocks, description=description)
@@ -82,10 +91,9 @@ def install(registered: Any) -> None:
     _TABLE.update(BUILT_IN)
     for name in registered.names():
         spec = registered.get(name)
-        if spec.blocks not in BLOCKS:
-            raise ValueError(
-                f"attention kernel '{name}': blocks {spec.blocks!r} is not one of {', '.join(BLOCKS)}"
-            )
+        problem = blocks_problem(spec)
+        if problem:  # checked before launch (mega.parallel.checks); a library caller may not
+            raise ValueError(problem)
         _TABLE[name] = spec
 
 
@@ -96,10 +104,6 @@ def attention_kernel(name: str) -> AttentionKernelSpec:
             f"--attention-backend {name!r}: no such kernel (have: {', '.join(_TABLE)})"
         )
     return _TABLE[name]
-
-
-def kernel_names() -> list[str]:
-    return list(_TABLE)
 
 
 def kernel_of(core_attention: Any) -> AttentionKernelSpec:

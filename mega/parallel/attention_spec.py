@@ -32,3 +32,12 @@ class AttentionKernelSpec:
     attend: Callable[..., Any]
     blocks: str = "auto"
     description: str = ""
+
+
+def blocks_problem(spec: AttentionKernelSpec) -> str | None:
+    """Why a kernel's ``blocks`` cannot be used (one of ``BLOCKS`` it must be), or None."""
+    if spec.blocks in BLOCKS:
+        return None
+    return (
+        f"attention kernel '{spec.name}': blocks {spec.blocks!r} is not one of {', '.join(BLOCKS)}"
+    )

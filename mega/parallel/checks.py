@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mega._deprecated import moved
-from mega.parallel.attention_spec import BLOCKS, BUILT_IN_NAMES, AttentionKernelSpec
+from mega.parallel.attention_spec import BUILT_IN_NAMES, AttentionKernelSpec, blocks_problem
 from mega.parallel.dimension import ParallelDimension
 from mega.parallel.dimensions import BUILT_IN
 from mega.parallel.fp8.checks import fp8_run_problems
@@ -85,12 +85,9 @@ def attention_kernel_problems(config: Any, plugins: Any) -> list[str]:
     without the flag has nothing to check)."""
     name = getattr(config.model, "attention_backend", None)
     registered = plugins.choices(AttentionKernelSpec.choice_kind)
-    if name in registered and registered.peek(name).blocks not in BLOCKS:
-        blocks = registered.peek(name).blocks
-        return [
-            f"--attention-backend {name}: the kernel's blocks {blocks!r} is not one of"
-            f" {', '.join(BLOCKS)} (plugin '{registered.provider(name)}')"
-        ]
+    problem = blocks_problem(registered.peek(name)) if name in registered else None
+    if problem:
+        return [f"--attention-backend {name}: {problem} (plugin '{registered.provider(name)}')"]
     if name is None or name in BUILT_IN_NAMES or name in registered:
         return []
     have = [*BUILT_IN_NAMES, *registered.names()]

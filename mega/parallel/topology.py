@@ -168,17 +168,6 @@ class Topology:
         )
         return self.world_size // model_parallel
 
-    def size(self, dim: str) -> int:
-        """A coordinate's size: "tp", "cp", "ep", "pp", "dp" or a plugin dimension's name."""
-        built_in = {
-            "tp": self.tensor_model_parallel_size,
-            "cp": self.context_parallel_size,
-            "ep": self.expert_model_parallel_size,
-            "pp": self.pipeline_model_parallel_size,
-            "dp": self.data_parallel_size,
-        }
-        return built_in[dim] if dim in built_in else self.extra_sizes.get(dim, 1)
-
     @property
     def data_context_parallel_size(self) -> int:
         """Ranks with the same dense weights (the ``dpcp`` group): data x context parallel."""

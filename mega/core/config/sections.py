@@ -430,6 +430,13 @@ class DataConfig:
         return errors
 
 
+def _name_and_size(item: str) -> tuple[str, int | None]:
+    """``"NAME=SIZE"`` as ``(NAME, SIZE)``; the size None where it is not an integer."""
+    name, _, size = item.partition("=")
+    size = size.strip()
+    return name.strip(), int(size) if size.lstrip("-").isdigit() else None
+
+
 @dataclass(kw_only=True)
 class ParallelConfig:
     parallel: str | None = option(
@@ -574,12 +581,10 @@ class ParallelConfig:
     def extra_sizes(self) -> dict[str, int]:
         """``--extra-parallel-size NAME=SIZE ...`` as ``{NAME: SIZE}`` (malformed items and
         built-in names left out: ``validate`` names them)."""
-        sizes = {}
-        for item in self.extra_parallel_size:
-            name, _, size = item.partition("=")
-            if name.strip() not in STREAM_GROUPS and size.strip().lstrip("-").isdigit():
-                sizes[name.strip()] = int(size)
-        return sizes
+        parsed = (_name_and_size(item) for item in self.extra_parallel_size)
+        return {
+            name: size for name, size in parsed if size is not None and name not in STREAM_GROUPS
+        }
 
     def validate(self) -> list[str]:
         errors = []
@@ -620,15 +625,15 @@ class ParallelConfig:
         if self.distributed_timeout_minutes <= 0:
             errors.append("--distributed-timeout-minutes must be positive")
         for item in self.extra_parallel_size:
-            name, _, size = item.partition("=")
-            if not name.strip() or not size.strip().lstrip("-").isdigit():
+            name, size = _name_and_size(item)
+            if not name or size is None:
                 errors.append(f"--extra-parallel-size: '{item}' is not NAME=SIZE")
-            elif name.strip() in STREAM_GROUPS:
+            elif name in STREAM_GROUPS:
                 errors.append(
-                    f"--extra-parallel-size: '{name.strip()}' is a built-in dimension or group"
+                    f"--extra-parallel-size: '{name}' is a built-in dimension or group"
                     " (set its own flag)"
                 )
-        names = [item.partition("=")[0].strip() for item in self.extra_parallel_size]
+        names = [_name_and_size(item)[0] for item in self.extra_parallel_size]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
             errors.append(f"--extra-parallel-size names {', '.join(repeated)} more than once")

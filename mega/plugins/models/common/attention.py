@@ -13,22 +13,17 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import sdpa_kernel
 
-from mega.parallel.attention_kernels import attention_kernel
+from mega.parallel.attention_kernels import SDPA_BACKENDS, attention_kernel
 from mega.parallel.linear import Linear
 from mega.plugins.models.common.config import GPTConfig
 from mega.plugins.models.common.norms import norm_layer
 from mega.plugins.models.common.rotary import apply_rotary
 
-# The built-in --attention-backend names -> the SDPA kernels allowed (what
-# mega.parallel.attention_kernels' built-in kernels run; kept for code that enters the same
-# context around its own SDPA calls).
-SDPA_KERNELS = {
-    "flash": [SDPBackend.FLASH_ATTENTION],
-    "fused": [SDPBackend.CUDNN_ATTENTION],
-    "unfused": [SDPBackend.MATH],
-}
+# The built-in --attention-backend names -> the SDPA kernels allowed, as the kernel table has
+# them (kept for code that enters the same context around its own SDPA calls)
+SDPA_KERNELS = {name: list(backends) for name, backends in SDPA_BACKENDS.items()}
 
 
 def sdpa_backends(backend: str) -> contextlib.AbstractContextManager:
