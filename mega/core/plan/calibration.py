@@ -1,7 +1,7 @@
 """The rates a step-time estimate divides by: measured on a GPU, kept per GPU kind.
 
 ``Rates`` holds what one GPU does per second: dense bf16 and FP8 matmul FLOPs, fused attention FLOPs
-(forward and backward), bytes through memory (read + write, for the ops that are not matmuls),
+(forward and backward, at 2,048 positions, and how much faster at longer sequences), bytes through memory (read + write, for the ops that are not matmuls),
 the host's cost of launching one eager op, and the bus bandwidth of an NCCL all-reduce between
 GPUs of one host. ``measure_rates()`` measures the first five on this machine's GPU (``mega plan
 --calibrate``); the all-reduce rate needs two GPUs and is measured when the process group has
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,6 +44,21 @@ class Rates:
     # what one NCCL collective costs beyond its bytes (launch and synchronisation): a 1 MiB
     # collective's time; 0: not measured (a calibration saved before it was counted)
     collective_latency_seconds: float = 0.0
+    # causal attention's rate at longer sequences over its rate at 2,048 positions:
+    # (positions, forward factor, backward factor), longest last; empty: not measured (a
+    # calibration saved before it was counted), every length planned at the 2,048 rates
+    attention_length_factors: tuple[tuple[int, float, float], ...] = ()
+
+    def attention_rates(self, positions: int) -> tuple[float, float]:
+        """(forward, backward) attention FLOPs per second for sequences of ``positions``: the
+        2,048-position rates times the measured factors, interpolated in log2 of the length
+        between the lengths measured; the 2,048 rates below that, the longest's factors beyond
+        it. A kernel's fixed costs (the causal mask's diagonal tiles, the last wave of tiles)
+        weigh less per FLOP in a longer sequence: on one H200 the 16,384-position kernels ran
+        1.38x (forward) and 1.36x (backward) the 2,048 rates."""
+        points = ((BASE_POSITIONS, 1.0, 1.0), *self.attention_length_factors)
+        forward, backward = _interpolated(points, positions)
+        return self.attention_forward_flops * forward, self.attention_backward_flops * backward
 
     @property
     def kind(self) -> str:
@@ -53,7 +69,27 @@ class Rates:
 
     @classmethod
     def from_json(cls, text: str) -> Rates:
-        return cls(**json.loads(text))
+        fields = json.loads(text)
+        factors = fields.pop("attention_length_factors", ())
+        return cls(**fields, attention_length_factors=tuple(tuple(row) for row in factors))
+
+
+BASE_POSITIONS = 2048  # the sequence length the attention rates are measured at
+LONG_POSITIONS = (4096, 8192, 16384, 32768)  # and the lengths of their factors
+
+
+def _interpolated(
+    points: tuple[tuple[int, float, float], ...], positions: int
+) -> tuple[float, float]:
+    """The (forward, backward) factors of ``points`` (ascending lengths) at ``positions``,
+    linear in log2 of the length, held constant outside the points."""
+    if positions <= points[0][0]:
+        return points[0][1], points[0][2]
+    for (low, f0, b0), (high, f1, b1) in zip(points, points[1:], strict=False):
+        if positions <= high:
+            t = (math.log2(positions) - math.log2(low)) / (math.log2(high) - math.log2(low))
+            return f0 + t * (f1 - f0), b0 + t * (b1 - b0)
+    return points[-1][1], points[-1][2]
 
 
 # Measured with this module's benchmarks (the sources name the result files). No machine of two
@@ -78,11 +114,13 @@ def _measured(
     memory: float,
     host: float,
     fp8: tuple[str, float],
+    long: tuple[str, tuple[tuple[int, float, float], ...]] = ("", ()),
 ) -> Rates:
     """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
     mega first planned FP8 runs. That file's other rates are not taken: the recorded checks were
     made with the first (they differ by up to 13% on the H200: run to run, or machine to
-    machine)."""
+    machine). ``long``: the file of the attention's length factors and the factors, measured
+    later still (a ratio of two rates of one run, so taken against the first file's rates)."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -91,10 +129,12 @@ def _measured(
         memory_bytes=memory,
         host_op_seconds=host,
         allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
-        source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11);"
-        " all-reduce assumed (NVLink 4), collective latency measured on H100 pairs",
+        source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11)"
+        + (f", {long[0]} (attention by sequence length)" if long[0] else "")
+        + "; all-reduce assumed (NVLink 4), collective latency measured on H100 pairs",
         fp8_matmul_flops=fp8[1],
         collective_latency_seconds=_NVLINK4_COLLECTIVE_LATENCY,
+        attention_length_factors=long[1],
     )
 
 
@@ -199,20 +239,33 @@ def _fp8_matmul_rate() -> float:
     return flops / seconds
 
 
-def _attention_rates() -> tuple[float, float]:
-    """Causal fused attention, head size 128, 2048 positions, at 16 and 32 heads: the mean
-    forward and backward rates."""
-    forward = backward = 0.0
-    for b, heads in ((4, 16), (2, 32)):
-        f, bw = _attention_rate(b, heads)
-        forward, backward = forward + f / 2, backward + bw / 2
-    return forward, backward
+_ATTENTION_SHAPES = ((4, 16), (2, 32))  # (batch, heads) at 2,048 positions
 
 
-def _attention_rate(b: int, heads: int) -> tuple[float, float]:
+def _attention_rates() -> tuple[float, float, tuple[tuple[int, float, float], ...]]:
+    """Causal fused attention, head size 128, at 16 and 32 heads: the mean forward and backward
+    rates at 2,048 positions, and at each of ``LONG_POSITIONS`` their ratio to those (the batch
+    shrunk to keep each call's sequences x positions, down to one sequence)."""
+
+    def mean_rates(positions: int) -> tuple[float, float]:
+        rates = [
+            _attention_rate(max(1, b * BASE_POSITIONS // positions), heads, positions)
+            for b, heads in _ATTENTION_SHAPES
+        ]
+        return sum(r[0] for r in rates) / len(rates), sum(r[1] for r in rates) / len(rates)
+
+    forward, backward = mean_rates(BASE_POSITIONS)
+    factors = []
+    for positions in LONG_POSITIONS:
+        f, b = mean_rates(positions)
+        factors.append((positions, round(f / forward, 4), round(b / backward, 4)))
+    return forward, backward, tuple(factors)
+
+
+def _attention_rate(b: int, heads: int, s: int) -> tuple[float, float]:
     import torch.nn.functional as F
 
-    s, d = 2048, 128
+    d = 128
     q, k, v = (
         torch.randn(b, heads, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         for _ in range(3)
@@ -258,7 +311,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         raise RuntimeError("calibration measures a GPU, and this machine has none")
     name = torch.cuda.get_device_name()
     fp8 = torch.cuda.get_device_capability() >= MIN_CAPABILITY  # FP8 tensor cores
-    forward, backward = _attention_rates()
+    forward, backward, length_factors = _attention_rates()
     known = BUILT_IN.get(gpu_kind(name))
     if allreduce_bus_bytes is None:
         allreduce_bus_bytes = known.allreduce_bus_bytes if known else 0.0
@@ -274,6 +327,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         fp8_matmul_flops=_fp8_matmul_rate() if fp8 else 0.0,
         # like the all-reduce rate, a collective's latency needs two GPUs: the built-in one's
         collective_latency_seconds=known.collective_latency_seconds if known else 0.0,
+        attention_length_factors=length_factors,
     )
 
 

@@ -2,7 +2,8 @@
 
 Each pipeline stage is one rank position (``profile_rank``: the ranks of one stage differ only in
 which data and which shard they hold). Its time per micro-batch is the larger of what the GPU
-takes (matmul FLOPs, attention FLOPs, bytes moved by the other ops, each at its calibrated rate,
+takes (matmul FLOPs, attention FLOPs at the rates of the run's sequence length, bytes moved by
+the other ops, each at its calibrated rate,
 plus the tensor/context/expert-parallel collectives, which sit between the ops that need them)
 and what the host takes to launch its ops. Across stages the schedule's table runs in the
 pipeline simulator with the slowest stage's chunk costs, which gives the pipeline's time with
@@ -128,6 +129,7 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
         )
     world = config.world_size
     pp = config.parallel.pipeline_model_parallel_size
+    attention = rates.attention_rates(config.training.seq_length)
     stages = []
     for stage in range(pp):
         profile = profile_rank(config, plugins, stage * (world // pp))
@@ -135,8 +137,8 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
             StagePlan(
                 stage,
                 profile,
-                work_seconds(profile.forward, rates, rates.attention_forward_flops),
-                work_seconds(profile.backward, rates, rates.attention_backward_flops),
+                work_seconds(profile.forward, rates, attention[0]),
+                work_seconds(profile.backward, rates, attention[1]),
             )
         )
     m = config.num_microbatches
