@@ -87,3 +87,19 @@ def test_context_parallel_plans_compiled_layers_by_default():
     eager_plan = plan_run(eager, plugins, BUILT_IN["h200"])
     default_bytes = default_plan.stages[0].profile.forward.memory_bytes
     assert eager_plan.stages[0].profile.forward.memory_bytes > default_bytes
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_merges_count_beside_the_compiled_layer(cp):
+    # inductor runs the ring's custom op as it is: its merges (one pass each on a GPU: both outs
+    # and log-sum-exps read, the accumulators written) are not in the layer's fused graph and
+    # must be counted beside it. Rank 0 merges cp - 1 blocks per layer into the second half of
+    # its positions (every later rank's keys), float32 accumulators beyond two ranks.
+    _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
+    rows = (SEQ // cp) // 2  # b = 1
+    out_bytes = 4 if cp > 2 else 2
+    merge = rows * H * (2 * out_bytes + 2) + rows * HEADS * 4 * 3  # out r+w, part r; lse r+w, r
+    assert ring.forward.unfused_bytes >= LAYERS * (cp - 1) * merge
+    assert ring.forward.memory_bytes >= ring.forward.unfused_bytes
+    _, _, one = _profile(SMALL, 1)  # nothing opaque moves bytes in a one-GPU forward
+    assert one.forward.unfused_bytes == 0

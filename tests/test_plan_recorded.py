@@ -213,43 +213,61 @@ def test_two_h100_compiled_layouts_memory_within_10_percent(run):
 # GiB against 30,412 and 32.52. Before the planner ran the ring's blocks as the fused kernel (on
 # meta they took the float32 math path: [sq, sk] scores, no attention FLOPs) and counted the
 # ring's transfers, it planned CP2 at 7,308 tokens/s per GPU and 44.08 GiB.
-# DP2 at 16k plans 16% slow (33,532 against 40,161): the attention rates were calibrated at 2,048
-# positions, and on one H100 the DP2 step's cuDNN attention took 360 ms
-# (cp2_16k_profile_h100_2026-11-27) where those rates give 636 ms.
+# DP2 at 16k planned 16% slow (33,532 against 40,161) while the attention rates were calibrated
+# at 2,048 positions only: on one H100 the DP2 step's cuDNN attention took 360 ms
+# (cp2_16k_profile_h100_2026-11-27) where those rates give 636 ms (see below for today's).
 # layouts_1p3b_16k_cp2_h100_before_ring_rewrite_2026-11-27 is not checked: it measured the ring
 # before its rewrite (one call per block, flash kernels, 20,452 tokens/s per GPU).
 # 2026-11-28 (commit 2b00d94): CP compiled by default, the ring's backward on its own block last;
 # planned CP2 at 33,640 tokens/s per GPU and 30.36 GiB against 34,713 and 29.63 measured,
-# all_gather 30,583 and 31.11 against 29,914 and 30.38.
+# all_gather 30,583 and 31.11 against 29,914 and 30.38. (Those CP2 plans were near only because
+# two misses cancelled: attention planned slow at 16k, the ring's merges and accumulators not
+# counted. 2026-11-29: CP2 40,930 against 34,713, all_gather 34,168 against 29,914.)
 CP_FILES = (
     "layouts_1p3b_16k_cp2_h200_ring_cudnn_2026-11-27.json",
     "layouts_1p3b_16k_cp2_h200_compiled_default_2026-11-28.json",
     "layouts_1p3b_16k_4gpu_h200_cp_2026-11-28.json",
     "layouts_1p3b_32k_4gpu_h200_cp_2026-11-28.json",
 )
-# DP at 16k and 32k: attention rates calibrated at 2,048 positions, slow for long sequences.
-# CP4 p2p and all_gather: the planner overlaps the ring's transfers with its attention at the
-# all-reduce bus rate; measured, a 32 MiB block took 0.45-1.2 ms under compute against 0.29 ms
-# alone (collectives_ring_4gpu_h200_2026-11-28.json), and the send/recv kernels wait for SMs
-# that the attention kernels hold (cp4_16k_profile_2026-11-28.json).
+# DP at 16k and 32k planned 15-25% slow while the attention rates were the 2,048-position ones
+# for every length; with the rates by sequence length (plan_calibration_attention_length_h200,
+# 2026-11-29) DP is planned within 2-5% at 16k and 32k. The same day the ring's merges and
+# accumulators were counted as the unfused work they are, and the fused weight gradient as the
+# GPU runs it (one fp32-output GEMM; on meta it had taken the CPU's path, two float32 copies of
+# its operands). With those three corrections the CP rows are planned 14-89% fast: the CP2 rows
+# had been within 15% because the slow attention cancelled what the planner does not see. What
+# it does not see, measured:
+# - CP2 at 16k, compiled (cp2_16k_profile_2026-11-28): other kernels 161 ms a step against
+#   DP2's 74 (the ring's copies, cuDNN's per-call backward helpers, the accumulators), 68 ms idle
+#   (37 of them waiting on the forward's block);
+# - CP4: a rank runs 8 micro-batches of 4k tokens where a DP4 rank runs 2 of 16k, and is
+#   host-bound: alone on one H200 over a fake process group it took 1,109-1,139 ms a step with
+#   its GPU busy 932 ms (cp4_fake_16k_2026-11-29), and in the real ring 1,600-1,940 ms, the
+#   ranks waiting on one another's hosts (cp4_16k_ring_timeline_fused_merge_2026-11-28). The
+#   planner's host model (one eager op's cost per launch) and its ring model (transfers beside
+#   the attention) see neither;
+# - a2a: its layer is counted eager (dynamo cannot trace its argsort on meta), whose host time
+#   the model underrates as above;
+# - CP2 of 2026-11-27 was measured with that day's ring (eager, before the one-pass merge).
 CP_SPEED_MISSES = {
-    "1p3b-16k-2gpu-h200-tp1dp2": "planned 33,532 tokens/s per GPU against 40,161 measured"
-    " (-16.5%; 33,457 against 39,648 on 2026-11-28)",
-    "1p3b-16k-4gpu-h200-tp1dp4": "planned 133,957 tokens/s against 158,247 (-15.3%)",
-    "1p3b-32k-4gpu-h200-tp1dp4": "planned 86,642 tokens/s against 114,712 (-24.5%)",
-    "1p3b-16k-4gpu-h200-cp4": "planned 134,560 tokens/s against 81,672 (+65%)",
-    "1p3b-16k-4gpu-h200-cp4:--cp-comm-type=all_gather": "planned 105,806 against 85,836 (+23%)",
+    "1p3b-16k-2gpu-h200-cp2@2026-11-27": "planned 40,930 tokens/s per GPU against 30,412 (+35%)",
+    "1p3b-16k-2gpu-h200-cp2@2026-11-28": "planned 40,930 tokens/s per GPU against 34,713 (+18%)",
+    "1p3b-16k-4gpu-h200-cp2dp2": "planned 162,176 tokens/s against 138,335 (+17%)",
+    "1p3b-16k-4gpu-h200-cp4": "planned 154,544 tokens/s against 81,672 (+89%)",
+    "1p3b-16k-4gpu-h200-cp4:--cp-comm-type=all_gather": "planned 111,201 against 85,836 (+30%)",
+    "1p3b-16k-4gpu-h200-cp4:--cp-comm-type=a2a": "planned 126,480 against 106,747 (+18%)",
+    "1p3b-32k-4gpu-h200-cp4": "planned 110,883 tokens/s against 87,254 (+27%)",
 }
 # --tp-comm-overlap against its absence, TP2 and TP2 + SP, one run (rows that name the flag ran
 # with it; the others ran without it, the default of that commit), global batch 8 at micro-batch
-# 4: host-bound, as the H100 TP2 + SP row above. Planned 1.24x to 1.41x the measured tokens/s
+# 4: host-bound, as the H100 TP2 + SP row above. Planned 1.22x to 1.41x the measured tokens/s
 # (1.37x to 1.73x before collective latency was counted): strict xfails with the numbers.
 TP_AB_FILES = ("layouts_1p3b_2gpu_h200_tp_comm_overlap_ab_2026-11-27.json",)
 TP_AB_SPEED_MISSES = {
     "1p3b-2gpu-h200-tp2dp1": "planned 49,097 tokens/s per GPU against 37,733 (+30%)",
-    "1p3b-2gpu-h200-tp2dp1:--tp-comm-overlap": "planned 48,894 against 39,570 (+24%)",
+    "1p3b-2gpu-h200-tp2dp1:--tp-comm-overlap": "planned 48,408 against 39,570 (+22%)",
     "1p3b-2gpu-h200-tp2dp1-sp": "planned 45,162 against 32,064 (+41%)",
-    "1p3b-2gpu-h200-tp2dp1-sp:--tp-comm-overlap": "planned 42,092 against 33,050 (+27%)",
+    "1p3b-2gpu-h200-tp2dp1-sp:--tp-comm-overlap": "planned 41,986 against 33,050 (+27%)",
 }
 
 
@@ -260,7 +278,8 @@ def _h200_runs(files: tuple[str, ...], misses: dict[str, str]):
         prefix = f"1p3b{seq}-{'4gpu' if '_4gpu_' in name else '2gpu'}-h200"
         for run in json.loads((RESULTS / name).read_text())["results"]:
             key = f"{prefix}-{run['layout']}"
-            marks = pytest.mark.xfail(strict=True, reason=misses[key]) if key in misses else ()
+            reason = misses.get(f"{key}@{name[-15:-5]}", misses.get(key))  # one file's, or all
+            marks = pytest.mark.xfail(strict=True, reason=reason) if reason else ()
             params.append(pytest.param(run, id=f"{key}@{name[-15:-5]}", marks=marks))
     return params
 

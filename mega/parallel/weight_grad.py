@@ -62,7 +62,9 @@ def accumulate_wgrad(
     On CUDA the GEMM reads and writes ``main_grad`` once (an fp32-output ``addmm``, beta 0 to
     overwrite)."""
     beta = 0.0 if overwrite else 1.0
-    if main_grad.is_cuda and grad_output.dtype != torch.float32:
+    # meta: the planner counts what a GPU runs (no float32 copies of the operands)
+    gpu = main_grad.device.type in ("cuda", "meta")
+    if gpu and grad_output.dtype != torch.float32:
         torch.addmm(
             main_grad,
             grad_output.t(),

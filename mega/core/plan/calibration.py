@@ -148,6 +148,11 @@ BUILT_IN: dict[str, Rates] = {
         "NVIDIA H200", "plan_calibration_h200_2026-11-24.json",
         657.0e12, (382.0e12, 327.3e12), 4.07e12, 8.5e-6,
         ("plan_calibration_fp8_h200_2026-11-24.json", 1183.8e12),
+        (
+            "plan_calibration_attention_length_h200_2026-11-29.json",
+            ((4096, 1.2539, 1.2573), (8192, 1.5136, 1.4458),
+             (16384, 1.7246, 1.4917), (32768, 1.6589, 1.5461)),
+        ),
     ),
 }  # fmt: skip
 

@@ -288,13 +288,15 @@ class CompiledStandIn(torch.autograd.Function):
 @contextlib.contextmanager
 def _as_compiled(tracker: StepTracker, graph: FusedGraph) -> Iterator[None]:
     """The eager ops' matmul and attention FLOPs and collectives count; their bytes moved and
-    launches are the fused graph's."""
+    launches are the fused graph's, plus those inside opaque custom ops, which inductor does not
+    fuse (the graph counts such an op as one kernel reading its inputs and writing its outputs)."""
     outer, tracker.work = tracker.work, Work()
     try:
         yield
     finally:
         done, tracker.work = tracker.work, outer
-        done.memory_bytes, done.ops = graph.traffic_bytes, graph.kernels
+        done.memory_bytes = graph.traffic_bytes + done.unfused_bytes
+        done.ops = graph.kernels + done.unfused_ops
         outer.add(done)
 
 

@@ -10,13 +10,16 @@ and the ops seen are its work. Four things differ from a GPU, on purpose:
 
 - attention is ``flash_attention`` (what a fused kernel keeps), not SDPA's math path on meta;
   so is each block of context-parallel attention (the ring's one call per step, the all-gather
-  type's blocks), which on meta would take the float32 math path;
+  type's blocks), which on meta would take the float32 math path; the ring's merge is counted
+  as the GPU's one Triton pass;
 - point-to-point transfers send nothing: a pipeline stage's are skipped (the received buffers
   are allocated by the executor as on a GPU), the ring attention's are counted (their bytes,
   hidden behind the ring's kernels where one ran between post and wait: estimate's ``_RING``);
-- nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head,
-  without tensor or context parallelism) run eagerly but are counted as their compiled selves
-  keep memory (``mega.core.plan.compiled``);
+- nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head)
+  run eagerly but are counted as their compiled selves
+  keep memory (``mega.core.plan.compiled``) and as their fused graphs move bytes and launch
+  kernels, plus what runs inside their opaque custom ops (the ring attention's merges and
+  gradient accumulators, the weight gradient's GEMM), which inductor leaves unfused;
 - a mixture-of-experts layer's routing has no values on meta, so it is counted as **balanced**:
   each rank's ``T * k`` (token, expert) slots spread evenly over the ``E`` experts, at most the
   capacity each (``--moe-expert-capacity-factor``), every rank sending each expert-parallel peer
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mega.core.config.sections import RunConfig
 from mega.core.plan.compiled import stand_in_compiled
@@ -49,6 +53,7 @@ from mega.core.plan.tracking import (
     nbytes,
     planning_block_backward,
     planning_block_forward,
+    planning_merge_into,
     planning_sdpa,
 )
 from mega.core.plan.tracking import send as plan_send
@@ -71,6 +76,7 @@ from mega.parallel.expert.aux_loss import private_scale
 from mega.parallel.pipeline.actions import Backward, Forward, WeightGrad
 from mega.parallel.pipeline.simulator import simulate
 from mega.parallel.topology import ORDER, Topology, build_topology
+from mega.parallel.weight_grad import OpaqueWhenTraced, traced
 
 META = torch.device("meta")
 CUDA = torch.device("cuda")  # what a plan is for: whether the run compiles is decided for a GPU
@@ -115,9 +121,11 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 @contextlib.contextmanager
 def planning_patches() -> Iterator[None]:
     """Attention that keeps what a fused kernel keeps (SDPA and context parallelism's blocks);
-    point-to-point transfers that send nothing (the ring's counted); the MoE auxiliary losses'
-    scale of the planner's own."""
-    sdpa, exchange = F.scaled_dot_product_attention, comm.exchange
+    the ring's merge as the GPU's one pass; point-to-point transfers that send nothing (the
+    ring's counted); opaque custom ops' bodies counted as unfused (``StepTracker.opaque``); the
+    MoE auxiliary losses' scale of the planner's own."""
+    sdpa, exchange, merge = F.scaled_dot_product_attention, comm.exchange, ring.merge_into
+    opaque_call = OpaqueWhenTraced.__call__
     blocks = [(module, module.block_forward, module.block_backward) for module in (ring, gather)]
     calls = [0]  # the context-parallel blocks' kernel calls so far
 
@@ -153,7 +161,15 @@ def planning_patches() -> Iterator[None]:
             plan_send(tensor, nbytes(tensor), group.group_name, False)
         return None
 
+    def observed_call(self: OpaqueWhenTraced, *args: Any) -> Any:
+        mode = _get_current_dispatch_mode()
+        if traced() or not isinstance(mode, StepTracker):
+            return opaque_call(self, *args)
+        with mode.opaque():
+            return self.body(*args)
+
     F.scaled_dot_product_attention, comm.exchange = planning_sdpa, no_transfer
+    ring.merge_into, OpaqueWhenTraced.__call__ = planning_merge_into, observed_call
     for module, _, _ in blocks:
         module.block_forward, module.block_backward = block_forward, block_backward
     try:
@@ -161,6 +177,7 @@ def planning_patches() -> Iterator[None]:
             yield
     finally:
         F.scaled_dot_product_attention, comm.exchange = sdpa, exchange
+        ring.merge_into, OpaqueWhenTraced.__call__ = merge, opaque_call
         for module, forward, backward in blocks:
             module.block_forward, module.block_backward = forward, backward
 

@@ -34,6 +34,7 @@ aten = torch.ops.aten
 _MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
+    aten.addmm.dtype_out,  # the fused weight gradient's fp32-output GEMM (weight_grad.py)
 }  # fmt: skip
 # FP8 GEMMs (mega.parallel.fp8: forward, input gradient, and the weight gradient written into
 # main_grad with out=): [m, k] x [k, n], counted at the FP8 rate
@@ -41,7 +42,7 @@ _FP8_MATMULS = {aten._scaled_mm.default, aten._scaled_mm.out}
 # the matmuls whose first argument is the tensor added to the product
 _ACCUMULATING = {
     aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out,
-    aten.baddbmm_.default,
+    aten.baddbmm_.default, aten.addmm.dtype_out,
 }  # fmt: skip
 # ops whose output is a view of their first argument
 VIEWS = {
@@ -75,6 +76,11 @@ class Work:
     )
     # the same keys -> how many collectives were launched (each costs NCCL's latency)
     launches: dict[tuple[str, str, int], float] = field(default_factory=lambda: defaultdict(float))
+    # of ``memory_bytes`` and ``ops``, what ran inside an opaque custom op's body (the ring's
+    # merges and accumulators; mega.parallel.weight_grad.OpaqueWhenTraced): inductor runs such
+    # an op as it is, so a compiled unit keeps these beside its fused graph's bytes and kernels
+    unfused_bytes: float = 0.0
+    unfused_ops: float = 0
 
     def add(self, other: Work, factor: float = 1.0) -> None:
         """Add ``factor`` times ``other``."""
@@ -83,6 +89,8 @@ class Work:
         self.attention_flops += factor * other.attention_flops
         self.memory_bytes += factor * other.memory_bytes
         self.ops += factor * other.ops
+        self.unfused_bytes += factor * other.unfused_bytes
+        self.unfused_ops += factor * other.unfused_ops
         for key, value in other.collectives.items():
             self.collectives[key] += factor * value
         for key, value in other.launches.items():
@@ -151,6 +159,18 @@ class StepTracker(TorchDispatchMode):
             yield
         finally:
             self.counting_memory = before
+
+    @contextlib.contextmanager
+    def opaque(self) -> Iterator[None]:
+        """Ops of an opaque custom op's body: their bytes and launches also count as unfused
+        (see ``Work.unfused_bytes``)."""
+        work = self.work
+        ops, moved = work.ops, work.memory_bytes
+        try:
+            yield
+        finally:
+            work.unfused_ops += work.ops - ops
+            work.unfused_bytes += work.memory_bytes - moved
 
     def track(self, tree: Any) -> None:
         """Count the tensors in ``tree`` as live from now (those made while memory was not
@@ -428,6 +448,17 @@ def planning_block_backward(
         dk = dk.float().view(b, groups, heads // groups, s, d).sum(2)
         dv = dv.float().view(b, groups, heads // groups, s, d).sum(2)
     return dq, dk, dv
+
+
+def planning_merge_into(
+    out: torch.Tensor, lse: torch.Tensor, part: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """``mega.parallel.context.blocks.merge_into``'s stand-in: on a GPU the merge is one Triton
+    pass (both outs and log-sum-exps read, the accumulators written), where on meta the eager
+    path would count its float32 passes. The same bytes as that pass, in two ops."""
+    part_out, part_lse = part
+    out.add_(part_out)
+    lse.add_(part_lse)
 
 
 def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
