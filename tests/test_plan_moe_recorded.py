@@ -3,9 +3,10 @@ the GPT's, at issue 49's bounds: peak memory within 10% and tokens/s within 15%,
 built-in rates of the GPU that ran them and the routing counted balanced (the runs' load-
 balancing loss kept theirs near it: no token dropped, ``dropped_token_fraction`` 0).
 
-- one H100 (``moe_throughput_2026-11-23.json``, its two mega rows): a 1.9B Mixtral-like model
-  (12 layers, hidden 2048, 8 experts of ffn 2816, top-2), compiled, experts as one grouped GEMM
-  or a loop over the experts;
+- one H100 (``moe_throughput_2026-11-23.json``, its two mega rows) and one H200
+  (``moe_throughput_h200_2026-11-29.json``, the same rows on later code): a 1.9B Mixtral-like
+  model (12 layers, hidden 2048, 8 experts of ffn 2816, top-2), compiled, experts as one grouped
+  GEMM or a loop over the experts;
 - two H200 (``moe_scale_run_2gpu_2026-11-24.json``): a 2.7B one (ffn 4096, seq 4096) at EP=2 x
   DP=2 with the ``alltoall`` dispatcher (compiled, the default then) and at TP=2 with SP (eager,
   the default with TP then).
@@ -32,7 +33,7 @@ from mega.core.plan.estimate import plan_run
 from mega.core.plugins.manager import make_plugins
 
 GIB = 2**30
-ONE_H100 = "moe_throughput_2026-11-23.json"
+ONE_GPU = {"h100": "moe_throughput_2026-11-23.json", "h200": "moe_throughput_h200_2026-11-29.json"}
 TWO_H200 = "moe_scale_run_2gpu_2026-11-24.json"
 
 SPEED_MISSES = {
@@ -43,6 +44,15 @@ SPEED_MISSES = {
     # planner's max(GPU, host launches) does not model. Planned 112.0 ms (73,152 tokens/s
     # against 39,187).
     "1gpu-h100-mega": "host syncs and recompiles of the expert loop (not modelled)",
+    # The same two rows on one H200 on 2026-11-29 (c1068bd), after the loop's recompiles were
+    # fixed (a81f5cb): the loop still idles its GPU (222.3 ms a step, 87.5 ms of kernels; planned
+    # 2.32x fast); the grouped GEMM is GPU-bound (92.7 ms, kernels 88.4) and planned 16.4% fast
+    # (102,925 tokens/s against 88,400; the H100's 12.2%). Its GEMMs, attention and optimizer
+    # are planned within 9% (47.3, 8.5, 16.2 ms against 46.4, 7.9, 16.2); its other kernels
+    # took 17.9 ms against 7.6 planned from their bytes (the H100's 20.4 against 10.8): the
+    # routing's sorts, gathers and scatters run far below the bandwidth rate.
+    "1gpu-h200-mega": "the expert loop's host syncs (not modelled); planned 85,496 against 36,845",
+    "1gpu-h200-mega-grouped-gemm": "planned 102,925 tokens/s against 88,400 (+16.4%)",
     # Measured with the in-place c10d all-to-all that torch.compile mis-traced (docs/moe.md: its
     # gradient norms are not to be trusted; since replaced by functional collectives), the
     # alltoall dispatcher eager (torch.compiler.disable) with a host sync per layer for the
@@ -54,9 +64,14 @@ SPEED_MISSES = {
 }
 
 
-def _one_h100_rows() -> list:
-    rows = json.loads((RESULTS / ONE_H100).read_text())["results"]
-    return [row for row in rows if row["system"].startswith("mega")]
+def _one_gpu_rows() -> list:
+    """(GPU kind, row) of mega's rows in each one-GPU file."""
+    return [
+        (kind, row)
+        for kind, name in ONE_GPU.items()
+        for row in json.loads((RESULTS / name).read_text())["results"]
+        if row["system"].startswith("mega")
+    ]
 
 
 def _two_h200_runs() -> list:
@@ -70,12 +85,12 @@ def _id(name: str) -> str:
 _PLANS: dict[str, object] = {}
 
 
-def _plan_one_h100(row: dict):
-    key = " ".join(row["argv"])
+def _plan_one_gpu(kind: str, row: dict):
+    key = " ".join([kind, *row["argv"]])
     if key not in _PLANS:
         plugins = make_plugins()
         config = resolve_config(row["argv"], plugins, this_machine=False)  # --device cuda
-        _PLANS[key] = plan_run(config, plugins, BUILT_IN["h100"])
+        _PLANS[key] = plan_run(config, plugins, BUILT_IN[kind])
     return _PLANS[key]
 
 
@@ -96,7 +111,9 @@ def _plan_two_h200(run: dict):
 def _params(kind: str, misses: dict[str, str] | None = None) -> list:
     misses = misses or {}
     if kind == "one":
-        items = [(f"1gpu-h100-{_id(row['system'])}", row) for row in _one_h100_rows()]
+        items = [
+            (f"1gpu-{kind}-{_id(row['system'])}", (kind, row)) for kind, row in _one_gpu_rows()
+        ]
     else:
         items = [(f"2gpu-h200-{run['layout']}", run) for run in _two_h200_runs()]
     return [
@@ -109,15 +126,19 @@ def _params(kind: str, misses: dict[str, str] | None = None) -> list:
     ]
 
 
-@pytest.mark.parametrize("row", _params("one"))
-def test_one_h100_moe_peak_memory_within_10_percent(row):
-    plan = _plan_one_h100(row)
+@pytest.mark.parametrize("measured", _params("one"))
+def test_one_gpu_moe_peak_memory_within_10_percent(measured):
+    kind, row = measured
+    plan = _plan_one_gpu(kind, row)
     assert plan.peak_bytes / GIB == pytest.approx(row["peak_memory_gib"], rel=0.10)
 
 
-@pytest.mark.parametrize("row", _params("one", SPEED_MISSES))
-def test_one_h100_moe_tokens_per_second_within_15_percent(row):
-    assert _plan_one_h100(row).tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.15)
+@pytest.mark.parametrize("measured", _params("one", SPEED_MISSES))
+def test_one_gpu_moe_tokens_per_second_within_15_percent(measured):
+    kind, row = measured
+    assert _plan_one_gpu(kind, row).tokens_per_second == pytest.approx(
+        row["tokens_per_s"], rel=0.15
+    )
 
 
 @pytest.mark.parametrize("run", _params("two"))
