@@ -144,3 +144,68 @@ def test_a_token_block_drops_by_position_among_its_own_tokens():
         assert capacity < tokens and (expected == -1).any()
         assert torch.equal(kept, expected)
         assert torch.equal(kept_probs, probs * (expected >= 0))
+
+
+# Megatron's drop-and-pad: a capacity factor and every expert's input padded to its capacity.
+DROP_AND_PAD = [
+    *MOE, "--moe-expert-capacity-factor", "0.5", "--moe-pad-expert-input-to-capacity",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process_padded(tmp_path_factory) -> dict:
+    return layout_run(DROP_AND_PAD, 1, str(tmp_path_factory.mktemp("padded")))[0]
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_alltoall_padded_to_capacity_trains_as_one_process(one_process_padded, tmp_path, ep):
+    """The all-to-all of fixed splits (``AllToAllDispatcher._padded``: each expert gets capacity
+    rows from every rank, so no count waits for the host) drops and computes what one process
+    does: the same losses, gradient norms and parameters."""
+    flags = ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", "alltoall"]
+    result = layout_run([*DROP_AND_PAD, *flags], ep, str(tmp_path))[0]
+    assert_same_training(one_process_padded, result)
+
+
+def test_alltoall_padded_to_capacity_asks_the_host_nothing(monkeypatch):
+    """No count of the routing reaches the host: the dispatch runs with ``tolist``, ``item``
+    and ``nonzero`` (the calls that wait for a GPU) failing, and returns what the counted
+    all-to-all (the same routing, unpadded) returns, with the same gradients."""
+    from mega.parallel.expert.dispatchers import AllToAllDispatcher
+    from mega.plugins.models.common.moe import Routing
+
+    torch.manual_seed(0)
+    t, k, experts_n, h, capacity = 12, 2, 4, 8, 4
+    probs = torch.rand(t, k)
+    indices = torch.stack([torch.randperm(experts_n)[:k] for _ in range(t)])
+    # drop the slots over each expert's capacity, by position, as the router does
+    seen = [0] * experts_n
+    for slot in range(t * k):
+        e = int(indices.view(-1)[slot])
+        seen[e] += 1
+        if seen[e] > capacity:
+            indices.view(-1)[slot], probs.view(-1)[slot] = -1, 0.0
+    weights = torch.randn(experts_n, h, h, requires_grad=True)
+
+    def run(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:  # expert e: x @ W_e
+        which = torch.repeat_interleave(torch.arange(experts_n), counts, output_size=x.shape[0])
+        return torch.bmm(x.unsqueeze(1), weights.index_select(0, which)).squeeze(1)
+
+    experts = type("Experts", (), {"count": experts_n, "first": 0, "__call__": staticmethod(run)})()
+    tokens = torch.randn(t, h, requires_grad=True)
+    dispatcher = AllToAllDispatcher(None)
+    counted = dispatcher(tokens, Routing(probs, indices, capacity, False), experts)
+    expected = torch.autograd.grad(counted.sum(), (tokens, weights))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the padded dispatch asked the host for a value")
+
+    for name in ("tolist", "item", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    padded = dispatcher(tokens, Routing(probs, indices, capacity, True), experts)
+    monkeypatch.undo()
+    torch.testing.assert_close(padded, counted)
+    for got, want in zip(
+        torch.autograd.grad(padded.sum(), (tokens, weights)), expected, strict=True
+    ):
+        torch.testing.assert_close(got, want)

@@ -8,7 +8,9 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
   Simple, and the traffic does not depend on the routing: ``n`` times the tokens each way.
 - ``alltoall``: each (token, expert) slot travels to the one rank that holds its expert and
   back, grouped by expert: the traffic is the routed tokens only. The per-expert counts are
-  exchanged first (one host sync per layer and step, as Megatron's).
+  exchanged first (one host sync per layer and step, as Megatron's), except under
+  ``--moe-pad-expert-input-to-capacity``, where every split is ``capacity`` rows per expert and
+  nothing waits for the GPU.
 
 Both are differentiable through their collectives; the routing weights never travel in
 ``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
@@ -60,7 +62,8 @@ class AllToAllDispatcher:
     TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager anyway. The
     router before it and the shared expert after it still compile.
 
-    One host sync per layer and micro-batch: the slots are sorted by expert (dropped ones, -1,
+    One host sync per layer and micro-batch (none when padded to capacity: ``_padded``): the
+    slots are sorted by expert (dropped ones, -1,
     first), each expert's count is found by a search in the sorted ids, and the counts this rank
     sends, the counts it receives and the dropped slots come to the host together, once. Tokens
     reach their slots and the returned rows their tokens by gathers both ways (no atomic
@@ -71,6 +74,8 @@ class AllToAllDispatcher:
 
     @torch.compiler.disable
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        if routing.pad and routing.capacity is not None:
+            return self._padded(tokens, routing, experts)
         n, local = group_size(self.group), experts.count
         total = n * local
         t, k = routing.indices.shape
@@ -107,3 +112,40 @@ class AllToAllDispatcher:
         return mix_slots(
             to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
         )
+
+    def _padded(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        """``--moe-pad-expert-input-to-capacity`` (Megatron's drop-and-pad): each expert gets
+        exactly ``capacity`` rows from every rank, so every split is known before the routing
+        and nothing waits for the GPU. Rank ``r`` sends each expert a block of ``capacity``
+        rows (its kept slots for that expert in token order, then zero rows); the blocks of
+        rank ``r``'s experts go to it in one all-to-all of equal splits, run as one padded
+        batch per expert, and come back the same way into the same places."""
+        n, local, capacity = group_size(self.group), experts.count, routing.capacity
+        total, (t, k), h = n * local, routing.indices.shape, tokens.shape[-1]
+        slots = t * k
+        flat = routing.indices.reshape(-1)
+        order, inverse, bounds = group_by_expert(flat, total)  # dropped (-1) first
+        expert = flat.index_select(0, order)  # each sorted slot's expert, -1 if dropped
+        sorted_at = torch.arange(slots, device=flat.device)
+        within = sorted_at - bounds.index_select(0, expert.clamp(min=0))
+        # the capacity drop keeps at most ``capacity`` slots per expert: checked on the device
+        torch._assert_async(torch.all((expert < 0) | (within < capacity)))
+        # the place of each sorted slot in the send buffer: its expert's block, or a row of its
+        # own past the blocks for a dropped slot (unique places: index_copy's gradient is exact)
+        place = torch.where(expert >= 0, expert * capacity + within, total * capacity + sorted_at)
+        rows = to_experts(tokens, order, inverse, k)
+        send = rows.new_zeros(total * capacity + slots, h).index_copy(0, place, rows)
+        block = local * capacity  # rows from one rank to another, each way
+        arrived = exchange_rows(send[: total * capacity], [block] * n, [block] * n, self.group)
+        # [source, local expert, capacity] -> [local expert, source, capacity]: each expert's
+        # rows from every rank together, as one padded batch
+        by_expert = arrived.view(n, local, capacity, h).transpose(0, 1).reshape(-1, h)
+        full = torch.full((local,), n * capacity, dtype=torch.long, device=tokens.device)
+        out = experts(by_expert, full).view(local, n, capacity, -1).transpose(0, 1)
+        returned = exchange_rows(
+            out.reshape(-1, out.shape[-1]), [block] * n, [block] * n, self.group
+        )
+        # every sorted slot's row back from its place; a dropped slot's place is a zero row
+        tail = returned.new_zeros(slots, returned.shape[1])
+        back = torch.cat([returned, tail]).index_select(0, place)
+        return mix_slots(to_slots(back, order, inverse).view(t, k, -1), routing.probs, tokens.dtype)
