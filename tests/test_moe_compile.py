@@ -148,3 +148,33 @@ def test_a_compiled_moe_layer_compiles_once_from_its_first_call_through_log_line
             metrics = router_metrics(model, Topology())
             assert metrics["z_loss"] > 0 and sum(metrics["expert_load"]) == pytest.approx(1.0)
     assert frames == frames[:1] * 4, frames
+
+
+def _dispatch_explained(pad: bool):  # noqa: ANN202
+    from mega.parallel.expert.dispatchers import AllToAllDispatcher
+    from mega.plugins.models.common.moe import Routing
+
+    tokens, k, experts_n = 32, 2, 4
+    x, probs, indices = _routing(tokens, k, experts_n)
+
+    class Experts:  # experts that ignore the counts: only the dispatch is traced
+        count, first = experts_n, 0
+
+        def __call__(self, y: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            return 2 * y
+
+    dispatcher, experts = AllToAllDispatcher(None), Experts()
+
+    def dispatch(x, probs, indices):
+        return dispatcher(x, Routing(probs, indices, tokens, pad), experts)
+
+    return torch._dynamo.explain(dispatch)(x, probs, indices)
+
+
+def test_the_alltoall_dispatch_padded_to_capacity_traces_without_graph_breaks():
+    # drop-and-pad has fixed splits: one graph; the counted all-to-all's splits are host
+    # integers, so it runs eager (nothing of it traced)
+    torch._dynamo.reset()
+    padded = _dispatch_explained(pad=True)
+    assert (padded.graph_count, padded.graph_break_count) == (1, 0)
+    assert _dispatch_explained(pad=False).graph_count == 0

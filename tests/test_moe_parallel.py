@@ -157,13 +157,14 @@ def one_process_padded(tmp_path_factory) -> dict:
     return layout_run(DROP_AND_PAD, 1, str(tmp_path_factory.mktemp("padded")))[0]
 
 
-@pytest.mark.parametrize("ep", [2, 4])
-def test_alltoall_padded_to_capacity_trains_as_one_process(one_process_padded, tmp_path, ep):
+@pytest.mark.parametrize(("ep", "extra"), [(2, []), (4, []), (2, ["--compile"])])
+def test_alltoall_padded_to_capacity_trains_as_one_process(one_process_padded, tmp_path, ep, extra):
     """The all-to-all of fixed splits (``AllToAllDispatcher._padded``: each expert gets capacity
     rows from every rank, so no count waits for the host) drops and computes what one process
-    does: the same losses, gradient norms and parameters."""
+    does: the same losses, gradient norms and parameters; compiled too, where it is traced into
+    the MoE layer's graph (its all-to-alls functional collectives)."""
     flags = ["--expert-model-parallel-size", str(ep), "--moe-token-dispatcher-type", "alltoall"]
-    result = layout_run([*DROP_AND_PAD, *flags], ep, str(tmp_path))[0]
+    result = layout_run([*DROP_AND_PAD, *flags, *extra], ep, str(tmp_path))[0]
     assert_same_training(one_process_padded, result)
 
 

@@ -72,10 +72,13 @@ class AllToAllDispatcher:
     def __init__(self, group: Any) -> None:
         self.group = group
 
-    @torch.compiler.disable
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
-        if routing.pad and routing.capacity is not None:
+        if routing.pad and routing.capacity is not None:  # fixed shapes: traced with the layer
             return self._padded(tokens, routing, experts)
+        return self._counted(tokens, routing, experts)
+
+    @torch.compiler.disable
+    def _counted(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         n, local = group_size(self.group), experts.count
         total = n * local
         t, k = routing.indices.shape
@@ -116,7 +119,8 @@ class AllToAllDispatcher:
     def _padded(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         """``--moe-pad-expert-input-to-capacity`` (Megatron's drop-and-pad): each expert gets
         exactly ``capacity`` rows from every rank, so every split is known before the routing
-        and nothing waits for the GPU. Rank ``r`` sends each expert a block of ``capacity``
+        and nothing waits for the GPU; with no shape that depends on the routing it compiles
+        into the MoE layer's graph. Rank ``r`` sends each expert a block of ``capacity``
         rows (its kept slots for that expert in token order, then zero rows); the blocks of
         rank ``r``'s experts go to it in one all-to-all of equal splits, run as one padded
         batch per expert, and come back the same way into the same places."""
