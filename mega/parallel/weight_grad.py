@@ -62,9 +62,12 @@ def accumulate_wgrad(
     On CUDA the GEMM reads and writes ``main_grad`` once (an fp32-output ``addmm``, beta 0 to
     overwrite)."""
     beta = 0.0 if overwrite else 1.0
-    # meta: the planner counts what a GPU runs (no float32 copies of the operands)
-    gpu = main_grad.device.type in ("cuda", "meta")
-    if gpu and grad_output.dtype != torch.float32:
+    if main_grad.is_meta and grad_output.dtype != torch.float32:
+        # the planner counts what a GPU runs: one GEMM, no float32 copies of the operands (the
+        # CPU's branch). Not the fp32-output addmm itself: torch 2.11 has no meta path for it
+        torch.mm(grad_output.t(), inputs)
+        return
+    if main_grad.is_cuda and grad_output.dtype != torch.float32:
         torch.addmm(
             main_grad,
             grad_output.t(),

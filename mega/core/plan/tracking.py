@@ -34,7 +34,7 @@ aten = torch.ops.aten
 _MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
-    aten.addmm.dtype_out,  # the fused weight gradient's fp32-output GEMM (weight_grad.py)
+    aten.addmm.dtype_out,  # an fp32-output GEMM (the fused weight gradient's on a GPU)
 }  # fmt: skip
 # FP8 GEMMs (mega.parallel.fp8: forward, input gradient, and the weight gradient written into
 # main_grad with out=): [m, k] x [k, n], counted at the FP8 rate
