@@ -143,6 +143,9 @@ BUILT_IN: dict[str, Rates] = {
         "NVIDIA H100 80GB HBM3", "plan_calibration_h100_2026-11-24.json",
         685.3e12, (330.0e12, 277.1e12), 2.876e12, 11.1e-6,
         ("plan_calibration_fp8_h100_2026-11-24.json", 1231.0e12),
+        # one length only: a DP2 step's cuDNN kernels at 16,384 positions in a profile (92.0 ms
+        # forward, 259.7 ms backward for 5.28e13 forward FLOPs: 574 and 508 TFLOP/s)
+        ("cp2_16k_profile_h100_2026-11-27.json", ((16384, 1.738, 1.834),)),
     ),
     "h200": _measured(
         "NVIDIA H200", "plan_calibration_h200_2026-11-24.json",
