@@ -6,7 +6,9 @@ of benchmarks/plugins/rank_profile.py writes one):
 Per step: the GPU's span; the time some compute kernel runs, some NCCL kernel runs, both at once,
 and neither (idle: the GPU waits for the host, when the host is behind); per stream its kernels
 and busy time; the NCCL kernels by name. On 4 H100 it showed a compiled TP2 + SP step idle for
-half its span (docs/performance.md, "Why TP was slow at micro-batch 4").
+half its span (docs/performance.md, "Why TP was slow at micro-batch 4"). With ``--host-ops N``
+also the host's N costliest ops per step, inclusive and self (``host_ops``): where the time of a
+host-bound step goes (a CP4 rank's ring calls, ``cp4_fake_16k_2026-11-29``).
 """
 
 from __future__ import annotations
@@ -91,14 +93,60 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     }
 
 
+HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
+
+
+def host_ops(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, Any]:
+    """The host's side: per op name (a custom op such as ``mega::ring_attention_forward``, an
+    aten op, a compiled graph's call), its calls per step and milliseconds per step, inclusive
+    (with the ops it calls) and self (without them: the Python and dispatch around them), the
+    ``top`` by inclusive time. The profiler's own cost per op inflates these where a step is
+    host-bound (~1.4x for a CP4 rank, ``cp4_fake_16k_2026-11-29``)."""
+    by_thread: dict[Any, list[dict]] = collections.defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
+            by_thread[e["pid"], e["tid"]].append(e)
+    inclusive: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for events in by_thread.values():
+        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []  # the ops enclosing the current one, innermost last
+        for e in events:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            inclusive[e["name"]] += e["dur"]
+            own[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+            if stack:
+                own[stack[-1]["name"]] -= e["dur"]
+            stack.append(e)
+    ms = 1e-3 / steps
+    return {
+        name: {
+            "per_step": calls[name] / steps,
+            "inclusive_ms": inclusive[name] * ms,
+            "self_ms": own[name] * ms,
+        }
+        for name, _ in inclusive.most_common(top)
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--steps", type=int, default=2, help="steps the trace holds")
+    parser.add_argument(
+        "--host-ops", type=int, default=0, metavar="N", help="also the N costliest host ops"
+    )
     args = parser.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
     with opener(args.trace, "rt") as f:
-        print(json.dumps(summarize(json.load(f), args.steps), indent=1))
+        trace = json.load(f)
+    summary = summarize(trace, args.steps)
+    if args.host_ops:
+        summary["host_ops"] = host_ops(trace, args.steps, args.host_ops)
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -135,3 +135,29 @@ def test_a_trace_summary_splits_the_span_into_compute_nccl_both_and_idle(monkeyp
         s["streams"]["7"]["kernels"] == 2
         and s["nccl_kernels"]["ncclDevKernel_AllGather"]["per_step"] == 1
     )
+
+
+def test_host_ops_split_an_op_into_its_callees_and_its_own_time(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_summary
+
+    def op(name: str, ts: float, dur: float, tid: int = 1) -> dict:
+        return {
+            "ph": "X",
+            "cat": "cpu_op",
+            "name": name,
+            "ts": ts,
+            "dur": dur,
+            "pid": 0,
+            "tid": tid,
+        }
+
+    # two steps; per step a ring call of 100 us holding two kernels' launches of 20 and 30 us,
+    # and one add on another thread
+    events = [op("ring", 0, 100), op("launch", 10, 20), op("launch", 40, 30), op("add", 0, 5, 2)]
+    events += [{**e, "ts": e["ts"] + 1000} for e in events]
+    ops = trace_summary.host_ops({"traceEvents": events}, steps=2)
+    assert ops["ring"] == {"per_step": 1, "inclusive_ms": 0.1, "self_ms": pytest.approx(0.05)}
+    assert ops["launch"]["per_step"] == 2 and ops["launch"]["self_ms"] == pytest.approx(0.05)
+    assert ops["add"]["self_ms"] == pytest.approx(0.005)
+    assert list(ops)[0] == "ring"  # by inclusive time
