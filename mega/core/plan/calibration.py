@@ -1,11 +1,12 @@
 """The rates a step-time estimate divides by: measured on a GPU, kept per GPU kind.
 
-``Rates`` holds what one GPU does per second: dense bf16 and FP8 matmul FLOPs, fused attention FLOPs
-(forward and backward, at 2,048 positions, and how much faster at longer sequences), bytes through memory (read + write, for the ops that are not matmuls),
-the host's cost of launching one eager op, and the bus bandwidth of an NCCL all-reduce between
-GPUs of one host. ``measure_rates()`` measures the first five on this machine's GPU (``mega plan
---calibrate``); the all-reduce rate needs two GPUs and is measured when the process group has
-them, else kept from the built-in table.
+``Rates`` holds what one GPU does per second: dense bf16 and FP8 matmul FLOPs, fused attention
+FLOPs (forward and backward, at 2,048 positions, and how much faster at longer sequences), bytes
+through memory (read + write, for the ops that are not matmuls), the host's cost of launching
+one eager op, and the bus bandwidth of an NCCL all-reduce between GPUs of one host.
+``measure_rates()`` measures the first five on this machine's GPU (``mega plan --calibrate``);
+the all-reduce rate needs two GPUs and is measured when the process group has them, else kept
+from the built-in table.
 
 The built-in table holds rates measured with ``measure_rates`` on the machines named, the result
 files under ``benchmarks/results`` (``plan_calibration_*``).
@@ -55,7 +56,7 @@ class Rates:
         between the lengths measured; the 2,048 rates below that, the longest's factors beyond
         it. A kernel's fixed costs (the causal mask's diagonal tiles, the last wave of tiles)
         weigh less per FLOP in a longer sequence: on one H200 the 16,384-position kernels ran
-        1.38x (forward) and 1.36x (backward) the 2,048 rates."""
+        1.72x (forward) and 1.49x (backward) the 2,048 rates (the built-in table's source)."""
         points = ((BASE_POSITIONS, 1.0, 1.0), *self.attention_length_factors)
         forward, backward = _interpolated(points, positions)
         return self.attention_forward_flops * forward, self.attention_backward_flops * backward

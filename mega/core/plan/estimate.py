@@ -3,15 +3,15 @@
 Each pipeline stage is one rank position (``profile_rank``: the ranks of one stage differ only in
 which data and which shard they hold). Its time per micro-batch is the larger of what the GPU
 takes (matmul FLOPs, attention FLOPs at the rates of the run's sequence length, bytes moved by
-the other ops, each at its calibrated rate,
-plus the tensor/context/expert-parallel collectives, which sit between the ops that need them)
-and what the host takes to launch its ops. Across stages the schedule's table runs in the
-pipeline simulator with the slowest stage's chunk costs, which gives the pipeline's time with
-its bubble. Then, once per global batch: the data-parallel gradient reduction (of which the part
-longer than the last micro-batch's backward is exposed when ``--overlap-grad-reduce`` overlaps
-it), the distributed optimizer's parameter all-gather, the gradient norm (every step: one read
-of the fp32 gradients of its shard, 4 bytes per element) and the optimizer's update (read and
-write of its fp32 state: 30 bytes per element of its shard, as one fused kernel).
+the other ops, each at its calibrated rate, plus the tensor/context/expert-parallel collectives,
+which sit between the ops that need them) and what the host takes to launch its ops. Across
+stages the schedule's table runs in the pipeline simulator with the slowest stage's chunk costs,
+which gives the pipeline's time with its bubble. Then, once per global batch: the data-parallel
+gradient reduction (of which the part longer than the last micro-batch's backward is exposed
+when ``--overlap-grad-reduce`` overlaps it), the distributed optimizer's parameter all-gather,
+the gradient norm (every step: one read of the fp32 gradients of its shard, 4 bytes per element)
+and the optimizer's update (read and write of its fp32 state: 30 bytes per element of its shard,
+as one fused kernel).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ and the ops seen are its work. Four things differ from a GPU, on purpose:
   are allocated by the executor as on a GPU), the ring attention's are counted (their bytes,
   hidden behind the ring's kernels where one ran between post and wait: estimate's ``_RING``);
 - nothing is compiled: the units ``mega train`` would compile on a GPU (its layers and head)
-  run eagerly but are counted as their compiled selves
-  keep memory (``mega.core.plan.compiled``) and as their fused graphs move bytes and launch
-  kernels, plus what runs inside their opaque custom ops (the ring attention's merges and
-  gradient accumulators, the weight gradient's GEMM), which inductor leaves unfused;
+  run eagerly but are counted as their compiled selves keep memory (``mega.core.plan.compiled``)
+  and as their fused graphs move bytes and launch kernels, plus what runs inside their opaque
+  custom ops (the ring attention's merges and gradient accumulators, the weight gradient's
+  GEMM), which inductor leaves unfused;
 - a mixture-of-experts layer's routing has no values on meta, so it is counted as **balanced**:
   each rank's ``T * k`` (token, expert) slots spread evenly over the ``E`` experts, at most the
   capacity each (``--moe-expert-capacity-factor``), every rank sending each expert-parallel peer

@@ -34,7 +34,6 @@ aten = torch.ops.aten
 _MATMULS = {
     aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
     aten.addmm_.default, aten.mm.out, aten.addmm.out, aten.baddbmm_.default,
-    aten.addmm.dtype_out,  # an fp32-output GEMM (the fused weight gradient's on a GPU)
 }  # fmt: skip
 # FP8 GEMMs (mega.parallel.fp8: forward, input gradient, and the weight gradient written into
 # main_grad with out=): [m, k] x [k, n], counted at the FP8 rate
@@ -42,7 +41,7 @@ _FP8_MATMULS = {aten._scaled_mm.default, aten._scaled_mm.out}
 # the matmuls whose first argument is the tensor added to the product
 _ACCUMULATING = {
     aten.addmm.default, aten.baddbmm.default, aten.addmm_.default, aten.addmm.out,
-    aten.baddbmm_.default, aten.addmm.dtype_out,
+    aten.baddbmm_.default,
 }  # fmt: skip
 # ops whose output is a view of their first argument
 VIEWS = {

@@ -15,7 +15,8 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
 Both are differentiable through their collectives; the routing weights never travel in
 ``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
 plan``) the routing is taken as balanced (:func:`mega.parallel.expert.local.balanced_rows`):
-every rank sends each expert ``T * k / E`` rows (at most the capacity) and receives as much.
+every rank sends each expert ``T * k / E`` rows (at most the capacity) and receives as much;
+padded to capacity, every routing has the same shapes and nothing needs assuming.
 """
 
 from __future__ import annotations
@@ -56,18 +57,18 @@ class AllGatherDispatcher:
 
 
 class AllToAllDispatcher:
-    """Runs eager inside a compiled MoE layer (``torch.compiler.disable``): the all-to-all's
-    splits are host integers that depend on the routing, so traced it broke the layer's graph
-    and recompiled whenever the counts changed (guards on their values; seen on CPU ranks with
-    TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager anyway. The
-    router before it and the shared expert after it still compile.
+    """Counted, it runs eager inside a compiled MoE layer (``torch.compiler.disable``): the
+    all-to-all's splits are host integers that depend on the routing, so traced it broke the
+    layer's graph and recompiled whenever the counts changed (guards on their values; seen on
+    CPU ranks with TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager
+    anyway. The router before it and the shared expert after it still compile.
 
     One host sync per layer and micro-batch (none when padded to capacity: ``_padded``): the
-    slots are sorted by expert (dropped ones, -1,
-    first), each expert's count is found by a search in the sorted ids, and the counts this rank
-    sends, the counts it receives and the dropped slots come to the host together, once. Tokens
-    reach their slots and the returned rows their tokens by gathers both ways (no atomic
-    scatter-add, no ``nonzero``/``bincount``, which wait for the GPU)."""
+    slots are sorted by expert (dropped ones, -1, first), each expert's count is found by a
+    search in the sorted ids, and the counts this rank sends, the counts it receives and the
+    dropped slots come to the host together, once. Tokens reach their slots and the returned
+    rows their tokens by gathers both ways (no atomic scatter-add, no ``nonzero``/``bincount``,
+    which wait for the GPU)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
