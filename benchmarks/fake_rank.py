@@ -6,9 +6,12 @@ measured on one GPU (``parallel_layouts.py --fake-world``).
     WORLD_SIZE=2 python benchmarks/fake_rank.py train ... --nproc-per-node 2 \
         --tensor-model-parallel-size 2 --sequence-parallel
 
-The fake group writes nothing into a gather's or reduce-scatter's output, which would leave
-uninitialised memory (NaNs now and then) in the activations: each rank's slice of the output is
-this rank's input instead, one copy, as many bytes as the real collective writes.
+The fake group writes nothing into a gather's, reduce-scatter's or all-to-all's output, which would
+leave uninitialised memory (NaNs now and then) in the activations: each rank's slice of the output
+is this rank's input instead, one copy, as many bytes as the real collective writes. That holds
+for the in-place c10d calls (``mega.parallel.comm``) and for the functional collectives the
+model's layers compile (``mega.parallel.functional_comm``: tensor-parallel mappings, the overlapped
+all-gather, the expert all-to-all); without the second a TP + SP rank's first gradient norm was NaN.
 """
 
 from __future__ import annotations
@@ -50,6 +53,48 @@ def fill_like_the_collectives() -> None:
         return exchange(sends, recvs, group, wait)
 
     comm.exchange = exchange_filled
+    fill_the_functional_collectives()
+
+
+def _ranks(group) -> int:  # noqa: ANN001
+    return dist.get_world_size(group)
+
+
+def fill_the_functional_collectives() -> None:
+    """The same stand-ins for the out-of-place collectives. Each still calls the collective (its
+    launch is part of a rank's host time), then writes the stand-in into the result (a copy that
+    a traced graph keeps, so the collective stays in it too)."""
+    from mega.parallel import functional_comm
+    from mega.parallel.expert import collectives
+    from mega.parallel.tensor import overlapped
+
+    gather, scatter = functional_comm._ALL_GATHER, functional_comm._REDUCE_SCATTER
+    start, to_all = functional_comm.start_all_gather, functional_comm.all_to_all_rows
+
+    def stacked(x: torch.Tensor, ranks: int) -> torch.Tensor:
+        return x.unsqueeze(0).expand(ranks, *x.shape).reshape(ranks * x.shape[0], *x.shape[1:])
+
+    def all_gather(x: torch.Tensor, dim: int, group):  # noqa: ANN001, ANN202
+        return functional_comm._waited(gather(x, dim, group)).copy_(stacked(x, _ranks(group)))
+
+    def reduce_scatter(x: torch.Tensor, op: str, dim: int, group):  # noqa: ANN001, ANN202
+        out = functional_comm._waited(scatter(x, op, dim, group))
+        return out.copy_(x[: out.shape[0]])
+
+    def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+        return start(x, size, name).copy_(stacked(x, size))
+
+    def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group):  # noqa: ANN001, ANN202
+        out = to_all(x, send, recv, group)
+        if out.shape == x.shape:  # equal splits: this rank's rows stand in for every peer's
+            return out.copy_(x)
+        rows = min(out.shape[0], x.shape[0])
+        out.zero_()[:rows].copy_(x[:rows])
+        return out
+
+    functional_comm._ALL_GATHER, functional_comm._REDUCE_SCATTER = all_gather, reduce_scatter
+    overlapped.start_all_gather = start_all_gather
+    collectives.all_to_all_rows = all_to_all_rows
 
 
 def main() -> None:

@@ -247,3 +247,35 @@ def test_convert_round_trip_smoke_run(tmp_path: Path):
     (row,) = json.loads(result.read_text())["results"]
     assert row["bit_identical"] and row["tensors"] > 10
     assert row["hf_to_mega"]["seconds"] > 0 and row["mega_to_hf"]["peak_rss_gib"] > 0
+
+
+_FILLED_COLLECTIVES = """
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+import fake_rank
+fake_rank.fill_like_the_collectives()
+from mega.parallel import functional_comm
+from mega.parallel.expert import collectives
+from mega.parallel.tensor import overlapped
+g = dist.group.WORLD
+x = torch.arange(12.0).reshape(3, 4) + 1
+both = torch.cat([x, x])
+assert torch.equal(functional_comm.all_gathered(x, g), both)
+assert torch.equal(functional_comm.reduce_scattered(both, g), x)
+started = overlapped.start_all_gather(x, 2, functional_comm.group_name(g))
+assert torch.equal(functional_comm.wait(started), both)
+assert torch.equal(collectives.all_to_all_rows(x, [2, 1], [1, 2], g), x)
+print("filled")
+"""
+
+
+def test_the_fake_rank_fills_the_functional_collectives_outputs():
+    """The fake group writes nothing into a functional collective's new output; the fake rank's
+    stand-ins must (uninitialised memory made a TP + SP rank's first gradient norm NaN on an
+    H200): every rank's slice of a gather is this rank's input, a reduce-scatter keeps its slice."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FILLED_COLLECTIVES], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0 and "filled" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
