@@ -6,6 +6,7 @@ refusals before launch."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +276,34 @@ def test_an_unknown_ring_transport_is_refused_before_launch(monkeypatch):
         "2",
     ]
     with pytest.raises(MegaUsageError, match="MEGA_CP_P2P_TRANSPORT='carrier-pigeon'"):
+        resolve_config(args, make_plugins())
+
+
+@pytest.mark.parametrize(
+    "env, flags, says",
+    [
+        ({"MEGA_CP_RING_GRAPHS": "yes"}, [], "MEGA_CP_RING_GRAPHS='yes': must be 0 or 1"),
+        ({"MEGA_CP_RING_GRAPHS": "1"}, ["--device", "cpu"], "needs CUDA GPUs"),
+        (
+            {"MEGA_CP_RING_GRAPHS": "1"},
+            ["--cp-comm-type", "all_gather"],
+            "graphs the p2p ring; --cp-comm-type is 'all_gather'",
+        ),
+        (
+            {"MEGA_CP_RING_GRAPHS": "1", "MEGA_CP_P2P_TRANSPORT": "copy-engine"},
+            [],
+            "needs MEGA_CP_P2P_TRANSPORT=nccl",
+        ),
+    ],
+)
+def test_ring_cuda_graphs_that_cannot_be_are_refused_before_launch(monkeypatch, env, flags, says):
+    """``MEGA_CP_RING_GRAPHS=1`` is for the p2p ring over NCCL on GPUs; asked for anywhere
+    else it would be silently ignored, so it is one error line instead."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = [*TINY, "--attention-dropout", "0", "--nproc-per-node", "2"]
+    args += ["--context-parallel-size", "2", *flags]
+    with pytest.raises(MegaUsageError, match=re.escape(says)):
         resolve_config(args, make_plugins())
 
 

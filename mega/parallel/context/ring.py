@@ -26,7 +26,8 @@ of that dtype, which one rounding of their float32 sum gives exactly as an add i
 does; with more ranks the merges and accumulators are float32.
 
 Under torch.compile forward and backward are each one opaque custom op (no graph break: the
-layer around the ring compiles whole); elsewhere their Python bodies run as they are.
+layer around the ring compiles whole); elsewhere their Python bodies run as they are. On GPUs
+each pass may be replayed as a CUDA graph instead (``MEGA_CP_RING_GRAPHS=1``, :mod:`.graphed`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from mega.parallel.context.blocks import (
     block_forward,
     merge_into,
 )
+from mega.parallel.context.graphed import graphed_pass
 from mega.parallel.context.lanes import lane
 from mega.parallel.weight_grad import OpaqueWhenTraced
 
@@ -109,7 +111,7 @@ def _forward_body(
     return context, lse.contiguous(), kv  # the strides the fake declares
 
 
-_forward = OpaqueWhenTraced("mega::ring_attention_forward", _forward_body)
+_forward = OpaqueWhenTraced("mega::ring_attention_forward", graphed_pass(_forward_body))
 
 
 @_forward.op.register_fake
@@ -206,7 +208,7 @@ def _backward_body(
     return dq.to(dtype), dk, dv
 
 
-_backward = OpaqueWhenTraced("mega::ring_attention_backward", _backward_body)
+_backward = OpaqueWhenTraced("mega::ring_attention_backward", graphed_pass(_backward_body))
 
 
 @_backward.op.register_fake

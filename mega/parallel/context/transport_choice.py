@@ -1,5 +1,6 @@
 """Which transport the p2p ring's lanes use (:mod:`.lanes`), chosen by an environment variable:
-``nccl`` (the default) or ``copy-engine``. Torch-free, so the check before launch stays light."""
+``nccl`` (the default) or ``copy-engine``; and whether the ring's passes replay as CUDA graphs
+(:mod:`.graphed`). Torch-free, so the check before launch stays light."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 
 TRANSPORT_ENV = "MEGA_CP_P2P_TRANSPORT"
 TRANSPORTS = ("nccl", "copy-engine")  # the first is the default
+GRAPHS_ENV = "MEGA_CP_RING_GRAPHS"
+GRAPHS_CHOICES = ("0", "1")  # the first is the default
 
 
 def chosen_transport() -> str:
@@ -20,3 +23,33 @@ def transport_problem() -> str | None:
     if choice in TRANSPORTS:
         return None
     return f"{TRANSPORT_ENV}={choice!r}: must be one of {', '.join(TRANSPORTS)}"
+
+
+def graphs_chosen() -> bool:
+    """Whether the environment asks for the ring's passes as CUDA graphs."""
+    return os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0]) == "1"
+
+
+def graphs_problem(comm_type: str, device: str) -> str | None:
+    """One line saying why the ring's CUDA graphs cannot be what the environment asks, or None.
+    ``device``: ``--device`` (``auto`` is a GPU where torch sees one)."""
+    choice = os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0])
+    if choice not in GRAPHS_CHOICES:
+        return f"{GRAPHS_ENV}={choice!r}: must be 0 or 1"
+    if choice == "0":
+        return None
+    if comm_type != "p2p":
+        return f"{GRAPHS_ENV}=1 graphs the p2p ring; --cp-comm-type is {comm_type!r}"
+    if chosen_transport() != TRANSPORTS[0]:
+        return (
+            f"{GRAPHS_ENV}=1 needs {TRANSPORT_ENV}=nccl (a copy lane's inbox grows by a rendezvous)"
+        )
+    if device == "cpu" or (device == "auto" and not _cuda_seen()):
+        return f"{GRAPHS_ENV}=1 needs CUDA GPUs (the run is on the CPU)"
+    return None
+
+
+def _cuda_seen() -> bool:
+    import torch  # only when graphs were asked for: the check stays light otherwise
+
+    return torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega.parallel.context.transport_choice import transport_problem
+from mega.parallel.context.transport_choice import graphs_problem, transport_problem
 
 
 def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
@@ -27,6 +27,9 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
     transport = transport_problem() if p.cp_comm_type == "p2p" else None
     if transport:
         errors.append(transport)
+    graphs = graphs_problem(p.cp_comm_type, config.training.device)
+    if graphs:
+        errors.append(graphs)
     seq, tp = config.training.seq_length, p.tensor_model_parallel_size
     if seq % (2 * cp):
         errors.append(
