@@ -276,6 +276,37 @@ def test_the_fake_rank_fills_the_functional_collectives_outputs():
     H200): every rank's slice of a gather is this rank's input, a reduce-scatter keeps its slice."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)])}
     proc = subprocess.run(
-        [sys.executable, "-c", _FILLED_COLLECTIVES], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-c", _FILLED_COLLECTIVES],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
-    assert proc.returncode == 0 and "filled" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "filled" in proc.stdout, (
+        proc.stdout[-2000:] + proc.stderr[-2000:]
+    )
+
+
+def test_the_tensorstore_context_plugin_saves_and_loads_through_its_context(tmp_path: Path):
+    """benchmarks/plugins/tensorstore_context.py: with ``MEGA_TS_CONTEXT`` every array of the
+    zarr backend opens in that one context (rank 0 says so); a save and a resume through it."""
+    from mega.testing import run_mega
+
+    env = {
+        "MEGA_PLUGINS_DIR": str(ROOT / "benchmarks" / "plugins"),
+        "MEGA_TS_CONTEXT": '{"file_io_concurrency": {"limit": 1}, "file_io_sync": false}',
+    }
+    base = [
+        "train", "--model", "gpt", "--num-layers", "1", "--hidden-size", "32",
+        "--num-attention-heads", "2", "--seq-length", "32", "--max-position-embeddings", "32",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--micro-batch-size", "1", "--global-batch-size", "2", "--eval-iters", "0",
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "2", "--lr-decay-iters", "3",
+    ]  # fmt: skip
+    first = run_mega([*base, "--train-iters", "2", "--run-dir", str(tmp_path / "a")], tmp_path, env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert 'tensorstore_context: {"file_io_concurrency"' in first.stdout
+    resumed = [*base, "--train-iters", "3", "--load", str(tmp_path / "ckpt")]
+    second = run_mega([*resumed, "--run-dir", str(tmp_path / "b")], tmp_path, env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "iteration        3/       3" in second.stdout
