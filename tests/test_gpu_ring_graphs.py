@@ -97,3 +97,21 @@ def test_a_fake_world_cp4_rank_trains_the_same_with_ring_graphs(tmp_path: Path):
     for (loss, norm), (got_loss, got_norm) in zip(eager, graphed, strict=True):
         assert got_loss == pytest.approx(loss, rel=1e-2)
         assert got_norm == pytest.approx(norm, rel=5e-2)
+
+
+def test_a_pass_that_cannot_be_captured_stops_the_run_in_one_line(monkeypatch):
+    """A pass that reads the host (here ``.item()``) cannot be captured: the run that asked
+    for graphs stops with one line naming the variable, never silently eager."""
+    from mega.errors import MegaRunError
+    from mega.parallel.context.graphed import GraphedPass
+
+    monkeypatch.setenv("MEGA_CP_RING_GRAPHS", "1")
+
+    def reads_the_host(x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x * x.sum().item(),)
+
+    graphed = GraphedPass(reads_the_host)
+    x = torch.ones(4, device="cuda")
+    assert torch.equal(graphed(x)[0], x * 4)  # the first call of a shape runs eager
+    with pytest.raises(MegaRunError, match="MEGA_CP_RING_GRAPHS=1: capturing the ring's"):
+        graphed(x)

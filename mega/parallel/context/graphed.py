@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from mega.parallel.context.transport_choice import graphs_chosen
+from mega.errors import MegaRunError, first_line
+from mega.parallel.context.transport_choice import GRAPHS_ENV, graphs_chosen
 
 
 class _Pass:
@@ -49,9 +50,15 @@ class _Pass:
         static = iter(self.inputs)
         static_args = tuple(next(static) if isinstance(a, torch.Tensor) else a for a in args)
         self.graph = torch.cuda.CUDAGraph()
-        # thread-local: backward captures on autograd's device thread while the main one waits
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outputs = body(*static_args)
+        try:
+            # thread-local: backward captures on autograd's device thread while the main waits
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.outputs = body(*static_args)
+        except Exception as exc:  # a run that asked for graphs does not silently go without
+            raise MegaRunError(
+                f"{GRAPHS_ENV}=1: capturing the ring's {body.__name__} as a CUDA graph failed"
+                f" ({first_line(exc)}); run without it"
+            ) from exc
 
     def replay(self, args: tuple) -> tuple[torch.Tensor, ...]:
         tensors = (a for a in args if isinstance(a, torch.Tensor))
