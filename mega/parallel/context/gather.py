@@ -5,7 +5,9 @@ chunk's attention as two blocks, the earlier chunks in full and its own chunk ca
 their log-sum-exp. Backward gathers them again, computes the gradient of every gathered key and
 value and reduce-scatters them to their owners. Simple, and the keys and values of the whole
 sequence are held at once while a layer runs: at long sequences, the ring (``p2p``) holds two
-blocks. Under torch.compile forward and backward are each one opaque custom op (no graph break;
+blocks. Both passes compute the own chunks' causal blocks from the local keys and values while
+the gather is in flight (they need nothing from the other ranks), and the rest after it: the
+same kernels on the same values in the same order of sums as gathering first. Under torch.compile forward and backward are each one opaque custom op (no graph break;
 their in-place collectives are not traced).
 """
 
@@ -33,11 +35,24 @@ def _chunk(kv: torch.Tensor, chunk: int, cp: int) -> torch.Tensor:
     raise IndexError(chunk)
 
 
-def _gather(kv: torch.Tensor, group: Any, cp: int) -> torch.Tensor:
-    """Every rank's ``kv [2, b, g, s_local, d]``: ``[cp, 2, b, g, s_local, d]``."""
+def _start_gather(kv: torch.Tensor, group: Any, cp: int) -> tuple[torch.Tensor, Any]:
+    """Every rank's ``kv [2, b, g, s_local, d]`` into ``[cp, 2, b, g, s_local, d]``, and the
+    handle to wait on before reading it (on CUDA the stream waits, not the host)."""
     gathered = kv.new_empty((cp, *kv.shape))
-    comm.all_gather_into(gathered.view(cp * 2, *kv.shape[1:]), kv, group)
-    return gathered
+    work = comm.all_gather_into(gathered.view(cp * 2, *kv.shape[1:]), kv, group, async_op=True)
+    return gathered, work
+
+
+def _wait(work: Any) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _own(kv: torch.Tensor, index: int) -> torch.Tensor:
+    """This rank's local chunk ``index`` (0 or 1) of ``kv [2, b, g, s_local, d]``: what the
+    gathered copy holds for it, read before the gather ends."""
+    half = kv.shape[-2] // 2
+    return kv[..., index * half : (index + 1) * half, :]
 
 
 def _forward_body(
@@ -52,17 +67,21 @@ def _forward_body(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out ``[b, h, s_local, d]`` in ``q``'s dtype, lse, the local ``kv [2, b, g, s_local, d]``)."""
     kv = torch.stack((k, v))  # [2, b, g, s_local, d]
-    gathered = _gather(kv, _resolve_process_group(group_name), cp)
+    gathered, work = _start_gather(kv, _resolve_process_group(group_name), cp)
     half = q.shape[2] // 2
+    parts = [q[:, :, index * half : (index + 1) * half] for index in range(2)]
+    own_blocks = []  # while the gather travels
+    for index in range(2):
+        own = _own(kv, index)
+        own_blocks.append(block_forward(parts[index], own[0], own[1], CAUSAL, scale, blocks))
+    _wait(work)
     outs, lses = [], []
     for index, chunk in enumerate(rank_chunks(rank, cp)):
-        part = q[:, :, index * half : (index + 1) * half]
         acc = None
         if chunk:
             earlier = torch.cat([_chunk(gathered, c, cp) for c in range(chunk)], dim=-2)
-            acc = block_forward(part, earlier[0], earlier[1], FULL, scale, blocks)
-        own = _chunk(gathered, chunk, cp)
-        out, lse = merge(acc, block_forward(part, own[0], own[1], CAUSAL, scale, blocks))
+            acc = block_forward(parts[index], earlier[0], earlier[1], FULL, scale, blocks)
+        out, lse = merge(acc, own_blocks[index])
         outs.append(out)
         lses.append(lse)
     out, lse = torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
@@ -92,18 +111,24 @@ def _backward_body(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous, in ``q``'s dtype."""
     group = _resolve_process_group(group_name)
-    gathered = _gather(kv, group, cp)
+    gathered, work = _start_gather(kv, group, cp)
     half = q.shape[2] // 2
     dgathered = torch.zeros_like(gathered, dtype=torch.float32)
-    dqs = []
-    for index, chunk in enumerate(rank_chunks(rank, cp)):
+    chunks = rank_chunks(rank, cp)
+    inputs, own_grads = [], []
+    for index, chunk in enumerate(chunks):  # the own blocks while the gather travels
         rows = slice(index * half, (index + 1) * half)
         args = (dout[:, :, rows], q[:, :, rows])
         saved = (out[:, :, rows], lse[:, :, rows])
-        own = _chunk(gathered, chunk, cp)
+        own = _own(kv, index)
         dq, dk, dv = block_backward(*args, own[0], own[1], *saved, CAUSAL, scale, blocks)
-        dq = dq.float()  # summed over the blocks in float32
         _chunk(dgathered, chunk, cp).add_(torch.stack((dk, dv)))
+        inputs.append((args, saved))
+        own_grads.append(dq.float())  # summed over the blocks in float32
+    _wait(work)
+    dqs = []
+    for index, chunk in enumerate(chunks):
+        (args, saved), dq = inputs[index], own_grads[index]
         for earlier in range(chunk):  # one block per chunk: same sums as one wide block
             kv = _chunk(gathered, earlier, cp)
             dq_e, dk, dv = block_backward(*args, kv[0], kv[1], *saved, FULL, scale, blocks)
