@@ -64,15 +64,30 @@ FLAGS = {
 }
 
 
+def layout_env(name: str) -> tuple[str, dict[str, str]]:
+    """``cp4@MEGA_CP_RING_GRAPHS=1`` -> (``cp4``, that environment variable): what follows ``@``
+    (``NAME=VALUE``, comma-separated) is set for that layout's run alone, so an A/B of an
+    environment switch runs in one invocation, against the same base."""
+    name, _, settings = name.partition("@")
+    env = {}
+    for setting in filter(None, settings.split(",")):
+        key, equals, value = setting.partition("=")
+        if not equals or not key:
+            raise SystemExit(f"layout '{name}@{settings}': '{setting}' is not NAME=VALUE")
+        env[key] = value
+    return name, env
+
+
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``cp<N>``
-    (context parallel), ``ep<N>`` (expert parallel: within the data-parallel ranks, so ``ep2dp2``
-    is 2 ranks), ``v<N>``
-    (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
-    (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
-    same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
-    ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
-    ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``."""
+        (context parallel), ``ep<N>`` (expert parallel: within the data-parallel ranks, so ``ep2dp2``
+        is 2 ranks), ``v<N>``
+        (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
+        (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
+        same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
+        ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
+        ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``. Environment variables
+    for one layout follow ``@`` (:func:`layout_env`)."""
     name, _, extra = name.partition(":")
     parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1, "cp": 1}, []
     if not parts or "".join(TOKEN.sub("", name)):
@@ -130,7 +145,8 @@ def speed_and_memory(records: list[dict], warmup: int, world: int) -> dict:
 
 
 def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
-    world, flags = layout_flags(name, args.mbs)
+    layout, settings = layout_env(name)
+    world, flags = layout_flags(layout, args.mbs)
     run_dir = out / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
     runner = [str(Path(__file__).with_name("fake_rank.py"))] if args.fake_world else ["-m", "mega"]
     command = [
@@ -141,11 +157,15 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
         *args.model_flags.split(),
     ]  # fmt: skip
     timing = run_dir / "pipeline_timing"
-    env = {**os.environ, "MEGA_PIPELINE_TIMING": str(timing)} if "--parallel" in flags else None
+    env = {**os.environ, **settings}
+    if "--parallel" in flags:
+        env["MEGA_PIPELINE_TIMING"] = str(timing)
     if args.fake_world:
-        env = {**(env or os.environ), "WORLD_SIZE": str(world)}
+        env["WORLD_SIZE"] = str(world)
     ran, records, _ = train(command, run_dir, out / f"{run_dir.name}.log", env)
     row: dict = {"layout": name, "world_size": world, "fake_world": args.fake_world, **ran}
+    if settings:
+        row["env"] = settings
     if not records:
         return row
     row["lm_loss"] = [r["lm_loss"] for r in records]

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mega.testing.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +92,10 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     """The long-context comparison (CP=2 against DP=2) at toy size on gloo: the script runs a
     CP layout, its bf16 losses within bf16 rounding of DP=2's (a missing reduction or a wrong mask
     moves a loss by far more). One comm type: the script treats them alike, and
-    tests/test_context_parallel.py checks each against one process."""
-    layouts = "tp1dp2,cp2:--cp-comm-type=p2p"
+    tests/test_context_parallel.py checks each against one process. A third row sets an
+    environment variable for itself alone (``@NAME=VALUE``): a value mega refuses, so its row is
+    that error line while the same layout without it ran."""
+    layouts = "tp1dp2,cp2:--cp-comm-type=p2p,cp2:--cp-comm-type=p2p@MEGA_CP_RING_GRAPHS=maybe"
     command = [
         sys.executable, str(ROOT / "benchmarks" / "parallel_layouts.py"), "--layouts", layouts,
         "--base", "tp1dp2", "--iters", "6", "--warmup", "1", "--mbs", "1", "--gbs", "2",
@@ -104,8 +108,20 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     (result,) = tmp_path.glob("long_context_*.json")
     rows = json.loads(result.read_text())["results"]
-    assert [row.get("error") for row in rows] == [None] * 2
+    assert [row.get("error") for row in rows[:2]] == [None] * 2
     assert rows[1]["max_rel_loss_diff_vs_tp1dp2"] < 1e-2
+    assert "MEGA_CP_RING_GRAPHS='maybe': must be 0 or 1" in rows[2]["error"]
+    assert rows[2]["env"] == {"MEGA_CP_RING_GRAPHS": "maybe"} and "env" not in rows[1]
+
+
+def test_a_layouts_environment_must_be_name_equals_value():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from parallel_layouts import layout_env
+
+    assert layout_env("cp4@A=1,B=x=y") == ("cp4", {"A": "1", "B": "x=y"})
+    assert layout_env("tp2dp1-sp:--tp-comm-overlap") == ("tp2dp1-sp:--tp-comm-overlap", {})
+    with pytest.raises(SystemExit, match="'A' is not NAME=VALUE"):
+        layout_env("cp4@A")
 
 
 def test_a_fake_world_context_parallel_rank_trains_on_finite_numbers(tmp_path: Path):
