@@ -56,6 +56,13 @@ LAYOUTS = {
     "tp2-sp": (GPT, [*TP2, "--sequence-parallel"]),
     "ep2-alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (MOE, ["--expert-model-parallel-size", "2"]),
+    # drop-and-pad, traced into the layer's graph (no host sync); a capacity factor of 8 drops
+    # nothing (an expert takes at most every token once: capacity 4x that), so the padded
+    # dispatch must give the dropless one GPU's numbers (equal on one CPU process, 2026-11-29)
+    "ep2-alltoall-padded": (MOE, [
+        "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+        "--moe-expert-capacity-factor", "8", "--moe-pad-expert-input-to-capacity",
+    ]),
     # the ring (cuDNN blocks, one call per step) compiled around and eager, against one GPU;
     # the ring and the gathered attention as opaque custom ops under compile (2026-11-28)
     "cp2-p2p": (GPT, ["--context-parallel-size", "2", "--cp-comm-type", "p2p"]),
