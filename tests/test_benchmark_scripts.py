@@ -326,3 +326,29 @@ def test_the_tensorstore_context_plugin_saves_and_loads_through_its_context(tmp_
     second = run_mega([*resumed, "--run-dir", str(tmp_path / "b")], tmp_path, env)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "iteration        3/       3" in second.stdout
+
+
+def test_every_acceptance_part_names_layouts_of_its_gpu_count():
+    """benchmarks/acceptance_runs.py: every layout of every part parses and spans exactly the
+    part's GPUs (a typo found on a leased machine costs its time), and the runner's dry run
+    prints a part's commands and runs nothing."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from acceptance_runs import parts
+    from parallel_layouts import layout_env, layout_flags
+
+    for gpus in (2, 4):
+        for name, commands in parts(gpus, "/tmp/out", "/tmp/scratch").items():
+            for command in commands:
+                if "--layouts" in command:
+                    layouts = command[command.index("--layouts") + 1].split(",")
+                    for layout in layouts:
+                        world, _ = layout_flags(layout_env(layout)[0], 4)
+                        assert world == gpus, (gpus, name, layout)
+                else:
+                    assert command[command.index("--nproc-per-node") + 1] == str(gpus)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "acceptance_runs.py"), "--gpus", "2",
+         "--part", "ep", "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0 and "parallel_layouts.py --name acc_moe_2gpu" in proc.stdout
