@@ -12,7 +12,7 @@ of a model shares it). The first call of a key runs eager, which compiles the me
 plans the attention kernels and sets up NCCL's peer connections, none of which may happen
 during a capture. The second captures the pass on static copies of its inputs, and from then on
 a call copies its inputs into them, replays, and returns copies of the outputs (the next replay
-overwrites the graph's own). Those copies are the price: on the rank above about 0.15 GB a
+overwrites the graph's own). Those copies are the price: on the rank above about 0.27 GB a
 forward and backward, some 30 ms a step at the H200's bandwidth, against the host time saved.
 
 What must hold: nothing in a pass reads the host (no ``.item()``, no shape from data), and the
