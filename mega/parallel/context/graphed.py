@@ -42,11 +42,9 @@ class _Pass:
         self.outputs: tuple[torch.Tensor, ...] = ()
 
     def capture(self, body: Callable[..., tuple], args: tuple) -> None:
-        self.inputs = [
-            torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-            for a in args
-            if isinstance(a, torch.Tensor)
-        ]
+        # the inputs' strides where they are dense (views of [b, s, h, d] stay so), else
+        # contiguous (an expanded gradient cannot be copied into its own layout)
+        self.inputs = [torch.empty_like(a) for a in args if isinstance(a, torch.Tensor)]
         static = iter(self.inputs)
         static_args = tuple(next(static) if isinstance(a, torch.Tensor) else a for a in args)
         self.graph = torch.cuda.CUDAGraph()
