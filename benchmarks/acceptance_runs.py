@@ -53,224 +53,76 @@ def _torchrun(gpus: int, port: int, script: str, *args: str) -> list:
     ]  # fmt: skip
 
 
+# per GPU count: each part's parallel_layouts.py invocations, each a list of layouts whose
+# first is the base (DP on those GPUs, at the micro-batch of the rows after it)
+LAYOUTS = {
+    2: {
+        "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
+        "ep": [["tp1dp2", "ep2dp2", f"ep2dp2:{PADDED}"]],
+        "cp16k": [["tp1dp2", "cp2", "cp2@MEGA_CP_RING_GRAPHS=1", "cp2:--cp-comm-type=all_gather",
+                   "cp2:--cp-comm-type=a2a"]],
+        "cp32k": [["tp1dp2", "cp2"]],
+    },
+    4: {
+        "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
+        "ep": [["tp1dp4", "ep4dp4", f"ep4dp4:{PADDED}"]],
+        "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
+        "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",
+                        "cp4:--cp-comm-type=a2a"]],
+        "cp32k": [["tp1dp4", "cp4", "cp4@MEGA_CP_RING_GRAPHS=1"]],
+    },
+}  # fmt: skip
+# per GPU count: checkpoint_io.py runs, (name, extra flags, extra environment)
+CHECKPOINTS = {
+    2: [("dp2", [], []), ("tp2", ["--flags", "--tensor-model-parallel-size 2"], [])],
+    4: [("dp4", [], []), ("dp4_io_limited", [], [f"MEGA_TS_CONTEXT={IO_LIMITED}"])],
+}
+# global batch per part, the issues' (an invocation at micro-batch 8 takes twice its part's)
+GLOBAL_BATCH = {
+    2: {"tp": 8, "ep": 16, "cp16k": 8, "cp32k": 4},
+    4: {"tp": 32, "ep": 32, "cp16k": 8, "cp16k_more": 8, "cp32k": 8},
+}
+
+
 def parts(gpus: int, out: str, scratch: str) -> dict[str, list[list[str]]]:
     """Every part for ``gpus`` GPUs: its commands (argv lists)."""
-    dp = f"tp1dp{gpus}"
-    if gpus == 2:
-        return {
-            "tp": [
-                _layouts("acc_tp_2gpu", dp, [dp, "tp2dp1", "tp2dp1-sp"], 8, 29711, out=out),
-                _layouts(
-                    "acc_tp_2gpu_mb8",
-                    f"{dp}-mb8",
-                    [f"{dp}-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"],
-                    16,
-                    29712,
-                    out=out,
-                ),  # fmt: skip
-                _torchrun(
-                    2,
-                    29713,
-                    "dtensor_tp.py",
-                    "--tp",
-                    "2",
-                    "--sp",
-                    "--compile",
-                    "--gbs",
-                    "8",
-                    "--iters",
-                    "20",
-                    "--warmup",
-                    "5",
-                    "--out",
-                    out,
-                    "--name",
-                    "acc_dtensor_tp2_sp",
-                ),
-            ],  # fmt: skip
-            "ep": [
-                _layouts(
-                    "acc_moe_2gpu",
-                    dp,
-                    [dp, "ep2dp2", f"ep2dp2:{PADDED}"],
-                    16,
-                    29721,
-                    out=out,
-                    model_flags=MOE,
-                ),  # fmt: skip
-            ],
-            "cp16k": [
-                _layouts(
-                    "acc_cp_16k_2gpu",
-                    dp,
-                    [
-                        dp,
-                        "cp2",
-                        "cp2@MEGA_CP_RING_GRAPHS=1",
-                        "cp2:--cp-comm-type=all_gather",
-                        "cp2:--cp-comm-type=a2a",
-                    ],
-                    8,
-                    29731,
-                    out=out,
-                    mbs="1",
-                    model_flags=LONG.format(n=16384),
-                ),  # fmt: skip
-            ],
-            "cp32k": [
-                _layouts(
-                    "acc_cp_32k_2gpu",
-                    dp,
-                    [dp, "cp2"],
-                    4,
-                    29741,
-                    out=out,
-                    mbs="1",
-                    model_flags=LONG.format(n=32768),
-                ),  # fmt: skip
-            ],
-            "ckpt": [
-                _torchrun(
-                    2,
-                    29751,
-                    "checkpoint_io.py",
-                    "--dir",
-                    scratch,
-                    "--out",
-                    out,
-                    "--name",
-                    "acc_2gpu_dp2",
-                ),
-                _torchrun(
-                    2,
-                    29752,
-                    "checkpoint_io.py",
-                    "--dir",
-                    scratch,
-                    "--out",
-                    out,
-                    "--name",
-                    "acc_2gpu_tp2",
-                    "--flags",
-                    "--tensor-model-parallel-size 2",
-                ),
-            ],  # fmt: skip
-        }
-    if gpus == 4:
-        return {
-            "tp": [
-                _layouts(
-                    "acc_tp_4gpu",
-                    dp,
-                    [dp, "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"],
-                    32,
-                    29811,
-                    out=out,
-                ),  # fmt: skip
-                _torchrun(
-                    4,
-                    29812,
-                    "dtensor_tp.py",
-                    "--tp",
-                    "2",
-                    "--sp",
-                    "--compile",
-                    "--gbs",
-                    "8",
-                    "--iters",
-                    "20",
-                    "--warmup",
-                    "5",
-                    "--out",
-                    out,
-                    "--name",
-                    "acc_dtensor_tp2dp2_sp",
-                ),
-            ],  # fmt: skip
-            "ep": [
-                _layouts(
-                    "acc_moe_4gpu",
-                    dp,
-                    [dp, "ep4dp4", f"ep4dp4:{PADDED}"],
-                    32,
-                    29821,
-                    out=out,
-                    model_flags=MOE,
-                ),  # fmt: skip
-            ],
-            "cp16k": [
-                _layouts(
-                    "acc_cp_16k_4gpu",
-                    dp,
-                    [dp, "cp2dp2", "cp4", "cp4-mb2"],
-                    8,
-                    29831,
-                    out=out,
-                    mbs="1",
-                    model_flags=LONG.format(n=16384),
-                ),  # fmt: skip
-            ],
-            "cp16k_more": [
-                _layouts(
-                    "acc_cp_16k_4gpu_more",
-                    dp,
-                    [
-                        dp,
-                        "cp4@MEGA_CP_RING_GRAPHS=1",
-                        "cp4:--cp-comm-type=all_gather",
-                        "cp4:--cp-comm-type=a2a",
-                    ],
-                    8,
-                    29832,
-                    out=out,
-                    mbs="1",
-                    model_flags=LONG.format(n=16384),
-                ),  # fmt: skip
-            ],
-            "cp32k": [
-                _layouts(
-                    "acc_cp_32k_4gpu",
-                    dp,
-                    [dp, "cp4", "cp4@MEGA_CP_RING_GRAPHS=1"],
-                    8,
-                    29841,
-                    out=out,
-                    mbs="1",
-                    model_flags=LONG.format(n=32768),
-                ),  # fmt: skip
-            ],
-            "ckpt": [
-                _torchrun(
-                    4,
-                    29851,
-                    "checkpoint_io.py",
-                    "--dir",
-                    scratch,
-                    "--out",
-                    out,
-                    "--name",
-                    "acc_4gpu_dp4",
-                ),
-                # the same with one file operation in flight per rank (docs/checkpoints.md)
-                [
-                    "env",
-                    f"MEGA_PLUGINS_DIR={HERE / 'plugins'}",
-                    f"MEGA_TS_CONTEXT={IO_LIMITED}",
-                    *_torchrun(
-                        4,
-                        29852,
-                        "checkpoint_io.py",
-                        "--dir",
-                        scratch,
-                        "--out",
-                        out,
-                        "--name",
-                        "acc_4gpu_dp4_io_limited",
-                    ),
-                ],
-            ],  # fmt: skip
-        }
-    raise SystemExit(f"--gpus {gpus}: the acceptance runs are for 2 or 4 GPUs")
+    if gpus not in LAYOUTS:
+        raise SystemExit(f"--gpus {gpus}: the acceptance runs are for 2 or 4 GPUs")
+    port = 29700 + 100 * gpus
+    table: dict[str, list[list[str]]] = {}
+    for index, (part, invocations) in enumerate(LAYOUTS[gpus].items()):
+        gbs = GLOBAL_BATCH[gpus][part]
+        extra: dict[str, str] = {"out": out}
+        if part == "ep":
+            extra["model_flags"] = MOE
+        if part.startswith("cp"):
+            n = 32768 if part == "cp32k" else 16384
+            extra |= {"mbs": "1", "model_flags": LONG.format(n=n)}
+        table[part] = [
+            _layouts(
+                f"acc_{part}_{gpus}gpu_{number}",
+                layouts[0],
+                layouts,
+                gbs * (2 if "-mb8" in layouts[0] else 1),
+                port + 10 * index + number,
+                **extra,
+            )  # fmt: skip
+            for number, layouts in enumerate(invocations)
+        ]
+    dtensor = ["--tp", "2", "--sp", "--compile", "--gbs", "8", "--iters", "20", "--warmup", "5"]
+    table["tp"].append(
+        _torchrun(gpus, port + 90, "dtensor_tp.py", *dtensor, "--out", out,
+                  "--name", f"acc_dtensor_tp2_sp_{gpus}gpu")
+    )  # fmt: skip
+    table["ckpt"] = [
+        [
+            "env", f"MEGA_PLUGINS_DIR={HERE / 'plugins'}", *env,
+            *_torchrun(gpus, port + 95 + number, "checkpoint_io.py", "--dir", scratch,
+                       "--out", out, "--name", f"acc_{gpus}gpu_{name}", *flags),
+        ]
+        for number, (name, flags, env) in enumerate(CHECKPOINTS[gpus])
+    ]  # fmt: skip
+    return table
 
 
 def main() -> int:

@@ -351,4 +351,4 @@ def test_every_acceptance_part_names_layouts_of_its_gpu_count():
          "--part", "ep", "--dry-run"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
-    assert proc.returncode == 0 and "parallel_layouts.py --name acc_moe_2gpu" in proc.stdout
+    assert proc.returncode == 0 and "parallel_layouts.py --name acc_ep_2gpu_0" in proc.stdout
