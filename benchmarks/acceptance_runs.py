@@ -32,6 +32,7 @@ MOE = (
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = "--moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
+BIG = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32"  # issue 46's 6.7B GPT
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 NO_MULTICAST["NVSHMEM_DISABLE_NVLS"] = "1"
 IO_LIMITED = '{"file_io_concurrency": {"limit": 1}}'
@@ -62,6 +63,8 @@ LAYOUTS = {
         "cp16k": [["tp1dp2", "cp2", "cp2@MEGA_CP_RING_GRAPHS=1", "cp2:--cp-comm-type=all_gather",
                    "cp2:--cp-comm-type=a2a"]],
         "cp32k": [["tp1dp2", "cp2"]],
+        # the 6.7B GPT: DP2 fits an H200 (91 GB at micro-batch 2); on 80 GB GPUs use pp2-1f1b
+        "tp6p7b": [["tp1dp2-mb2", "tp2dp1-sp-mb4", "tp2dp1-mb4"]],
     },
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
@@ -79,7 +82,7 @@ CHECKPOINTS = {
 }
 # global batch per part, the issues' (an invocation at micro-batch 8 takes twice its part's)
 GLOBAL_BATCH = {
-    2: {"tp": 8, "ep": 16, "cp16k": 8, "cp32k": 4},
+    2: {"tp": 8, "ep": 16, "cp16k": 8, "cp32k": 4, "tp6p7b": 16},
     4: {"tp": 32, "ep": 32, "cp16k": 8, "cp16k_more": 8, "cp32k": 8},
 }
 
@@ -95,6 +98,8 @@ def parts(gpus: int, out: str, scratch: str) -> dict[str, list[list[str]]]:
         extra: dict[str, str] = {"out": out}
         if part == "ep":
             extra["model_flags"] = MOE
+        if part == "tp6p7b":
+            extra["model_flags"] = BIG
         if part.startswith("cp"):
             n = 32768 if part == "cp32k" else 16384
             extra |= {"mbs": "1", "model_flags": LONG.format(n=n)}
