@@ -327,3 +327,15 @@ def test_gpu_kernel_blocks_are_whole_attention(kernel: str, monkeypatch):
     for name, a, m, b in zip(("out", "dq", "dk", "dv"), got, math, reference, strict=True):
         error, math_error = (a.double() - b).abs().max(), (m.double() - b).abs().max()
         assert error <= 4 * math_error + 2e-2, (name, float(error), float(math_error))
+
+
+def test_ring_cuda_graphs_are_a_machine_check_that_a_plan_for_gpus_skips(monkeypatch):
+    """``mega plan`` resolves a run for another machine's GPUs (``this_machine=False``): the
+    graphs' need for a GPU here is not its business, while a bad value still is."""
+    monkeypatch.setenv("MEGA_CP_RING_GRAPHS", "1")
+    args = [*TINY, "--attention-dropout", "0", "--nproc-per-node", "2"]
+    args += ["--context-parallel-size", "2", "--device", "cpu"]
+    resolve_config(args, make_plugins(), this_machine=False)
+    monkeypatch.setenv("MEGA_CP_RING_GRAPHS", "2")
+    with pytest.raises(MegaUsageError, match="must be 0 or 1"):
+        resolve_config(args, make_plugins(), this_machine=False)

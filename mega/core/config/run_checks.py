@@ -21,8 +21,13 @@ def run_problems(config: Any, plugins: Any, this_machine: bool = True) -> list[s
 
 def machine_problems(config: Any) -> list[str]:
     """This machine cannot run ``config``: no GPU for ``--device cuda``, none with FP8 tensor
-    cores for ``--fp8-format``."""
+    cores for ``--fp8-format``, none for the context-parallel ring's CUDA graphs."""
     errors = device_problems(config.training.device)
+    if config.parallel.context_parallel_size > 1:
+        from mega.parallel.context.transport_choice import graphs_device_problem
+
+        graphs = graphs_device_problem(config.training.device)
+        errors += [graphs] if graphs else []
     fp8_format = config.precision.fp8_format
     if fp8_format:
         from mega.parallel.fp8.checks import fp8_device_problems

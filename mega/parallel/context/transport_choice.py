@@ -30,9 +30,9 @@ def graphs_chosen() -> bool:
     return os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0]) == "1"
 
 
-def graphs_problem(comm_type: str, device: str) -> str | None:
-    """One line saying why the ring's CUDA graphs cannot be what the environment asks, or None.
-    ``device``: ``--device`` (``auto`` is a GPU where torch sees one)."""
+def graphs_problem(comm_type: str) -> str | None:
+    """One line saying why the ring's CUDA graphs cannot be what the environment asks, or None,
+    whatever the machine (:func:`graphs_device_problem` is this machine's part)."""
     choice = os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0])
     if choice not in GRAPHS_CHOICES:
         return f"{GRAPHS_ENV}={choice!r}: must be 0 or 1"
@@ -44,6 +44,14 @@ def graphs_problem(comm_type: str, device: str) -> str | None:
         return (
             f"{GRAPHS_ENV}=1 needs {TRANSPORT_ENV}=nccl (a copy lane's inbox grows by a rendezvous)"
         )
+    return None
+
+
+def graphs_device_problem(device: str) -> str | None:
+    """The graphs asked for on a run that will be on the CPU (``--device cpu``, or ``auto`` where
+    torch sees no GPU). ``mega plan`` plans for another machine's GPUs and does not ask."""
+    if not graphs_chosen():
+        return None
     if device == "cpu" or (device == "auto" and not _cuda_seen()):
         return f"{GRAPHS_ENV}=1 needs CUDA GPUs (the run is on the CPU)"
     return None

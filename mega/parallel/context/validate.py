@@ -27,7 +27,7 @@ def context_parallel_problems(config: Any, plan: Any, plugins: Any) -> list[str]
     transport = transport_problem() if p.cp_comm_type == "p2p" else None
     if transport:
         errors.append(transport)
-    graphs = graphs_problem(p.cp_comm_type, config.training.device)
+    graphs = graphs_problem(p.cp_comm_type)
     if graphs:
         errors.append(graphs)
     seq, tp = config.training.seq_length, p.tensor_model_parallel_size
