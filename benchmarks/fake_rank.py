@@ -56,15 +56,12 @@ def fill_like_the_collectives() -> None:
     fill_the_functional_collectives()
 
 
-def _ranks(group) -> int:  # noqa: ANN001
-    return dist.get_world_size(group)
-
-
 def fill_the_functional_collectives() -> None:
     """The same stand-ins for the out-of-place collectives. Each still calls the collective (its
     launch is part of a rank's host time), then writes the stand-in into the result (a copy that
     a traced graph keeps, so the collective stays in it too)."""
     from mega.parallel import functional_comm
+    from mega.parallel.comm import group_size
     from mega.parallel.expert import collectives
     from mega.parallel.tensor import overlapped
 
@@ -75,7 +72,7 @@ def fill_the_functional_collectives() -> None:
         return x.unsqueeze(0).expand(ranks, *x.shape).reshape(ranks * x.shape[0], *x.shape[1:])
 
     def all_gather(x: torch.Tensor, dim: int, group):  # noqa: ANN001, ANN202
-        return functional_comm._waited(gather(x, dim, group)).copy_(stacked(x, _ranks(group)))
+        return functional_comm._waited(gather(x, dim, group)).copy_(stacked(x, group_size(group)))
 
     def reduce_scatter(x: torch.Tensor, op: str, dim: int, group):  # noqa: ANN001, ANN202
         out = functional_comm._waited(scatter(x, op, dim, group))

@@ -80,14 +80,13 @@ def layout_env(name: str) -> tuple[str, dict[str, str]]:
 
 def layout_flags(name: str, mbs: int) -> tuple[int, list[str]]:
     """``tp2dp1`` -> (world size 2, the flags). Parts: ``tp<N>``, ``dp<N>``, ``pp<N>``, ``cp<N>``
-        (context parallel), ``ep<N>`` (expert parallel: within the data-parallel ranks, so ``ep2dp2``
-        is 2 ranks), ``v<N>``
-        (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``, ``interleaved``, ``-zb``), ``sp``
-        (--sequence-parallel), ``mb<K>`` (micro-batch size: on tp1dp1 mb2 is the bf16 noise floor,
-        same math, other kernels), ``first<L>``/``last<L>`` (uneven pipeline split); e.g.
-        ``pp2v2-interleaved-first14``. Anything after ``:`` is passed as flags, space-separated:
-        ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``. Environment variables
-    for one layout follow ``@`` (:func:`layout_env`)."""
+    (context parallel), ``ep<N>`` (expert parallel: within the data-parallel ranks, so ``ep2dp2``
+    is 2 ranks), ``v<N>`` (virtual stages per pipeline rank), a schedule (``gpipe``, ``1f1b``,
+    ``interleaved``, ``-zb``), ``sp`` (--sequence-parallel), ``mb<K>`` (micro-batch size: on
+    tp1dp1 mb2 is the bf16 noise floor, same math, other kernels), ``first<L>``/``last<L>``
+    (uneven pipeline split); e.g. ``pp2v2-interleaved-first14``. Anything after ``:`` is passed
+    as flags, space-separated: ``pp2-interleaved:--pipeline-model-parallel-layout=Et*7|t*6|t*6|t*5L``.
+    Environment variables for one layout follow ``@`` (:func:`layout_env`)."""
     name, _, extra = name.partition(":")
     parts, sizes, flags = TOKEN.findall(name), {"tp": 1, "dp": 1, "pp": 1, "cp": 1}, []
     if not parts or "".join(TOKEN.sub("", name)):

@@ -57,8 +57,9 @@ LAYOUTS = {
     "ep2-alltoall": (MOE, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     "ep2-allgather": (MOE, ["--expert-model-parallel-size", "2"]),
     # drop-and-pad, traced into the layer's graph (no host sync); a capacity factor of 8 drops
-    # nothing (an expert takes at most every token once: capacity 4x that), so the padded
-    # dispatch must give the dropless one GPU's numbers (equal on one CPU process, 2026-11-29)
+    # nothing (capacity 2048 x 2 / 8 x 8 = 4096 rows per expert, while an expert gets each of a
+    # rank's 2048 tokens at most once), so the padded dispatch must give the dropless one GPU's
+    # numbers (equal on one CPU process, 2026-11-29)
     "ep2-alltoall-padded": (MOE, [
         "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
         "--moe-expert-capacity-factor", "8", "--moe-pad-expert-input-to-capacity",

@@ -24,16 +24,28 @@ def machine_problems(config: Any) -> list[str]:
     cores for ``--fp8-format``, none for the context-parallel ring's CUDA graphs."""
     errors = device_problems(config.training.device)
     if config.parallel.context_parallel_size > 1:
-        from mega.parallel.context.transport_choice import graphs_device_problem
+        from mega.parallel.context.transport_choice import GRAPHS_ENV, graphs_chosen
 
-        graphs = graphs_device_problem(config.training.device)
-        errors += [graphs] if graphs else []
+        if graphs_chosen() and runs_on_cpu(config.training.device):
+            errors.append(f"{GRAPHS_ENV}=1 needs CUDA GPUs (the run is on the CPU)")
     fp8_format = config.precision.fp8_format
     if fp8_format:
         from mega.parallel.fp8.checks import fp8_device_problems
 
         errors += fp8_device_problems(f"--fp8-format {fp8_format}", config.training.device)
     return errors
+
+
+def runs_on_cpu(device: str) -> bool:
+    """Whether ``--device`` puts the run on the CPU: ``cpu``, or ``auto`` where torch sees no GPU
+    (torch is imported only for ``auto``)."""
+    if device == "cpu":
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def device_problems(device: str) -> list[str]:

@@ -7,8 +7,9 @@ value and reduce-scatters them to their owners. Simple, and the keys and values 
 sequence are held at once while a layer runs: at long sequences, the ring (``p2p``) holds two
 blocks. Both passes compute the own chunks' causal blocks from the local keys and values while
 the gather is in flight (they need nothing from the other ranks), and the rest after it: the
-same kernels on the same values in the same order of sums as gathering first. Under torch.compile forward and backward are each one opaque custom op (no graph break;
-their in-place collectives are not traced).
+same kernels on the same values in the same order of sums as gathering first. Under
+torch.compile forward and backward are each one opaque custom op (no graph break; their
+in-place collectives are not traced).
 """
 
 from __future__ import annotations

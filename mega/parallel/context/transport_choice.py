@@ -25,15 +25,20 @@ def transport_problem() -> str | None:
     return f"{TRANSPORT_ENV}={choice!r}: must be one of {', '.join(TRANSPORTS)}"
 
 
+def _graphs_choice() -> str:
+    return os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0])
+
+
 def graphs_chosen() -> bool:
     """Whether the environment asks for the ring's passes as CUDA graphs."""
-    return os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0]) == "1"
+    return _graphs_choice() == "1"
 
 
 def graphs_problem(comm_type: str) -> str | None:
     """One line saying why the ring's CUDA graphs cannot be what the environment asks, or None,
-    whatever the machine (:func:`graphs_device_problem` is this machine's part)."""
-    choice = os.environ.get(GRAPHS_ENV, GRAPHS_CHOICES[0])
+    whatever the machine (that the run has GPUs is ``mega.core.config.run_checks``' check, which
+    ``mega plan`` skips: it plans for another machine's)."""
+    choice = _graphs_choice()
     if choice not in GRAPHS_CHOICES:
         return f"{GRAPHS_ENV}={choice!r}: must be 0 or 1"
     if choice == "0":
@@ -45,19 +50,3 @@ def graphs_problem(comm_type: str) -> str | None:
             f"{GRAPHS_ENV}=1 needs {TRANSPORT_ENV}=nccl (a copy lane's inbox grows by a rendezvous)"
         )
     return None
-
-
-def graphs_device_problem(device: str) -> str | None:
-    """The graphs asked for on a run that will be on the CPU (``--device cpu``, or ``auto`` where
-    torch sees no GPU). ``mega plan`` plans for another machine's GPUs and does not ask."""
-    if not graphs_chosen():
-        return None
-    if device == "cpu" or (device == "auto" and not _cuda_seen()):
-        return f"{GRAPHS_ENV}=1 needs CUDA GPUs (the run is on the CPU)"
-    return None
-
-
-def _cuda_seen() -> bool:
-    import torch  # only when graphs were asked for: the check stays light otherwise
-
-    return torch.cuda.is_available()

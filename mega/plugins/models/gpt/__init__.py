@@ -11,6 +11,7 @@ No torch at import time: the model module is imported inside the factory, so ``m
 from __future__ import annotations
 
 from mega import hookimpl
+from mega.core.config.run_checks import runs_on_cpu
 from mega.plugins.models.common.config import GPTConfig
 from mega.plugins.models.common.decoder_spec import build_decoder, decoder_model_spec
 from mega.plugins.models.common.flops import flops_per_token
@@ -44,7 +45,7 @@ def validate_config(config) -> list[str]:
     if (
         config.model.attention_backend == "flash"
         and config.model.attention_dropout > 0
-        and _runs_on_cpu(config.training.device)
+        and runs_on_cpu(config.training.device)
     ):
         # PyTorch's CPU flash kernel has no dropout: SDPA would fail at the first step
         problems.append(
@@ -52,13 +53,3 @@ def validate_config(config) -> list[str]:
             " (PyTorch's CPU flash attention has no dropout)"
         )
     return problems
-
-
-def _runs_on_cpu(device: str) -> bool:
-    if device == "cpu":
-        return True
-    if device != "auto":
-        return False
-    import torch  # only reached with --attention-backend flash
-
-    return not torch.cuda.is_available()
