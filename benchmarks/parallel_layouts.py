@@ -65,12 +65,12 @@ FLAGS = {
 
 
 def layout_env(name: str) -> tuple[str, dict[str, str]]:
-    """``cp4@MEGA_CP_RING_GRAPHS=1`` -> (``cp4``, that environment variable): what follows ``@``
-    (``NAME=VALUE``, comma-separated) is set for that layout's run alone, so an A/B of an
-    environment switch runs in one invocation, against the same base."""
+    """``cp4@MEGA_CP_RING_GRAPHS=1`` -> (``cp4``, that environment variable): each ``@NAME=VALUE``
+    (``cp4@A=1@B=2`` sets two; a comma already separates layouts) is set for that layout's run
+    alone, so an A/B of an environment switch runs in one invocation, against the same base."""
     name, _, settings = name.partition("@")
     env = {}
-    for setting in filter(None, settings.split(",")):
+    for setting in filter(None, settings.split("@")):
         key, equals, value = setting.partition("=")
         if not equals or not key:
             raise SystemExit(f"layout '{name}@{settings}': '{setting}' is not NAME=VALUE")

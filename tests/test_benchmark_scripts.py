@@ -118,7 +118,11 @@ def test_a_layouts_environment_must_be_name_equals_value():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from parallel_layouts import layout_env
 
-    assert layout_env("cp4@A=1,B=x=y") == ("cp4", {"A": "1", "B": "x=y"})
+    # two settings in a --layouts list, which commas split (a comma between settings once cut
+    # the second off as a layout of its own)
+    first, second = "cp4@A=1@B=x=y,cp2".split(",")
+    assert layout_env(first) == ("cp4", {"A": "1", "B": "x=y"})
+    assert layout_env(second) == ("cp2", {})
     assert layout_env("tp2dp1-sp:--tp-comm-overlap") == ("tp2dp1-sp:--tp-comm-overlap", {})
     with pytest.raises(SystemExit, match="'A' is not NAME=VALUE"):
         layout_env("cp4@A")

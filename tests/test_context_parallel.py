@@ -7,6 +7,8 @@ refusals before launch."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -339,3 +341,15 @@ def test_ring_cuda_graphs_are_a_machine_check_that_a_plan_for_gpus_skips(monkeyp
     monkeypatch.setenv("MEGA_CP_RING_GRAPHS", "2")
     with pytest.raises(MegaUsageError, match="must be 0 or 1"):
         resolve_config(args, make_plugins(), this_machine=False)
+
+
+def test_the_bf16_ring_at_four_ranks_is_whole_attention():
+    """Ring attention in bf16 at CP=4 (gradient accumulators in bf16, GQA folded to bf16) on four
+    gloo ranks, against float64 attention of the whole sequence: within one process's bf16 error
+    plus the ring's own roundings (tests/ring_precision_worker.py derives the bound)."""
+    worker = Path(__file__).with_name("ring_precision_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "4", str(worker)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("the bf16 ring is whole attention") == 4, result.stdout[-2000:]

@@ -40,8 +40,12 @@ def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """A gradient of the expanded heads summed back over each GQA group: in float32, rounded
+    once to ``grad``'s dtype."""
     b, heads, s, d = grad.shape
-    return grad if groups == heads else grad.view(b, groups, heads // groups, s, d).sum(2)
+    if groups == heads:
+        return grad
+    return grad.view(b, groups, heads // groups, s, d).sum(2, dtype=torch.float32).to(grad.dtype)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
@@ -183,8 +187,8 @@ def block_backward(
     blocks: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this block, given the *merged* ``out`` and ``lse`` of ``q``'s whole
-    attention and its gradient ``dout``; dk and dv have ``k``'s heads. In the inputs' dtype from
-    a kernel (dk, dv float32 where GQA groups were summed), float32 from the math path.
+    attention and its gradient ``dout``; dk and dv have ``k``'s heads (GQA groups summed in
+    float32, rounded once). In the inputs' dtype from a kernel, float32 from the math path.
     ``blocks``: as the forward's."""
     kernel = kernel_for(q, blocks)
     if kernel == "math":
@@ -211,9 +215,7 @@ def block_backward(
             dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
                 dout, q, k, v, out, lse, cq, ck, sq, sk, 0.0, causal, seed, offset, scale=scale
             )
-    if groups != heads:  # summed over each group's heads in float32
-        dk, dv = _fold(dk.float(), groups), _fold(dv.float(), groups)
-    return dq, dk, dv
+    return dq, _fold(dk, groups), _fold(dv, groups)
 
 
 def math_block_backward(

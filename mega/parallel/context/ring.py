@@ -21,9 +21,13 @@ hides the arrival of the accumulator that the others filled. So no transfer wait
 at ``cp = 2`` backward sends no keys or values at all (one accumulator each way). Two blocks of
 keys and values are held at a time during a step, and one more per layer until its backward.
 
-Precision: the kernels' outputs are in the model's dtype. With two ranks every sum has two terms
-of that dtype, which one rounding of their float32 sum gives exactly as an add in that dtype
-does; with more ranks the merges and accumulators are float32.
+Precision: the kernels' outputs are in the model's dtype. Forward's merges are float32 beyond
+two ranks (with two, each is two terms of that dtype, which one rounding of their float32 sum
+gives exactly as an add in that dtype does). Backward's gradient accumulators stay in the
+model's dtype at every size, as in Transformer Engine's ring (what Megatron runs): a block's
+``cp`` parts cost ``cp - 1`` roundings more than a float32 sum, and in bf16 the float32
+accumulators took 2x the accumulators' bytes (a 16k CP4 rank on one H200: 976 ms a step against
+931 in bf16) and 2x what each backward step sends.
 
 Under torch.compile forward and backward are each one opaque custom op (no graph break: the
 layer around the ring compiles whole); elsewhere their Python bodies run as they are. On GPUs
@@ -69,7 +73,7 @@ def _part(x: torch.Tensor, which: Any) -> torch.Tensor:
 
 
 def _wide(cp: int) -> bool:
-    """Whether sums over the ring are kept in float32: more than two terms (see the docstring)."""
+    """Whether forward's merges are kept in float32: more than two terms (see the docstring)."""
     return cp > 2
 
 
@@ -90,8 +94,12 @@ def _forward_body(
     group = _resolve_process_group(group_name)
     # contiguous [2, b, g, s_local, d]: what travels. Stacked inside the op: where torch.compile
     # traced it the copy was 1% faster at CP2 (16k and 32k, 2 H200) but stayed saved for backward
-    # beside the projection output that q and v view, 1.5-3 GB more a GPU
-    kv = torch.stack((k, v))
+    # beside the projection output that q and v view, 1.5-3 GB more a GPU. Two copies, not
+    # torch.stack: from the projection's [b, s, h, d]-major views stack's kernel took 138 us
+    # where the copies take 96 (a 16k CP4 rank's micro-batch of 2, one H200)
+    kv = k.new_empty((2, *k.shape))
+    kv[0].copy_(k)
+    kv[1].copy_(v)
     ahead = lane(group, following, previous, "forward keys and values", kv)
     out = lse = None
     for step in range(cp):
@@ -126,15 +134,15 @@ def _accumulate(
     part: torch.Tensor,
     which: Any,
     zeros: Callable[[torch.dtype], torch.Tensor],
-    wide: bool,
 ) -> torch.Tensor:
     """``acc`` with ``part`` added to its positions ``which``. A first part of all positions is
-    the accumulator itself (no zeros written and added to); else a new one is ``zeros(dtype)``."""
-    dtype = torch.float32 if wide else part.dtype
+    the accumulator itself (no zeros written and added to); else a new one is
+    ``zeros(part.dtype)``: every rank's blocks come from the same kernel, so the accumulators
+    that travel have one dtype around the ring."""
     if acc is None and which == ALL:
-        return part.to(dtype)
+        return part
     if acc is None:
-        acc = zeros(dtype)
+        acc = zeros(part.dtype)
     _part(acc, which).add_(part)
     return acc
 
@@ -158,7 +166,6 @@ def _backward_body(
     """(dq ``[b, s_local, h, d]``, dk, dv ``[b, g, s_local, d]``), contiguous; ``kv``: the last
     block forward received (rank ``rank + 1``'s)."""
     group = _resolve_process_group(group_name)
-    wide = _wide(cp)
     lse = lse[..., None]  # halves of it sliced like the others' positions
     # the halves' contiguous copies of what the kernels read as contiguous, made once; the
     # queries go as they are (strided views: the kernels take any strides)
@@ -187,11 +194,11 @@ def _backward_body(
             dout_r, _part(q, rows), _part(keys, cols), _part(values, cols), out_r, lse_r[..., 0],
             mode, scale, blocks,
         )  # fmt: skip
-        dq = _accumulate(dq, dq_part, rows, dq_zeros, wide)
+        dq = _accumulate(dq, dq_part, rows, dq_zeros)
         if arriving is None:  # the first block: this rank starts its accumulator (contiguous,
             # as the transfers need)
-            acc_k = _accumulate(None, dk, cols, kv_zeros, wide).contiguous()
-            acc_v = _accumulate(None, dv, cols, kv_zeros, wide).contiguous()
+            acc_k = _accumulate(None, dk, cols, kv_zeros).contiguous()
+            acc_v = _accumulate(None, dv, cols, kv_zeros).contiguous()
         else:  # the others' shares of this block, sent during this step's compute
             acc_k, acc_v = arriving.wait()
             _part(acc_k, cols).add_(dk)
