@@ -328,7 +328,11 @@ def test_gpu_kernel_blocks_are_whole_attention(kernel: str, monkeypatch):
     reference = _reference(q, k, v, dout)
     for name, a, m, b in zip(("out", "dq", "dk", "dv"), got, math, reference, strict=True):
         error, math_error = (a.double() - b).abs().max(), (m.double() - b).abs().max()
-        assert error <= 4 * math_error + 2e-2, (name, float(error), float(math_error))
+        # the kernels' gradients are bf16 (GQA's folds rounded once) and the helper adds two
+        # blocks' in bf16: three roundings of half an ulp (2**-9 relative) of values taken as
+        # at most twice the largest
+        rounding = 3 * 2**-9 * 2 * b.abs().max()
+        assert error <= 4 * math_error + 2e-2 + rounding, (name, float(error), float(math_error))
 
 
 def test_ring_cuda_graphs_are_a_machine_check_that_a_plan_for_gpus_skips(monkeypatch):
