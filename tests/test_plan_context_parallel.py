@@ -51,11 +51,12 @@ def test_ring_attention_is_a_share_of_the_sequence_kernels(cp):
 def test_ring_transfers_are_its_blocks_and_accumulators(cp):
     # forward: cp - 1 blocks of keys and values (bf16) per layer, each behind a step's kernel;
     # backward starts on the last block forward received and ends on its own, so it sends
-    # cp - 2 blocks and cp - 1 gradient accumulators (bf16 at cp = 2, float32 beyond), every
-    # one behind the next step's kernel: none exposed
+    # cp - 2 blocks and cp - 1 gradient accumulators (bf16 at every cp, as Transformer
+    # Engine's ring: keys' and values' gradients, a block's bytes), every one behind the next
+    # step's kernel: none exposed
     _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
     block = 2 * (SEQ // cp) * H * 2  # keys and values, b = 1, heads x d = H, bf16
-    accumulator = block if cp == 2 else 2 * block
+    accumulator = block
     assert ring.forward.collectives["cp", "sendrecv", cp] == LAYERS * (cp - 1) * block
     assert ring.forward.collectives["cp", "sendrecv_exposed", cp] == 0
     hidden = ring.backward.collectives["cp", "sendrecv", cp]
@@ -94,7 +95,7 @@ def test_ring_merges_count_beside_the_compiled_layer(cp):
     # inductor runs the ring's custom op as it is: its merges (one pass each on a GPU: both outs
     # and log-sum-exps read, the accumulators written) are not in the layer's fused graph and
     # must be counted beside it. Rank 0 merges cp - 1 blocks per layer into the second half of
-    # its positions (every later rank's keys), float32 accumulators beyond two ranks.
+    # its positions (every later rank's keys), float32 outputs beyond two ranks.
     _, _, ring = _profile(SMALL + f" --context-parallel-size {cp}", cp)
     rows = (SEQ // cp) // 2  # b = 1
     out_bytes = 4 if cp > 2 else 2

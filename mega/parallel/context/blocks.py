@@ -12,8 +12,9 @@ kernel in a CP2 step's backward: 325 + 138 ms of flash against 260 ms of cuDNN f
 in DP2, 1.3B GPT at 16k) or, for head sizes cuDNN does not take, PyTorch's flash kernel; on the
 CPU its flash kernel (``_for_cpu``); both return the log-sum-exp and take the merged one in
 backward (the ops torch's own context parallelism uses). A float32 math path (scores
-materialised) takes what they do not. A kernel's out and gradients stay in the inputs' dtype;
-merges and accumulators are float32.
+materialised) takes what they do not. A kernel's out and gradients stay in the inputs' dtype
+(the ring's merges are float32 beyond two ranks, its gradient accumulators in that dtype:
+:mod:`.ring`).
 """
 
 from __future__ import annotations
