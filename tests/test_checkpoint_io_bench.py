@@ -59,7 +59,8 @@ def test_checkpoint_io_on_two_tensor_parallel_ranks(tmp_path: Path):
         "mega_save_s", "mega_load_s", "dcp_save_s", "dcp_load_s", "mega_save_gb_s",
         "mega_load_gb_s", "dcp_save_gb_s", "dcp_load_gb_s", "dd_write_gb_s",
         "mega_async_stall_s", "mega_async_total_s_second", "mega_create_arrays_s",
-        "checkpoint_gb", "dcp_checkpoint_gb",
+        "checkpoint_gb", "dcp_checkpoint_gb", "mega_save_s_second", "dcp_save_s_second",
+        "save_vs_dcp_second",
     ):  # fmt: skip
         assert r[key] > 0, key
     assert "conv=fsync" in r["dd_command"] and "bs=1M" in r["dd_command"]
