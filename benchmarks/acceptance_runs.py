@@ -72,7 +72,7 @@ LAYOUTS = {
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",
                         "cp4:--cp-comm-type=a2a"]],
-        "cp32k": [["tp1dp4", "cp4", "cp4@MEGA_CP_RING_GRAPHS=1"]],
+        "cp32k": [["tp1dp4", "cp4", "cp4-mb2", "cp4@MEGA_CP_RING_GRAPHS=1"]],
     },
 }  # fmt: skip
 # per GPU count: checkpoint_io.py runs, (name, extra flags, extra environment)
