@@ -1,6 +1,7 @@
-"""One rank of tests/test_context_parallel.py's bf16 ring check (run by torchrun, gloo, CPU):
-ring attention at CP=4 in bf16, GQA, against float64 attention of the whole sequence, next to the
-error of one process's bf16 attention of that sequence.
+"""One rank of tests/test_context_parallel.py's bf16 ring check (run by torchrun): ring attention
+at CP=4 in bf16, GQA, against float64 attention of the whole sequence, next to the error of one
+process's bf16 attention of that sequence. On CPU ranks over gloo (the CPU's flash blocks), or
+with ``cuda`` as its argument on GPUs over NCCL (cuDNN's blocks).
 
 Bound, per output: the one process's error, plus the ring's own roundings. Each of a position's
 ``cp`` block results is rounded once to bf16 by its kernel and each of the ``cp - 1`` adds of
@@ -12,6 +13,7 @@ by the order of the values themselves."""
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,17 +35,19 @@ def reference(q, k, v, dout):  # noqa: ANN001, ANN201
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
+def main(device: str) -> None:
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     gen = torch.Generator().manual_seed(7)
-    q = torch.randn(B, S, H, D, generator=gen).bfloat16()
-    k, v = (torch.randn(B, G, S, D, generator=gen).bfloat16() for _ in range(2))
-    dout = torch.randn(B, S, H, D, generator=gen).bfloat16()
+    q = torch.randn(B, S, H, D, generator=gen).bfloat16().to(device)
+    k, v = (torch.randn(B, G, S, D, generator=gen).bfloat16().to(device) for _ in range(2))
+    dout = torch.randn(B, S, H, D, generator=gen).bfloat16().to(device)
     exact = reference(*(x.double() for x in (q, k, v, dout)))
     one = reference(q, k, v, dout)  # one process's bf16 attention of the whole sequence
 
-    mine = torch.as_tensor(rank_positions(S, rank, cp))
+    mine = torch.as_tensor(rank_positions(S, rank, cp), device=device)
     local = [x[:, mine].clone() for x in (q, dout)] + [x[:, :, mine].clone() for x in (k, v)]
     q_l, dout_l, k_l, v_l = local
     for x in (q_l, k_l, v_l):
@@ -69,4 +73,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "cpu")

@@ -347,13 +347,27 @@ def test_ring_cuda_graphs_are_a_machine_check_that_a_plan_for_gpus_skips(monkeyp
         resolve_config(args, make_plugins(), this_machine=False)
 
 
-def test_the_bf16_ring_at_four_ranks_is_whole_attention():
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"),
+            ],
+        ),
+    ],
+)
+def test_the_bf16_ring_at_four_ranks_is_whole_attention(device: str):
     """Ring attention in bf16 at CP=4 (gradient accumulators in bf16, GQA folded to bf16) on four
-    gloo ranks, against float64 attention of the whole sequence: within one process's bf16 error
-    plus the ring's own roundings (tests/ring_precision_worker.py derives the bound)."""
+    gloo ranks (the CPU's flash blocks) or four GPUs (cuDNN's), against float64 attention of the
+    whole sequence: within one process's bf16 error plus the ring's own roundings
+    (tests/ring_precision_worker.py derives the bound)."""
     worker = Path(__file__).with_name("ring_precision_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "4", str(worker)]
+    command += ["--nproc-per-node", "4", str(worker), device]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("the bf16 ring is whole attention") == 4, result.stdout[-2000:]
