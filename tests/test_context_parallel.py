@@ -209,8 +209,8 @@ def test_blocks_merged_by_log_sum_exp_are_whole_attention(path: str):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_merge_in_place_into_halves_is_the_merge(dtype: torch.dtype):
-    """merge_into (the ring's forward accumulators: float32 beyond two ranks, the model's dtype at two)
-    merged in place into one half of the positions gives merge's result there, rounded once to
+    """merge_into (the ring's forward accumulators: float32 beyond two ranks, the model's dtype
+    at two) merged in place into one half of the positions gives merge's result there, rounded once to
     the accumulator's dtype, and leaves the other half alone."""
     from mega.parallel.context.blocks import merge, merge_into
 

@@ -49,6 +49,17 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, groups, heads // groups, s, d).sum(2, dtype=torch.float32).to(grad.dtype)
 
 
+def keys_and_values(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``k`` and ``v`` ``[b, g, s, d]`` as one contiguous ``[2, b, g, s, d]``, what the ring sends
+    and the all-gather gathers. Two copies, not ``torch.stack``: from the projection's
+    ``[b, s, h, d]``-major views stack's kernel took 138 us where the copies take 96 (a 16k CP4
+    rank's micro-batch of 2, one H200)."""
+    kv = k.new_empty((2, *k.shape))
+    kv[0].copy_(k)
+    kv[1].copy_(v)
+    return kv
+
+
 def _scores(q: torch.Tensor, k: torch.Tensor, mode: str, scale: float) -> torch.Tensor:
     scores = torch.matmul(q.float(), _expand(k, q.shape[1]).float().transpose(-1, -2)) * scale
     if mode == CAUSAL:

@@ -20,7 +20,14 @@ import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.parallel import comm
-from mega.parallel.context.blocks import CAUSAL, FULL, block_backward, block_forward, merge
+from mega.parallel.context.blocks import (
+    CAUSAL,
+    FULL,
+    block_backward,
+    block_forward,
+    keys_and_values,
+    merge,
+)
 from mega.parallel.context.layout import rank_chunks
 from mega.parallel.weight_grad import OpaqueWhenTraced
 
@@ -67,7 +74,7 @@ def _forward_body(
     blocks: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out ``[b, h, s_local, d]`` in ``q``'s dtype, lse, the local ``kv [2, b, g, s_local, d]``)."""
-    kv = torch.stack((k, v))  # [2, b, g, s_local, d]
+    kv = keys_and_values(k, v)  # [2, b, g, s_local, d]
     gathered, work = _start_gather(kv, _resolve_process_group(group_name), cp)
     half = q.shape[2] // 2
     parts = [q[:, :, index * half : (index + 1) * half] for index in range(2)]

@@ -47,6 +47,7 @@ from mega.parallel.context.blocks import (
     FULL,
     block_backward,
     block_forward,
+    keys_and_values,
     merge_into,
 )
 from mega.parallel.context.graphed import graphed_pass
@@ -94,12 +95,8 @@ def _forward_body(
     group = _resolve_process_group(group_name)
     # contiguous [2, b, g, s_local, d]: what travels. Stacked inside the op: where torch.compile
     # traced it the copy was 1% faster at CP2 (16k and 32k, 2 H200) but stayed saved for backward
-    # beside the projection output that q and v view, 1.5-3 GB more a GPU. Two copies, not
-    # torch.stack: from the projection's [b, s, h, d]-major views stack's kernel took 138 us
-    # where the copies take 96 (a 16k CP4 rank's micro-batch of 2, one H200)
-    kv = k.new_empty((2, *k.shape))
-    kv[0].copy_(k)
-    kv[1].copy_(v)
+    # beside the projection output that q and v view, 1.5-3 GB more a GPU
+    kv = keys_and_values(k, v)
     ahead = lane(group, following, previous, "forward keys and values", kv)
     out = lse = None
     for step in range(cp):
