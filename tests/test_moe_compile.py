@@ -5,6 +5,9 @@ auxiliary losses' backward scale is read at run time, not frozen into the compil
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,8 +176,24 @@ def _dispatch_explained(pad: bool):  # noqa: ANN202
 
 def test_the_alltoall_dispatch_padded_to_capacity_traces_without_graph_breaks():
     # drop-and-pad has fixed splits: one graph; the counted all-to-all's splits are host
-    # integers, so it runs eager (nothing of it traced)
+    # integers, so its two trips run eager and the rest is traced: the sort, the experts
+    # between the trips and the mixing after them (three graphs, two breaks)
     torch._dynamo.reset()
     padded = _dispatch_explained(pad=True)
     assert (padded.graph_count, padded.graph_break_count) == (1, 0)
-    assert _dispatch_explained(pad=False).graph_count == 0
+    counted = _dispatch_explained(pad=False)
+    assert (counted.graph_count, counted.graph_break_count) == (3, 2)
+    assert all("disable" in str(b.reason) for b in counted.break_reasons)
+
+
+def test_the_compiled_alltoall_dispatch_compiles_once_and_matches_eager_on_two_ranks():
+    """The counted all-to-all traced around its two eager trips, on two gloo ranks, four
+    routings: the same outputs and gradients as eager and as every expert on one process, and no
+    new graph for new row counts (tests/moe_dispatch_compile_worker.py; the experts' rows unmarked
+    as unbacked, the third call compiled anew: frames 4, 4, 5, 5)."""
+    worker = Path(__file__).with_name("moe_dispatch_compile_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(worker)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("compiled alltoall matches eager") == 2, result.stdout[-2000:]

@@ -21,6 +21,7 @@ padded to capacity, every routing has the same shapes and nothing needs assuming
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,20 @@ from mega.parallel.expert.local import (
     to_experts,
     to_slots,
 )
+from mega.parallel.weight_grad import traced
+
+
+@dataclass
+class _Trip:
+    """What the all-to-all's way back needs from its way out: the rows sent to and received
+    from each rank, the permutation that grouped the received rows by expert and its inverse,
+    and the slots the capacity dropped (sorted first, never sent)."""
+
+    send: list[int]
+    recv: list[int]
+    by_expert: torch.Tensor
+    back: torch.Tensor
+    dropped: int
 
 
 class AllGatherDispatcher:
@@ -57,18 +72,22 @@ class AllGatherDispatcher:
 
 
 class AllToAllDispatcher:
-    """Counted, it runs eager inside a compiled MoE layer (``torch.compiler.disable``): the
-    all-to-all's splits are host integers that depend on the routing, so traced it broke the
-    layer's graph and recompiled whenever the counts changed (guards on their values; seen on
-    CPU ranks with TORCH_LOGS=recompiles) until dynamo's recompile limit left those frames eager
-    anyway. The router before it and the shared expert after it still compile.
-
-    One host sync per layer and micro-batch (none when padded to capacity: ``_padded``): the
+    """One host sync per layer and micro-batch (none when padded to capacity: ``_padded``): the
     slots are sorted by expert (dropped ones, -1, first), each expert's count is found by a
     search in the sorted ids, and the counts this rank sends, the counts it receives and the
     dropped slots come to the host together, once. Tokens reach their slots and the returned
     rows their tokens by gathers both ways (no atomic scatter-add, no ``nonzero``/``bincount``,
-    which wait for the GPU)."""
+    which wait for the GPU).
+
+    Compiled (``--compile``), only the two trips run eager (``_outbound``, ``_inbound``, behind
+    ``torch.compiler.disable``): the all-to-all's splits are host integers that depend on the
+    routing, and traced they broke the layer's graph and recompiled whenever the counts changed
+    (guards on their values; seen on CPU ranks with TORCH_LOGS=recompiles). The sort before the
+    outbound trip, the experts between the trips (their rows' count marked *unbacked*: one graph
+    for every count) and the mixing after the inbound trip are traced. Before, the whole
+    dispatch ran eager, the experts' activation and the float32 mixing included: a fake-world
+    EP2 rank of the MoE of issue 46 spent 235 ms a step against a DP2 rank's 179 (one H200,
+    2026-11-29)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -78,19 +97,42 @@ class AllToAllDispatcher:
             return self._padded(tokens, routing, experts)
         return self._counted(tokens, routing, experts)
 
-    @torch.compiler.disable
     def _counted(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         n, local = group_size(self.group), experts.count
-        total = n * local
         t, k = routing.indices.shape
-        flat = routing.indices.reshape(-1)
-        order, inverse, bounds = group_by_expert(flat, total)  # by expert: by destination too
+        order, inverse, bounds = group_by_expert(routing.indices.reshape(-1), n * local)
         per_expert = torch.cat([bounds[:1], bounds.diff()])  # [1 + E]: dropped, then sent
         # every rank's counts for this rank's experts: [source, local expert]
         counts = exchange_rows(per_expert[1:].view(n, local), [1] * n, [1] * n, self.group)
-        if flat.is_meta:  # the planner: balanced routing (mega.parallel.expert.local)
-            rows = balanced_rows(flat.numel(), total, routing.capacity)
-            dropped, sent = flat.numel() - sum(rows), rows
+        outgoing = to_experts(tokens, order, inverse, k)  # by expert: by destination too
+        arrived, rows, trip = self._outbound(
+            outgoing, per_expert, counts, experts, routing.capacity, traced()
+        )
+        outputs = run_experts(arrived, rows, experts, routing.pad_to(n))
+        returned = self._inbound(outputs, trip)  # [T * k, h] in sorted slot order
+        return mix_slots(
+            to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
+        )
+
+    @torch.compiler.disable
+    def _outbound(
+        self,
+        outgoing: torch.Tensor,
+        per_expert: torch.Tensor,
+        counts: torch.Tensor,
+        experts: Any,
+        capacity: int | None,
+        unbacked: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, _Trip]:
+        """The sorted slots' rows to their experts' ranks: ``(rows grouped by local expert,
+        rows per local expert, what the way back needs)``. ``capacity``: the most rows an
+        expert keeps (the planner's balanced routing); ``unbacked``: a traced graph takes the
+        rows (their count marked unbacked, :mod:`mega.parallel.expert.traced`)."""
+        n, local = group_size(self.group), experts.count
+        total = n * local
+        if per_expert.is_meta:  # the planner: balanced routing (mega.parallel.expert.local)
+            rows = balanced_rows(outgoing.shape[0], total, capacity)
+            dropped, sent = outgoing.shape[0] - sum(rows), rows
             recv_counts = [rows[experts.first : experts.first + local]] * n
         else:
             host = torch.cat([per_expert, counts.reshape(-1)]).tolist()  # the one sync
@@ -100,22 +142,29 @@ class AllToAllDispatcher:
             ]
         send = [sum(sent[r * local : (r + 1) * local]) for r in range(n)]
         recv = [sum(row) for row in recv_counts]
-        outgoing = to_experts(tokens, order, inverse, k)[dropped:]
-        arrived = exchange_rows(outgoing, send, recv, self.group)
-        # arrived rows are grouped by source, then expert: regroup them by expert
-        expert_of = torch.arange(local, device=tokens.device).repeat(n)
+        arrived = exchange_rows(outgoing[dropped:], send, recv, self.group)
+        # arrived rows are grouped by source, then expert: regroup them by expert, by gathers
+        # both ways (a permutation; index_select's backward would scatter-add with atomics)
+        expert_of = torch.arange(local, device=outgoing.device).repeat(n)
         row_expert = torch.repeat_interleave(expert_of, counts.reshape(-1), output_size=sum(recv))
         by_expert = torch.argsort(row_expert, stable=True)
-        outputs = run_experts(
-            arrived.index_select(0, by_expert), counts.sum(0), experts, routing.pad_to(n)
-        )
         back = inverse_permutation(by_expert)
-        returned = exchange_rows(outputs.index_select(0, back), recv, send, self.group)
-        if dropped:  # a dropped slot adds nothing to its token
-            returned = torch.cat([returned.new_zeros(dropped, returned.shape[1]), returned])
-        return mix_slots(
-            to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
-        )
+        grouped = to_slots(arrived, back, by_expert)
+        if unbacked:
+            from mega.parallel.expert.traced import unbacked_rows
+
+            unbacked_rows(grouped)
+        return grouped, counts.sum(0), _Trip(send, recv, by_expert, back, dropped)
+
+    @torch.compiler.disable
+    def _inbound(self, outputs: torch.Tensor, trip: _Trip) -> torch.Tensor:
+        """The experts' outputs back to the ranks their tokens came from, in the outbound
+        rows' order, a zero row first for each dropped slot (it adds nothing to its token)."""
+        by_source = to_slots(outputs, trip.by_expert, trip.back)
+        returned = exchange_rows(by_source, trip.recv, trip.send, self.group)
+        if trip.dropped:
+            returned = torch.cat([returned.new_zeros(trip.dropped, returned.shape[1]), returned])
+        return returned
 
     def _padded(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         """``--moe-pad-expert-input-to-capacity`` (Megatron's drop-and-pad): each expert gets

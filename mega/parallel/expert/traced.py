@@ -27,6 +27,13 @@ def split_rows(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...
     return pieces
 
 
+def unbacked_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x``, its row count marked unbacked for the graph that takes it (called eagerly, as
+    the rest of this module): the expert all-to-all's arrived rows."""
+    mark_unbacked(x, 0)
+    return x
+
+
 @torch.compiler.disable
 def held_slots(
     flat: torch.Tensor, k: int, first: int, count: int

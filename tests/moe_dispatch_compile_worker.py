@@ -1,0 +1,83 @@
+"""One rank of tests/test_moe_compile.py's compiled all-to-all check (run by torchrun on gloo):
+the counted ``alltoall`` dispatcher compiled around its two eager trips, against the same
+dispatcher eager and against every expert on one process, over four routings that differ (other
+rows per expert and rank, a dropped slot in one). Dynamo must compile the dispatch once: the
+experts between the trips take a row count marked unbacked, so a new count is no new graph."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from mega.parallel.expert.dispatchers import AllToAllDispatcher
+from mega.parallel.expert.local import local_mixture
+from mega.plugins.models.common.moe import GroupedExperts, Routing
+
+TOKENS, HIDDEN, FFN, EXPERTS, K = 24, 8, 16, 4, 2
+
+
+def experts_module(first: int, count: int) -> GroupedExperts:
+    """Experts ``first .. first + count - 1`` of one seeded set of ``EXPERTS`` (the CPU's loop)."""
+    cfg = SimpleNamespace(
+        resolved_moe_ffn_hidden_size=lambda: FFN, swiglu=True, openai_gelu=False,
+        num_experts=EXPERTS, hidden_size=HIDDEN, moe_grouped_gemm=False,
+    )  # fmt: skip
+    module = GroupedExperts(cfg)
+    gen = torch.Generator().manual_seed(0)
+    for linear in (module.linear_fc1, module.linear_fc2):
+        full = torch.randn(linear.weight.shape, generator=gen) * 0.3
+        linear.weight.data = full[first : first + count].clone()
+    module.first = first
+    return module
+
+
+def routing(call: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * call + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=gen)
+    probs, indices = torch.topk(torch.softmax(torch.randn(TOKENS, EXPERTS, generator=gen), -1), K)
+    if call == 2:  # a slot the capacity dropped: -1, weight 0
+        indices[3, 1], probs[3, 1] = -1, 0.0
+    return x, probs, indices
+
+
+def run(fn, x, probs, indices):  # noqa: ANN001, ANN201
+    x, probs = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    out = fn(x, probs, indices)
+    out.backward(torch.linspace(-1, 1, out.numel()).view_as(out))
+    return [out.detach(), x.grad, probs.grad]
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    local = EXPERTS // ranks
+    mine, everyone = experts_module(rank * local, local), experts_module(0, EXPERTS)
+    dispatcher = AllToAllDispatcher(dist.group.WORLD)
+
+    def dispatch(x, probs, indices):  # noqa: ANN001, ANN202
+        return dispatcher(x, Routing(probs, indices, TOKENS, False), mine)
+
+    def one_process(x, probs, indices):  # noqa: ANN001, ANN202
+        return local_mixture(x, probs, indices, everyone, 0, EXPERTS)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(dispatch, backend=counter)
+    frames = []
+    for call in range(4):
+        inputs = routing(call, rank)
+        eager, traced, whole = (run(f, *inputs) for f in (dispatch, compiled, one_process))
+        for got, want in zip(traced, eager, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for got, want in zip(eager, whole, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames == frames[:1] * 4, frames  # compiled once, whatever the routing
+    print(f"rank {rank}: compiled alltoall matches eager and one process, frames {frames}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
