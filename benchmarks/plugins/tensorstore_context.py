@@ -2,12 +2,11 @@
 of this process, to measure context options before one becomes mega's default: load it with
 ``MEGA_PLUGINS_DIR=benchmarks/plugins`` and, e.g.,
 
-    MEGA_TS_CONTEXT='{"file_io_concurrency": {"limit": 4}}'
+    MEGA_TS_CONTEXT='{"file_io_concurrency": {"limit": 4}, "file_io_sync": false}'
 
 (tensorstore's context resources: ``file_io_concurrency`` bounds the file operations in flight,
-by default as many as the host has cores in every rank). The zarr backend writes with
-``file_io_sync`` off in each array's own spec, which an option given here does not override:
-its saves end with one flush of the file system instead. Rank 0 prints what it set.
+by default as many as the host has cores in every rank; ``file_io_sync`` is the fsync of each
+chunk written). Rank 0 prints what it set.
 """
 
 from __future__ import annotations

@@ -3,16 +3,14 @@
 Layout (Megatron's names): ``<save>/iter_0000100/`` holds the backend's files plus
 ``complete.json``, and ``<save>/latest_checkpointed_iteration.txt`` names the newest one.
 
-A save writes into ``<save>/.iter_0000100.tmp``, makes every file durable (the zarr backend:
-one :func:`flush_filesystem` after its writes; the others an fsync per file), writes the marker
-(with each file's sha256) last, renames the directory into place, and only then updates the tracker. A crash
+A save writes into ``<save>/.iter_0000100.tmp``, fsyncs every file, writes the marker (with each
+file's sha256) last, renames the directory into place, and only then updates the tracker. A crash
 at any point leaves either the previous checkpoint or a hidden temp directory, never a directory
 that looks complete. Loading verifies the checksums, so a truncated or altered file is an error.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -51,24 +49,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def flush_filesystem(path: Path) -> None:
-    """Make everything written to the file system holding ``path`` durable, in one call: Linux's
-    ``syncfs(2)``, else ``os.sync()``. A backend that writes many files calls it once after its
-    writes instead of an fsync per file: each fsync commits the file system's journal, and a
-    save of the 1.3B GPT writes ~1,200 arrays, about four fsyncs each (chunk, metadata and their
-    directories, counted with strace)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        syncfs = getattr(ctypes.CDLL(None, use_errno=True), "syncfs", None)
-        if syncfs is None:  # not Linux
-            os.sync()
-        elif syncfs(fd) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"syncfs {path}: {os.strerror(code)}")
-    finally:
-        os.close(fd)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -13,10 +13,6 @@ so two ranks' pieces can fall in one chunk: the save gathers such a chunk at one
 writes it whole (``mega/core/checkpoint/shared_chunks.py``; read-modify-write of a shared chunk
 by two ranks halved the save's speed at DP2).
 
-Durability: tensorstore's fsync of every file it writes (about four per array: chunk, metadata
-and their directories) is off; a save's writes end with one ``syncfs`` of the file system
-(:func:`mega.core.checkpoint.store.flush_filesystem`), before the marker is written.
-
 tensorstore aborts a process that uses it after a ``fork()`` from a parent that had used it:
 :func:`note_fork_unsafe` tells mega's launcher and test ranks to spawn instead.
 """
@@ -27,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from mega import CheckpointBackendSpec, hookimpl
-from mega.core.checkpoint.store import flush_filesystem
 from mega.errors import first_line
 from mega.parallel.fork_safety import note_fork_unsafe
 from mega.parallel.sharded import dtype_name
@@ -71,11 +66,6 @@ def _spec(path: Path, **extra: Any) -> dict[str, Any]:
         "fill_missing_data_reads": False,  # a lost chunk is an error, never zeros
         **extra,
     }
-
-
-# the files a save writes are made durable together, once, when its writes are done
-# (mega.core.checkpoint.store.flush_filesystem), not by tensorstore's fsync of each file
-UNSYNCED = {"file_io_sync": False}
 
 
 GROUP = '{"zarr_format": 3, "node_type": "group", "attributes": {}}\n'
@@ -125,28 +115,19 @@ def create(directory: Path, tensors: list[Any]) -> None:
             ],
             "fill_value": 0,
         }
-        spec = _spec(directory / t.key, metadata=metadata, context=UNSYNCED)
-        futures.append(ts.open(spec, create=True))
+        futures.append(ts.open(_spec(directory / t.key, metadata=metadata), create=True))
     for future in futures:
         future.result()
 
 
 def write(directory: Path, tensors: list[Any]) -> Any:
     """Start writing every piece of ``tensors`` into their arrays; returns a function that waits
-    for the writes, raises the first failure, and makes everything written in ``directory``
-    durable (the arrays :func:`create` made included) with one flush of its file system. The
-    pieces' values do not change until then, so tensorstore writes from them without copying
-    them first."""
+    for the writes and raises the first failure. The pieces' values do not change until then,
+    so tensorstore writes from them without copying them first."""
     ts = _ts()
     pending = []
     opened = [
-        (
-            t,
-            ts.open(
-                _spec(directory / t.key, store_data_equal_to_fill_value=True, context=UNSYNCED),
-                open=True,
-            ),
-        )
+        (t, ts.open(_spec(directory / t.key, store_data_equal_to_fill_value=True), open=True))
         for t in tensors
     ]
     for t, future in opened:
@@ -163,7 +144,6 @@ def write(directory: Path, tensors: list[Any]) -> Any:
                 future.result()
             except Exception as exc:  # tensorstore's errors are ValueError/OSError-like
                 raise OSError(f"{key}: {first_line(exc)}") from None
-        flush_filesystem(directory)
 
     return wait
 
