@@ -356,3 +356,28 @@ def test_every_acceptance_part_names_layouts_of_its_gpu_count():
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0 and "parallel_layouts.py --name acc_ep_2gpu_0" in proc.stdout
+
+
+def test_the_rank_profile_plugin_stops_a_profiler_the_run_ended_inside(capsys):
+    """A run shorter than MEGA_RANK_PROFILE_AT + 2 iterations left the profiler running to the
+    process's exit, which aborted an EP4 rank ("double free or corruption"): the plugin's
+    shutdown hook stops it and says that nothing was written."""
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "plugins" / "rank_profile.py"
+    spec = importlib.util.spec_from_file_location("rank_profile_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Profiler:
+        stopped = 0
+
+        def stop(self) -> None:
+            self.stopped += 1
+
+    running = Profiler()
+    module._profile.profiler = running
+    module.shutdown(engine=None, exc=None)
+    module.shutdown(engine=None, exc=None)  # nothing left to stop: silent
+    assert running.stopped == 1 and module._profile.profiler is None
+    assert capsys.readouterr().err.count("nothing written") == 1

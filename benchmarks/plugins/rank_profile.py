@@ -65,6 +65,21 @@ class _RankProfile:
                 self.profiler.export_chrome_trace(str(Path(out, "trace_rank0.json")))
             self.profiler = None
 
+    def shutdown(self) -> None:
+        """A run that ends inside the profiled steps (``--train-iters`` below
+        ``MEGA_RANK_PROFILE_AT + 2``) stops its profiler here, saying so: left running to the
+        process's exit, it aborted an EP4 rank with "double free or corruption" (2026-11-29)."""
+        if self.profiler is None:
+            return
+        self.profiler.stop()
+        self.profiler = None
+        print(
+            f"rank_profile: the run ended before iteration {self.at + STEPS}, the end of the"
+            f" profiled steps (MEGA_RANK_PROFILE_AT={self.at}); nothing written",
+            file=sys.stderr,
+            flush=True,
+        )
+
 
 _profile = _RankProfile()
 
@@ -72,3 +87,8 @@ _profile = _RankProfile()
 @hookimpl
 def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
     _profile.step_end(engine, iteration, metrics)
+
+
+@hookimpl
+def shutdown(engine: Any, exc: BaseException | None) -> None:
+    _profile.shutdown()
