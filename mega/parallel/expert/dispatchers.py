@@ -34,6 +34,7 @@ from mega.parallel.expert.local import (
     inverse_permutation,
     local_mixture,
     mix_slots,
+    permute_rows,
     run_experts,
     to_experts,
     to_slots,
@@ -149,7 +150,7 @@ class AllToAllDispatcher:
         row_expert = torch.repeat_interleave(expert_of, counts.reshape(-1), output_size=sum(recv))
         by_expert = torch.argsort(row_expert, stable=True)
         back = inverse_permutation(by_expert)
-        grouped = to_slots(arrived, back, by_expert)
+        grouped = permute_rows(arrived, by_expert, back)
         if unbacked:
             from mega.parallel.expert.traced import unbacked_rows
 
@@ -160,7 +161,7 @@ class AllToAllDispatcher:
     def _inbound(self, outputs: torch.Tensor, trip: _Trip) -> torch.Tensor:
         """The experts' outputs back to the ranks their tokens came from, in the outbound
         rows' order, a zero row first for each dropped slot (it adds nothing to its token)."""
-        by_source = to_slots(outputs, trip.by_expert, trip.back)
+        by_source = permute_rows(outputs, trip.back, trip.by_expert)
         returned = exchange_rows(by_source, trip.recv, trip.send, self.group)
         if trip.dropped:
             returned = torch.cat([returned.new_zeros(trip.dropped, returned.shape[1]), returned])

@@ -166,19 +166,25 @@ class _ToExperts(torch.autograd.Function):
         return per_slot.float().sum(1).to(grad.dtype), None, None, None
 
 
-class _ToSlots(torch.autograd.Function):
-    """``slots[s] = rows[inverse[s]]``: expert-ordered rows back in slot order; a permutation,
-    so backward is the opposite gather."""
+class _Permute(torch.autograd.Function):
+    """``out[i] = rows[perm[i]]`` for a permutation ``perm``: backward is the opposite gather
+    (``inverse``), where index_select's would scatter-add with atomics."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
-        ctx.save_for_backward(order)
-        return rows.index_select(0, inverse)
+    def forward(ctx, rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor):
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, perm)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order), None, None
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``rows[perm]`` for a permutation ``perm`` (``inverse`` its inverse), gathers both ways
+    (:class:`_Permute`)."""
+    return _Permute.apply(rows, perm, inverse)
 
 
 def to_experts(
@@ -190,8 +196,8 @@ def to_experts(
 
 
 def to_slots(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Rows in ``order`` back in slot order (:class:`_ToSlots`)."""
-    return _ToSlots.apply(rows, order, inverse)
+    """Rows in ``order`` back in slot order: ``rows[inverse]``, gathers both ways."""
+    return permute_rows(rows, inverse, order)
 
 
 def group_by_expert(
