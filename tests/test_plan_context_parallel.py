@@ -8,7 +8,9 @@ The check against the measured CP2 run is in test_plan_recorded.py.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -66,15 +68,30 @@ def test_ring_transfers_are_its_blocks_and_accumulators(cp):
 @pytest.mark.parametrize("sent", [1e8, 1e10])
 def test_ring_transfers_overlap_the_attention(sent):
     # a ring step takes the longer of its kernel and its transfer: the transfers show only
-    # where they are longer than the attention (1e13 FLOPs: 31 ms; 0.1 GB: 0.3 ms, 10 GB: 28 ms)
-    rates = dataclasses.replace(BUILT_IN["h200"], allreduce_bus_bytes=360e9)
+    # where they are longer than the attention (1e13 FLOPs: 31 ms; one send of 0.1 GB: 0.7 ms,
+    # of 10 GB: 59 ms at the point-to-point rate, plus the collective latency)
+    rates = dataclasses.replace(BUILT_IN["h200"], p2p_bytes=168.4e9)
     work = Work(attention_flops=1e13)
     attention = work_seconds(work, rates, rates.attention_backward_flops)
-    work.collectives["cp", "sendrecv", 2] += sent
+    work.collective(("cp", "sendrecv", 2), sent)
     transfers = ring_seconds(work, rates)
-    assert transfers == pytest.approx(sent / 360e9)
+    assert transfers == pytest.approx(sent / 168.4e9 + rates.collective_latency_seconds)
     seconds = work_seconds(work, rates, rates.attention_backward_flops)
     assert seconds == pytest.approx(max(attention, transfers))
+
+
+def test_the_h200_point_to_point_rate_gives_the_measured_ring_transfers():
+    # the 4-H200 ring measurement the rate comes from: each size's NCCL send/recv planned as
+    # one ring transfer within 3% (the all-reduce bus rate planned them at a third)
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    measured = json.loads((results / "collectives_ring_4gpu_h200_2026-11-28.json").read_text())
+    rows = [r for r in measured["results"] if r["collective"] == "ring_nccl_sendrecv"]
+    assert [r["mib"] for r in rows] == [32, 64]
+    rates = BUILT_IN["h200"]
+    for row in rows:
+        work = Work()
+        work.collective(("cp", "sendrecv", 4), row["mib"] * 2**20)
+        assert ring_seconds(work, rates) * 1e3 == pytest.approx(row["ms"], rel=0.03)
 
 
 def test_context_parallel_plans_compiled_layers_by_default():

@@ -49,6 +49,15 @@ class Rates:
     # (positions, forward factor, backward factor), longest last; empty: not measured (a
     # calibration saved before it was counted), every length planned at the 2,048 rates
     attention_length_factors: tuple[tuple[int, float, float], ...] = ()
+    # one NCCL point-to-point send/recv's bytes per second (beside the collective latency): the
+    # context-parallel ring's transfers; 0: not measured, the all-reduce bus rate stands in
+    p2p_bytes: float = 0.0
+
+    @property
+    def p2p_rate(self) -> float:
+        """Bytes per second of a point-to-point transfer (:attr:`p2p_bytes`, or the all-reduce
+        bus rate where it was not measured)."""
+        return self.p2p_bytes or self.allreduce_bus_bytes
 
     def attention_rates(self, positions: int) -> tuple[float, float]:
         """(forward, backward) attention FLOPs per second for sequences of ``positions``: the
@@ -116,12 +125,14 @@ def _measured(
     host: float,
     fp8: tuple[str, float],
     long: tuple[str, tuple[tuple[int, float, float], ...]] = ("", ()),
+    p2p: tuple[str, float] = ("", 0.0),
 ) -> Rates:
     """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
     mega first planned FP8 runs. That file's other rates are not taken: the recorded checks were
     made with the first (they differ by up to 13% on the H200: run to run, or machine to
     machine). ``long``: the file of the attention's length factors and the factors, measured
-    later still (a ratio of two rates of one run, so taken against the first file's rates)."""
+    later still (a ratio of two rates of one run, so taken against the first file's rates).
+    ``p2p``: the file of the point-to-point rate and the rate, measured on several GPUs."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -132,10 +143,12 @@ def _measured(
         allreduce_bus_bytes=_NVLINK4_ALLREDUCE,
         source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11)"
         + (f", {long[0]} (attention by sequence length)" if long[0] else "")
-        + "; all-reduce assumed (NVLink 4), collective latency measured on H100 pairs",
+        + "; all-reduce assumed (NVLink 4), collective latency measured on H100 pairs"
+        + (f", point-to-point measured on 4 GPUs ({p2p[0]})" if p2p[0] else ""),
         fp8_matmul_flops=fp8[1],
         collective_latency_seconds=_NVLINK4_COLLECTIVE_LATENCY,
         attention_length_factors=long[1],
+        p2p_bytes=p2p[1],
     )
 
 
@@ -157,6 +170,11 @@ BUILT_IN: dict[str, Rates] = {
             ((4096, 1.2539, 1.2573), (8192, 1.5136, 1.4458),
              (16384, 1.7246, 1.4917), (32768, 1.6589, 1.5461)),
         ),
+        # each of 4 H200 sending to the next (the ring's pattern, NCCL send/recv, nothing else
+        # running): 32 MiB in 0.2901 ms, 64 MiB in 0.4894 ms; the 32 MiB more took 0.1993 ms,
+        # 168.4 GB/s, and with the collective latency (84 us) the model gives both sizes within
+        # 3% (0.283 and 0.482 ms). The all-reduce bus rate planned them at 0.093 and 0.186 ms.
+        ("collectives_ring_4gpu_h200_2026-11-28.json", 168.4e9),
     ),
 }  # fmt: skip
 
@@ -314,8 +332,9 @@ def _host_op_seconds() -> float:
 
 
 def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
-    """This machine's GPU's rates (a few seconds). The all-reduce rate, which one GPU cannot
-    measure, is ``allreduce_bus_bytes`` or the built-in table's for the same GPU."""
+    """This machine's GPU's rates (a few seconds). The all-reduce and point-to-point rates,
+    which one GPU cannot measure, are ``allreduce_bus_bytes`` or the built-in table's for the
+    same GPU."""
     if not torch.cuda.is_available():
         raise RuntimeError("calibration measures a GPU, and this machine has none")
     name = torch.cuda.get_device_name()
@@ -337,6 +356,7 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         # like the all-reduce rate, a collective's latency needs two GPUs: the built-in one's
         collective_latency_seconds=known.collective_latency_seconds if known else 0.0,
         attention_length_factors=length_factors,
+        p2p_bytes=known.p2p_bytes if known else 0.0,  # as the latency: the built-in one's
     )
 
 

@@ -51,6 +51,7 @@ _BUS_FACTOR = {
 # accumulator, on its way to its owner after the last step) is ``sendrecv_exposed``, counted in
 # full with the other collectives.
 _RING = ("cp", "sendrecv")
+_POINT_TO_POINT = ("sendrecv", "sendrecv_exposed")
 
 
 @dataclass
@@ -84,13 +85,16 @@ class Plan:
 
 
 def collective_seconds(work: Work, rates: Rates, dims: set[str]) -> float:
-    """Time of ``work``'s collectives over the topology dimensions ``dims``."""
+    """Time of ``work``'s collectives over the topology dimensions ``dims``: each one's bus
+    bytes at the all-reduce bus rate (a point-to-point send's bytes at the point-to-point rate),
+    plus the collective latency per launch."""
     if not rates.allreduce_bus_bytes:
         return 0.0
     total = 0.0
     for (dim, kind, size), payload in work.collectives.items():
         if dim in dims and size > 1 and (dim, kind) != _RING:
-            total += payload * _BUS_FACTOR[kind](size) / rates.allreduce_bus_bytes
+            rate = rates.p2p_rate if kind in _POINT_TO_POINT else rates.allreduce_bus_bytes
+            total += payload * _BUS_FACTOR[kind](size) / rate
             total += work.launches[dim, kind, size] * rates.collective_latency_seconds
     return total
 
@@ -100,11 +104,14 @@ _STEP_DIMS = {"dp", "edp", "dpcp", "edpcp", "embd"}  # once per global batch
 
 
 def ring_seconds(work: Work, rates: Rates) -> float:
-    """Time of ``work``'s ring-attention transfers alone (see ``_RING``)."""
+    """Time of ``work``'s ring-attention transfers alone (see ``_RING``): their bytes at the
+    point-to-point rate, plus the collective latency per transfer."""
     if not rates.allreduce_bus_bytes:
         return 0.0
-    sent = sum(v for (dim, kind, _), v in work.collectives.items() if (dim, kind) == _RING)
-    return sent / rates.allreduce_bus_bytes
+    ring = [key for key in work.collectives if key[:2] == _RING]
+    sent = sum(work.collectives[key] for key in ring)
+    launches = sum(work.launches[key] for key in ring)
+    return sent / rates.p2p_rate + launches * rates.collective_latency_seconds
 
 
 def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
