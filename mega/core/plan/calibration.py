@@ -53,6 +53,11 @@ class Rates:
     # context-parallel ring's transfers; 0: not measured, the all-reduce bus rate stands in
     p2p_bytes: float = 0.0
 
+    def without_communication(self) -> Rates:
+        """These rates with every collective free: what one rank alone over torch's fake
+        process group runs (``benchmarks/fake_rank.py``), its compute and its host's launches."""
+        return dataclasses.replace(self, allreduce_bus_bytes=0.0, p2p_bytes=0.0)
+
     @property
     def p2p_rate(self) -> float:
         """Bytes per second of a point-to-point transfer (:attr:`p2p_bytes`, or the all-reduce

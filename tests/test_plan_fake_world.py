@@ -1,0 +1,110 @@
+"""The planner without communication against one rank alone on one H200 over torch's fake process
+group (``parallel_layouts.py --fake-world``: no collective moves anything), with the built-in
+H200 rates and every collective free (``Rates.without_communication``). It separates what the
+planner misses inside a rank (compute, its host's launches, syncs) from what it misses between
+ranks: a layout planned right here and wrong on several GPUs is wrong in its communication.
+
+Step time within 15%, peak memory within 10%. What it showed on 2026-11-29: data-parallel GPT
+ranks within 5% (0.99-1.05x); the rest planned fast, the misses below as strict xfails with
+their numbers. A TP2 rank ran 1.28x its plan (TP2 + SP 1.33x): most of TP2's miss on two GPUs
+(planned +30% in test_plan_recorded) is inside the rank, not in its collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+from test_plan_recorded import train_flags
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run
+from mega.core.plugins.manager import make_plugins
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+GIB = 2**30
+# (file, layout): None if its step is planned within 15%, else why not (a strict xfail). Rows with
+# an environment setting (``@``: the ring's CUDA graphs, not planned) are left out, as are rows
+# of code changed since (the dispatch-eager EP2 row of moe_ep2_fake_2026-11-29).
+ROWS = {
+    ("moe_ep2_fake_traced_trips_2026-11-29", "tp1dp2"): "MoE DP2 rank 174.6 ms, planned 145.4"
+    " (1.20x): the one-GPU MoE rows' miss (grouped GEMM routing kernels; test_plan_moe_recorded)",
+    ("moe_ep2_fake_traced_trips_2026-11-29", "ep2dp2"): "EP2 rank 190.9 ms, planned 143.3"
+    " (1.33x): also the alltoall dispatch's host sync per layer and micro-batch, not modelled",
+    ("moe_ep4_fake_traced_trips_2026-11-29", "tp1dp4"): "MoE DP4 rank 179.5 ms, planned 141.2"
+    " (1.27x), as the DP2 rank",
+    ("moe_ep4_fake_traced_trips_2026-11-29", "ep4dp4"): "EP4 rank 212.3 ms, planned 137.4"
+    " (1.54x), as the EP2 rank",
+    (
+        "moe_ep2_fake_2026-11-29",
+        "ep2dp2:--moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity",
+    ): None,
+    ("tp_fake_mb4_2026-11-29", "tp1dp2"): None,
+    ("tp_fake_mb4_2026-11-29", "tp2dp1"): "TP2 rank 330.8 ms, planned 257.7 (1.28x): twice DP's"
+    " micro-batches, each launching every layer; host-bound (profiled: GPU busy 266 of 395 ms)",
+    ("tp_fake_mb4_2026-11-29", "tp2dp1-sp"): "TP2 + SP rank 337.5 ms, planned 253.7 (1.33x)",
+    ("cp4_fake_16k_bf16_grads_2026-11-29", "tp1dp4-mb2"): None,
+    ("cp4_fake_16k_bf16_grads_2026-11-29", "cp4-mb2"): None,
+    ("cp4_fake_16k_bf16_grads_2026-11-29", "cp4"): "CP4 rank at micro-batch 1, 1,060.8 ms,"
+    " planned 822.9 (1.29x): 8 micro-batches of 4k tokens, host-bound (the ring's calls)",
+    ("cp4_fake_32k_bf16_grads_2026-11-29", "tp1dp4"): None,
+    ("cp4_fake_32k_bf16_grads_2026-11-29", "cp4"): None,
+    ("cp4_fake_32k_bf16_grads_2026-11-29", "cp4-mb2"): None,
+}
+
+
+def _run(name: str, layout: str) -> dict:
+    runs = json.loads((RESULTS / f"{name}.json").read_text())["results"]
+    return next(run for run in runs if run["layout"] == layout)
+
+
+# the peaks planned more than 10% off
+MEMORY_MISSES = {
+    (
+        "moe_ep2_fake_2026-11-29",
+        "ep2dp2:--moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity",
+    ): "drop-and-pad EP2 planned at 29.88 GiB against 25.25 (+18%; the counted dispatch's EP2"
+    " within 5%): not yet explained",
+}
+
+
+def _params(misses: dict) -> list:
+    params = []
+    for (name, layout), miss in misses.items():
+        marks = pytest.mark.xfail(strict=True, reason=miss) if miss else ()
+        params.append(pytest.param(name, layout, id=f"{name[:-11]}-{layout}", marks=marks))
+    return params
+
+
+_PLANS: dict[str, object] = {}
+
+
+def _plan(run: dict):
+    """The plan of a fake-world rank's command (``fake_rank.py train ...``), communication free."""
+    if run["command"] not in _PLANS:
+        words = shlex.split(run["command"])
+        train = words[words.index("train") + 1 :]
+        flags = train_flags(shlex.join(["-m", "mega", "train", *train]), False)
+        argv = [*shlex.split(flags), "--nproc-per-node", str(run["world_size"]), "--device", "cuda"]
+        plugins = make_plugins()
+        config = resolve_config(argv, plugins, this_machine=False)
+        rates = BUILT_IN["h200"].without_communication()
+        _PLANS[run["command"]] = plan_run(config, plugins, rates)
+    return _PLANS[run["command"]]
+
+
+@pytest.mark.parametrize(("name", "layout"), _params(ROWS))
+def test_a_fake_world_rank_steps_within_15_percent_of_its_plan(name, layout):
+    run = _run(name, layout)
+    assert run["fake_world"]
+    assert _plan(run).step_seconds * 1e3 == pytest.approx(run["step_ms"], rel=0.15)
+
+
+@pytest.mark.parametrize(("name", "layout"), _params(dict.fromkeys(ROWS) | MEMORY_MISSES))
+def test_a_fake_world_rank_peaks_within_10_percent_of_its_plan(name, layout):
+    run = _run(name, layout)
+    measured = max(run["peak_memory_gib_by_rank"])
+    assert _plan(run).peak_bytes / GIB == pytest.approx(measured, rel=0.10)
