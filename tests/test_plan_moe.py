@@ -204,3 +204,32 @@ def test_every_moe_option_is_planned_without_a_warning(extra, world):
         plan = plan_run(config, plugins, BUILT_IN["h100"])
     _no_planning_warnings(caught)
     assert plan.tokens_per_second > 0 and "balanced" in plan.assumptions[0]
+
+
+def test_the_counted_alltoall_layer_is_measured_compiled_with_sizes_torch_2_11_can_read(
+    monkeypatch,
+):
+    """On meta the all-to-all's arrived rows are the balanced count, not an unbacked size (as
+    local.assign's): torch 2.11's hint of an unbacked size raised inside the planner's compile
+    on meta, so the layer was counted as eager (EP2's peak planned +19%, 32.45 GiB against a
+    fake-world rank's 27.18). Here every unbacked size raises as it did there."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from mega.core.plan import fused_graph
+
+    lenient = fused_graph.hint_int
+
+    def strict(value, fallback=None):  # noqa: ANN001, ANN202  torch 2.11's size_hint
+        if isinstance(value, torch.SymInt) and value.node.hint is None:
+            raise GuardOnDataDependentSymNode(value.node.expr, "an unbacked size")
+        return lenient(value, fallback)
+
+    monkeypatch.setattr(fused_graph, "hint_int", strict)
+    config, plugins = _config(
+        "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall --moe-grouped-gemm",
+        world=2,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan_run(config, plugins, BUILT_IN["h200"])
+    _no_planning_warnings(caught)
