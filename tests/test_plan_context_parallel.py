@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shlex
+import warnings
 from pathlib import Path
 
 import pytest
@@ -120,3 +121,15 @@ def test_ring_merges_count_beside_the_compiled_layer(cp):
     assert ring.forward.memory_bytes >= ring.forward.unfused_bytes
     _, _, one = _profile(SMALL, 1)  # nothing opaque moves bytes in a one-GPU forward
     assert one.forward.unfused_bytes == 0
+
+
+@pytest.mark.parametrize("comm", ["p2p", "all_gather", "a2a"])
+def test_every_cp_comm_type_is_planned_compiled_without_a_warning(comm):
+    # the a2a layer's chunk order was an index tensor cached per device; on the meta device it
+    # failed inside the planner's trace ("Please convert all Tensors to FakeTensors first") and
+    # the layer was counted as eager, with a warning
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _profile(SMALL + f" --context-parallel-size 2 --cp-comm-type {comm}", 2)
+    planning = [str(w.message) for w in caught if "planning" in str(w.message)]
+    assert not planning, planning

@@ -9,7 +9,6 @@ collectives of activations per layer, independent of the sequence length's squar
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -18,34 +17,38 @@ from mega.parallel.context.layout import global_order
 from mega.parallel.expert.collectives import exchange_rows
 
 
-def _to_heads(x: torch.Tensor, group: Any, cp: int, order: torch.Tensor) -> torch.Tensor:
+def _to_heads(x: torch.Tensor, group: Any, cp: int, order: list[int]) -> torch.Tensor:
     """``[b, s_local, n, d]`` (all heads, this rank's positions) -> ``[b, s, n/cp, d]`` (this
     rank's heads, every position in sequence order)."""
     b, s_local, n, d = x.shape
     parts = x.view(b, s_local, cp, n // cp, d).permute(2, 0, 1, 3, 4).reshape(cp * b, -1)
     parts = exchange_rows(parts, [b] * cp, [b] * cp, group)  # part j: rank j's positions
     chunks = parts.view(cp, b, 2, s_local // 2, n // cp, d).transpose(0, 1)
-    chunks = chunks.reshape(b, 2 * cp, s_local // 2, n // cp, d).index_select(1, order)
-    return chunks.reshape(b, cp * s_local, n // cp, d)
+    # [b, rank, its two chunks, ...]: global chunk c is chunks[:, o // 2, o % 2], o = order[c]
+    ordered = torch.stack([chunks[:, o // 2, o % 2] for o in order], dim=1)
+    return ordered.reshape(b, cp * s_local, n // cp, d)
 
 
-def _to_positions(x: torch.Tensor, group: Any, cp: int, layout: torch.Tensor) -> torch.Tensor:
+def _to_positions(x: torch.Tensor, group: Any, cp: int, layout: list[int]) -> torch.Tensor:
     """The inverse of :func:`_to_heads`: ``[b, s, n/cp, d]`` -> ``[b, s_local, n, d]``."""
     b, s, n_local, d = x.shape
     s_local = s // cp
-    chunks = x.view(b, 2 * cp, s_local // 2, n_local, d).index_select(1, layout)
+    chunks = x.view(b, 2 * cp, s_local // 2, n_local, d)
+    chunks = torch.stack([chunks[:, c] for c in layout], dim=1)  # rank after rank
     parts = chunks.view(b, cp, s_local, n_local, d).transpose(0, 1).reshape(cp * b, -1)
     parts = exchange_rows(parts, [b] * cp, [b] * cp, group)  # part j: rank j's heads
     parts = parts.view(cp, b, s_local, n_local, d).permute(1, 2, 0, 3, 4)
     return parts.reshape(b, s_local, cp * n_local, d)
 
 
-@functools.cache
-def _orders(cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(global order, its inverse) of the chunks as index tensors on ``device``, made once rather
-    than copied to the device at every layer."""
-    order = torch.tensor(global_order(cp), device=device)
-    return order, torch.argsort(order)
+def _orders(cp: int) -> tuple[list[int], list[int]]:
+    """(global order, its inverse) of the chunks: where each global chunk sits in the layout of
+    the ranks' chunks, and which global chunk each place of that layout holds. Host lists: the
+    chunks move by one stack of slices, which traces anywhere; an index tensor cached per device
+    failed inside the planner's trace on the meta device (a tensor made outside it), and the
+    planner counted the layer as eager."""
+    order = global_order(cp)
+    return order, sorted(range(len(order)), key=order.__getitem__)
 
 
 def ulysses_attention(
@@ -59,7 +62,7 @@ def ulysses_attention(
     """``q [b, s_local, h, d]``, ``k``/``v [b, s_local, g, d]`` (this rank's positions) ->
     ``attend``'s context ``[b, s_local, h*d]``. ``attend(q, k, v)`` is causal attention over
     a whole sequence in the same layout (the model's core attention)."""
-    order, layout = _orders(cp, q.device)
+    order, layout = _orders(cp)
     heads = [_to_heads(x, group, cp, order) for x in (q, k, v)]
     context = attend(*heads)  # [b, s, h/cp * d]
     b, s, _ = context.shape
