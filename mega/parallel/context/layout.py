@@ -22,11 +22,17 @@ def rank_positions(seq_length: int, rank: int, cp: int) -> np.ndarray:
     return np.concatenate([np.arange(c * chunk, (c + 1) * chunk) for c in rank_chunks(rank, cp)])
 
 
+def chunk_layout(cp: int) -> list[int]:
+    """The global chunk at each place of the ``2*cp`` chunks laid out rank after rank (each
+    rank's two chunks in its order): the inverse of :func:`global_order`."""
+    return [c for rank in range(cp) for c in rank_chunks(rank, cp)]
+
+
 def global_order(cp: int) -> list[int]:
     """For the ``2*cp`` chunks laid out rank after rank (each rank's two chunks in its order),
     the index in that layout of each global chunk: ``layout[global_order(cp)]`` is in global
     order."""
-    layout = [c for rank in range(cp) for c in rank_chunks(rank, cp)]
+    layout = chunk_layout(cp)
     return [layout.index(c) for c in range(2 * cp)]
 
 

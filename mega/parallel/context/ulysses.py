@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mega.parallel.context.layout import global_order
+from mega.parallel.context.layout import chunk_layout, global_order
 from mega.parallel.expert.collectives import exchange_rows
 
 
@@ -41,16 +41,6 @@ def _to_positions(x: torch.Tensor, group: Any, cp: int, layout: list[int]) -> to
     return parts.reshape(b, s_local, cp * n_local, d)
 
 
-def _orders(cp: int) -> tuple[list[int], list[int]]:
-    """(global order, its inverse) of the chunks: where each global chunk sits in the layout of
-    the ranks' chunks, and which global chunk each place of that layout holds. Host lists: the
-    chunks move by one stack of slices, which traces anywhere; an index tensor cached per device
-    failed inside the planner's trace on the meta device (a tensor made outside it), and the
-    planner counted the layer as eager."""
-    order = global_order(cp)
-    return order, sorted(range(len(order)), key=order.__getitem__)
-
-
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -62,7 +52,9 @@ def ulysses_attention(
     """``q [b, s_local, h, d]``, ``k``/``v [b, s_local, g, d]`` (this rank's positions) ->
     ``attend``'s context ``[b, s_local, h*d]``. ``attend(q, k, v)`` is causal attention over
     a whole sequence in the same layout (the model's core attention)."""
-    order, layout = _orders(cp)
+    # host lists, the chunks moved by one stack of slices: an index tensor cached per device
+    # failed inside the planner's trace on the meta device, which then counted the layer eager
+    order, layout = global_order(cp), chunk_layout(cp)
     heads = [_to_heads(x, group, cp, order) for x in (q, k, v)]
     context = attend(*heads)  # [b, s, h/cp * d]
     b, s, _ = context.shape
