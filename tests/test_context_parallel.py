@@ -309,6 +309,28 @@ def test_ring_cuda_graphs_that_cannot_be_are_refused_before_launch(monkeypatch, 
         resolve_config(args, make_plugins())
 
 
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_ring_graphs_check_of_device_auto_leaves_fork_safe(monkeypatch, gpus: int):
+    """The launcher forks its workers after this check, so ``--device auto`` is judged by
+    ``device_count()`` (NVML, no CUDA context): ``torch.cuda.is_available()`` asks the driver,
+    and on 2 H200s the forked workers then died with "Cannot re-initialize CUDA in forked
+    subprocess" (``MEGA_CP_RING_GRAPHS=1``, 2026-11-29)."""
+
+    def poisons_fork() -> bool:
+        raise AssertionError("torch.cuda.is_available() initialises the driver before the fork")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisons_fork)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("MEGA_CP_RING_GRAPHS", "1")
+    args = [*TINY, "--attention-dropout", "0", "--nproc-per-node", "2"]
+    args += ["--context-parallel-size", "2", "--device", "auto"]
+    if gpus:
+        resolve_config(args, make_plugins())
+    else:
+        with pytest.raises(MegaUsageError, match="needs CUDA GPUs"):
+            resolve_config(args, make_plugins())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_gpu_kernel_blocks_are_whole_attention(kernel: str, monkeypatch):

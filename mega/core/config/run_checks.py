@@ -38,14 +38,18 @@ def machine_problems(config: Any) -> list[str]:
 
 def runs_on_cpu(device: str) -> bool:
     """Whether ``--device`` puts the run on the CPU: ``cpu``, or ``auto`` where torch sees no GPU
-    (torch is imported only for ``auto``)."""
+    (torch is imported only for ``auto``).
+
+    Counted by ``device_count()``, which asks NVML: ``torch.cuda.is_available()`` asks the CUDA
+    driver, and that poisons fork for the launcher's workers ("Cannot re-initialize CUDA in forked
+    subprocess"), as ``MEGA_CP_RING_GRAPHS=1`` did on 2 H200s without ``--device cuda``."""
     if device == "cpu":
         return True
     if device != "auto":
         return False
     import torch
 
-    return not torch.cuda.is_available()
+    return torch.cuda.device_count() == 0
 
 
 def device_problems(device: str) -> list[str]:
