@@ -210,3 +210,32 @@ def test_alltoall_padded_to_capacity_asks_the_host_nothing(monkeypatch):
         torch.autograd.grad(padded.sum(), (tokens, weights)), expected, strict=True
     ):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("sources, local", [(2, 4), (4, 2), (3, 1)])
+def test_arrived_rows_regroup_by_expert_as_blocks_both_ways(sources: int, local: int):
+    """The ``alltoall`` dispatcher regroups the rows that arrive (by source, then expert) by
+    expert as blocks of host-known sizes: the same rows, in the same order, as a stable sort of
+    each row's expert, and the gradient comes back to each row's own place; empty blocks
+    included."""
+    from mega.parallel.expert.dispatchers import _expert_major
+    from mega.parallel.expert.local import regroup_blocks
+
+    generator = torch.Generator().manual_seed(sources * 10 + local)
+    sizes = torch.randint(0, 4, (sources * local,), generator=generator)
+    sizes[1] = 0
+    rows = torch.randn(int(sizes.sum()), 3, generator=generator, requires_grad=True)
+    expert = torch.arange(local).repeat(sources).repeat_interleave(sizes)
+    by_sort = torch.argsort(expert, stable=True)
+
+    order = _expert_major(sources, local)
+    grouped = regroup_blocks(rows, sizes.tolist(), order)
+    assert torch.equal(grouped, rows.detach()[by_sort])
+    weights = torch.randn(grouped.shape, generator=generator)
+    (grouped * weights).sum().backward()
+    expected = torch.empty_like(weights)
+    expected[by_sort] = weights  # row by_sort[i] got weight i
+    assert torch.equal(rows.grad, expected)
+    back = sorted(range(len(order)), key=order.__getitem__)
+    by_expert = [sizes.tolist()[i] for i in order]
+    assert torch.equal(regroup_blocks(grouped.detach(), by_expert, back), rows.detach())

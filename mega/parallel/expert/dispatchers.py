@@ -31,10 +31,9 @@ from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter
 from mega.parallel.expert.local import (
     balanced_rows,
     group_by_expert,
-    inverse_permutation,
     local_mixture,
     mix_slots,
-    permute_rows,
+    regroup_blocks,
     run_experts,
     to_experts,
     to_slots,
@@ -45,14 +44,21 @@ from mega.parallel.weight_grad import traced
 @dataclass
 class _Trip:
     """What the all-to-all's way back needs from its way out: the rows sent to and received
-    from each rank, the permutation that grouped the received rows by expert and its inverse,
-    and the slots the capacity dropped (sorted first, never sent)."""
+    from each rank, the received blocks' sizes by expert (``by_expert``: expert-major, each
+    expert's blocks by source) and the block order back to source-major (``back``), and the
+    slots the capacity dropped (sorted first, never sent)."""
 
     send: list[int]
     recv: list[int]
-    by_expert: torch.Tensor
-    back: torch.Tensor
+    by_expert: list[int]
+    back: list[int]
     dropped: int
+
+
+def _expert_major(n: int, local: int) -> list[int]:
+    """The order of ``n * local`` blocks, source-major (``source * local + expert``), that
+    puts them expert-major: each local expert's blocks from every source together."""
+    return [source * local + expert for expert in range(local) for source in range(n)]
 
 
 class AllGatherDispatcher:
@@ -78,7 +84,9 @@ class AllToAllDispatcher:
     search in the sorted ids, and the counts this rank sends, the counts it receives and the
     dropped slots come to the host together, once. Tokens reach their slots and the returned
     rows their tokens by gathers both ways (no atomic scatter-add, no ``nonzero``/``bincount``,
-    which wait for the GPU).
+    which wait for the GPU). The rows that arrive, by source and then expert, are regrouped by
+    expert as blocks whose sizes the synced counts give: one ``cat`` each way (it was an argsort
+    of the rows' experts and two gathers).
 
     Compiled (``--compile``), only the two trips run eager (``_outbound``, ``_inbound``, behind
     ``torch.compiler.disable``): the all-to-all's splits are host integers that depend on the
@@ -144,13 +152,11 @@ class AllToAllDispatcher:
         send = [sum(sent[r * local : (r + 1) * local]) for r in range(n)]
         recv = [sum(row) for row in recv_counts]
         arrived = exchange_rows(outgoing[dropped:], send, recv, self.group)
-        # arrived rows are grouped by source, then expert: regroup them by expert, by gathers
-        # both ways (a permutation; index_select's backward would scatter-add with atomics)
-        expert_of = torch.arange(local, device=outgoing.device).repeat(n)
-        row_expert = torch.repeat_interleave(expert_of, counts.reshape(-1), output_size=sum(recv))
-        by_expert = torch.argsort(row_expert, stable=True)
-        back = inverse_permutation(by_expert)
-        grouped = permute_rows(arrived, by_expert, back)
+        # arrived rows are grouped by source, then expert, in blocks whose sizes the host has:
+        # regrouped by expert as blocks, one cat each way (no sort, no index tensor)
+        blocks = [rows for source in recv_counts for rows in source]
+        order = _expert_major(n, local)
+        grouped = regroup_blocks(arrived, blocks, order)
         # on meta (the planner) the balanced rows' count is the one to measure the graph with,
         # as local.assign does: unbacked, torch 2.11 could not size the graph and the planner
         # counted the layer as eager (EP2 peak planned +19% against a fake-world rank)
@@ -158,13 +164,15 @@ class AllToAllDispatcher:
             from mega.parallel.expert.traced import unbacked_rows
 
             unbacked_rows(grouped)
+        by_expert = [blocks[i] for i in order]
+        back = sorted(range(len(order)), key=order.__getitem__)
         return grouped, counts.sum(0), _Trip(send, recv, by_expert, back, dropped)
 
     @torch.compiler.disable
     def _inbound(self, outputs: torch.Tensor, trip: _Trip) -> torch.Tensor:
         """The experts' outputs back to the ranks their tokens came from, in the outbound
         rows' order, a zero row first for each dropped slot (it adds nothing to its token)."""
-        by_source = permute_rows(outputs, trip.back, trip.by_expert)
+        by_source = regroup_blocks(outputs, trip.by_expert, trip.back)
         returned = exchange_rows(by_source, trip.recv, trip.send, self.group)
         if trip.dropped:
             returned = torch.cat([returned.new_zeros(trip.dropped, returned.shape[1]), returned])

@@ -187,6 +187,32 @@ def permute_rows(rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) 
     return _Permute.apply(rows, perm, inverse)
 
 
+class _Blocks(torch.autograd.Function):
+    """Rows regrouped block by block, the blocks' sizes and new order known on the host: one
+    ``cat`` of slices each way, no index tensor, no sort."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, sizes: list[int], order: list[int]):
+        ctx.sizes = [sizes[i] for i in order]  # the output's blocks
+        ctx.inverse = sorted(range(len(order)), key=order.__getitem__)
+        return _cat_blocks(rows, sizes, order)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _cat_blocks(grad, ctx.sizes, ctx.inverse), None, None
+
+
+def _cat_blocks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    pieces = rows.split(sizes)
+    return torch.cat([pieces[i] for i in order])
+
+
+def regroup_blocks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
+    """``rows``, cut into consecutive blocks of ``sizes`` rows, with the blocks in ``order``
+    (block ``order[j]`` goes ``j``-th); the gradient goes back the same way (:class:`_Blocks`)."""
+    return _Blocks.apply(rows, sizes, order)
+
+
 def to_experts(
     tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int
 ) -> torch.Tensor:
