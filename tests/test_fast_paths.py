@@ -335,6 +335,32 @@ def test_flat_adamw_on_bf16_parameters_matches_torch_adamw_on_fp32_masters():
             assert torch.equal(param, master.to(torch.bfloat16))
 
 
+def test_the_fp8_kernels_load_only_when_a_model_is_marked_for_fp8():
+    """The FP8 casts' Triton kernels register through ``torch.library.triton_op``, which imports
+    ``torch._inductor`` and ``torch._dynamo``. Loaded at import, on a CUDA build with Triton (the
+    GPU machines' torch 2.11), they made every command pay that, and the test above failed
+    there. Here, as a CUDA build would, importing the layers never asks for the kernels' module;
+    marking a model for FP8 does."""
+    code = (
+        "import sys, torch\n"
+        "torch.version.cuda = '13.0'  # as a CUDA build: the loader looks for the kernels\n"
+        "asked = []\n"
+        "class Finder:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        asked.append(name)\n"
+        "sys.meta_path.insert(0, Finder())\n"
+        "import mega.parallel.linear, mega.plugins.models.gpt, mega.parallel.fp8.apply\n"
+        "print('asked at import:', 'mega.parallel.fp8.gelu_kernels' in asked)\n"
+        "from mega.parallel.fp8 import weight_cast\n"
+        "weight_cast.load_kernels()\n"
+        "print('asked when marking:', 'mega.parallel.fp8.gelu_kernels' in asked)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "asked at import: False" in result.stdout, result.stdout
+    assert "asked when marking: True" in result.stdout, result.stdout
+
+
 @pytest.mark.parametrize("model", ["gpt", "bert", "t5"])
 def test_an_eager_cpu_run_never_imports_dynamo(tmp_path: Path, model: str):
     """Importing ``torch._dynamo`` takes seconds (3 s of a 1-layer GPT's 9.9 s ``mega train`` on

@@ -16,6 +16,7 @@ from torch import nn
 
 from mega.errors import MegaUsageError
 from mega.parallel.fp8.checks import ALIGNMENT
+from mega.parallel.fp8.weight_cast import load_kernels
 from mega.parallel.linear import Linear
 from mega.parallel.plan import COLUMN, ROW, ParallelPlan, layer_lists
 from mega.parallel.tensor.apply import matching_paths
@@ -34,6 +35,7 @@ def apply_fp8(
     """Mark the FP8 weights of this rank's ``model`` (global layer indices, any pipeline stage);
     returns the marked module paths. Layers ``< bf16_at_start`` or ``>= total - bf16_at_end`` of
     each layer list stay in bf16."""
+    load_kernels()  # the fused casts' Triton kernels, where there is Triton
     marked = []
     for layers_path in layer_lists(plan):
         total = _layer_count(model, plan, layers_path)

@@ -48,19 +48,23 @@ def gelu_grad_to_fp8_reference(
     return data, data.t().contiguous(), scale.reciprocal(), g.sum(0), h_t, amax
 
 
-def _load_kernels():  # noqa: ANN202
-    """The Triton kernels' module, on a CUDA build of torch with Triton installed (importing it
-    registers their ops); None elsewhere, where the reference runs."""
-    if torch.version.cuda is None:
-        return None
-    try:
-        from mega.parallel.fp8 import gelu_kernels
-    except ImportError:
-        return None
-    return gelu_kernels
+KERNELS = None  # the Triton kernels' module, once load_kernels() has found it
 
 
-KERNELS = _load_kernels()
+def load_kernels() -> bool:
+    """Import the Triton kernels (which registers their ops) on a CUDA build of torch with Triton
+    installed; True when they are there (elsewhere the reference runs). Called when a model is
+    marked for FP8 (``mega.parallel.fp8.apply``), not at import: ``torch.library.triton_op``
+    imports ``torch._inductor`` and ``torch._dynamo``, seconds that every other command paid on
+    the GPU machines (torch 2.11 with Triton; ``tests/test_fast_paths.py``)."""
+    global KERNELS
+    if KERNELS is None and torch.version.cuda is not None:
+        try:
+            from mega.parallel.fp8 import gelu_kernels
+        except ImportError:
+            return False
+        KERNELS = gelu_kernels
+    return KERNELS is not None
 
 
 def _use_kernels(y: torch.Tensor) -> bool:

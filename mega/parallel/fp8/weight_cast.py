@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from mega.parallel.fp8.gelu_cast import KERNELS as GELU_KERNELS
+from mega.parallel.fp8 import gelu_cast
 from mega.parallel.fp8.scaling import E4M3, cast_with_scale
 
-if GELU_KERNELS is not None:  # Triton is there: the weight kernel imports too
-    from mega.parallel.fp8 import weight_kernels as KERNELS
-else:
-    KERNELS = None
+KERNELS = None  # the Triton kernel's module, once load_kernels() has found it
+
+
+def load_kernels() -> bool:
+    """Import both FP8 kernel modules, the GeLU's (:func:`gelu_cast.load_kernels`) and the
+    weight's, where Triton is there; True when they are."""
+    global KERNELS
+    if KERNELS is None and gelu_cast.load_kernels():
+        from mega.parallel.fp8 import weight_kernels
+
+        KERNELS = weight_kernels
+    return KERNELS is not None
 
 
 def weight_to_fp8_reference(
