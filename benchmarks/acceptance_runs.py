@@ -6,7 +6,7 @@ parallelism) and 49 (checkpoint I/O) accept on, as parts that each fit one devic
     python benchmarks/acceptance_runs.py --gpus 2 --part tp --out $OUT
     python benchmarks/acceptance_runs.py --gpus 4 --part cp16k --out $OUT --dry-run
 
-Measured on 2 H200 (2026-11-29, a part per call after a cold start of ~35 s): ``tp`` 291 s,
+Measured on 2 H200 (2026-11-29, a part per call after a cold start of ~35 s): ``tp`` 291 s (before its DTensor run at micro-batch 8 was added),
 ``ep`` 154 s, ``tp6p7b`` 263 s, ``cp16k`` 257 s, ``ckpt_dp2`` ~250 s; ``cp32k`` and ``ckpt_tp2``
 not yet run. ``parallel_layouts.py`` leaves each layout's run directory and log in ``--out``:
 remove them where a device call returns only a few files.
@@ -92,6 +92,10 @@ GLOBAL_BATCH = {
 }
 
 
+# global batch of the DTensor run at micro-batch 8: two micro-batches per data-parallel rank
+DTENSOR_MB8_GBS = {2: "16", 4: "32"}
+
+
 def parts(gpus: int, out: str, scratch: str) -> dict[str, list[list[str]]]:
     """Every part for ``gpus`` GPUs: its commands (argv lists)."""
     if gpus not in LAYOUTS:
@@ -119,11 +123,15 @@ def parts(gpus: int, out: str, scratch: str) -> dict[str, list[list[str]]]:
             )  # fmt: skip
             for number, layouts in enumerate(invocations)
         ]
-    dtensor = ["--tp", "2", "--sp", "--compile", "--gbs", "8", "--iters", "20", "--warmup", "5"]
-    table["tp"].append(
-        _torchrun(gpus, port + 90, "dtensor_tp.py", *dtensor, "--out", out,
-                  "--name", f"acc_dtensor_tp2_sp_{gpus}gpu")
-    )  # fmt: skip
+    # PyTorch's DTensor TP2 + SP at micro-batch 4 and at mega's TP micro-batch 8 (the same
+    # micro-batch as the row it is compared with)
+    dtensor = ["--tp", "2", "--sp", "--compile", "--iters", "20", "--warmup", "5"]
+    runs = (("", ["--gbs", "8"]), ("_mb8", ["--mbs", "8", "--gbs", DTENSOR_MB8_GBS[gpus]]))
+    for number, (name, sizes) in enumerate(runs):
+        table["tp"].append(
+            _torchrun(gpus, port + 90 + number, "dtensor_tp.py", *dtensor, *sizes,
+                      "--out", out, "--name", f"acc_dtensor_tp2_sp{name}_{gpus}gpu")
+        )  # fmt: skip
     # one part per checkpoint run: on 2 H200 the DP2 run alone took ~250 s of a call
     for number, (name, flags, env) in enumerate(CHECKPOINTS[gpus]):
         table[f"ckpt_{name}"] = [
