@@ -115,3 +115,25 @@ def test_a_pass_that_cannot_be_captured_stops_the_run_in_one_line(monkeypatch):
     assert torch.equal(graphed(x)[0], x * 4)  # the first call of a shape runs eager
     with pytest.raises(MegaRunError, match="MEGA_CP_RING_GRAPHS=1: capturing the ring's"):
         graphed(x)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_launcher_starts_two_cp_ranks_with_ring_graphs_on_device_auto(tmp_path: Path):
+    """``mega train --nproc-per-node 2`` forks its workers. With ``MEGA_CP_RING_GRAPHS=1`` and
+    ``--device auto`` (the default), the check that the run is not on the CPU once asked
+    ``torch.cuda.is_available()`` in the launcher, which initialised CUDA there, and both
+    workers died with "Cannot re-initialize CUDA in forked subprocess" (2 H200, 2026-11-29;
+    the CPU test ``test_ring_graphs_check_of_device_auto_leaves_fork_safe`` holds the cause)."""
+    command = [
+        sys.executable, "-m", "mega", "train", "--model", "gpt", "--num-layers", "2",
+        "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "1024",
+        "--max-position-embeddings", "1024", "--mock-data", "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", "512", "--micro-batch-size", "1", "--global-batch-size", "2",
+        "--train-iters", "3", "--bf16", "--eval-iters", "0", "--attention-dropout", "0",
+        "--nproc-per-node", "2", "--context-parallel-size", "2", "--master-port", "29873",
+        "--run-dir", str(tmp_path / "run"),
+    ]  # fmt: skip
+    env = {**os.environ, "MEGA_CP_RING_GRAPHS": "1", "NCCL_NVLS_ENABLE": "0"}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "iteration        3/       3" in proc.stdout
