@@ -3,7 +3,11 @@ thread running beside the forking one (mega.parallel.fork_safety)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 from mega.parallel import fork_safety
 from mega.parallel.fork_safety import fork_unsafe_reason
@@ -56,3 +60,27 @@ def test_ranks_started_beside_a_thread_do_not_inherit_what_it_holds():
     finally:
         release.set()
         thread.join()
+
+
+# a plugin that asks for CUDA at import, as many do: on a GPU host, unless torch asks NVML, that
+# initialises the driver in the launcher and its forked workers cannot use CUDA
+ASKS_AT_IMPORT = """
+import os
+print("fork-safe check at plugin import:", os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK"))
+"""
+
+
+def test_plugins_load_with_torch_asking_nvml_whether_there_is_cuda(tmp_path: Path):
+    """``mega`` sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before any plugin loads, so that a
+    plugin's ``torch.cuda.is_available()`` at import asks NVML, not the driver: a driver that
+    answered once spoils fork for the launcher's workers ("Cannot re-initialize CUDA in forked
+    subprocess", seen on 2 H200 on 2026-11-29 through mega's own check), and
+    ``torch.cuda.is_initialized()``, which the launcher asks before forking, does not say so."""
+    (tmp_path / "asks_at_import.py").write_text(ASKS_AT_IMPORT)
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    env["MEGA_PLUGINS_DIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mega", "--help"], capture_output=True, text=True, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fork-safe check at plugin import: 1" in proc.stdout, proc.stdout[-2000:]

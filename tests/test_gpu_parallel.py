@@ -81,3 +81,20 @@ def test_bf16_layouts_match_one_gpu(tmp_path: Path):
     assert floor <= BF16_REL_BOUND
     for name, diff in diffs.items():
         assert diff <= BF16_REL_BOUND, (name, diff, floor)
+
+
+def test_a_plugin_asking_for_cuda_at_import_leaves_the_launched_workers_able_to_use_it(
+    tmp_path: Path,
+):
+    """Many plugins ask ``torch.cuda.is_available()`` at import. Asked of the driver, that
+    initialises CUDA in the launcher, whose forked workers then cannot use it ("Cannot
+    re-initialize CUDA in forked subprocess"); ``mega`` makes torch ask NVML instead
+    (``PYTORCH_NVML_BASED_CUDA_CHECK``, ``tests/test_fork_safety.py``)."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "asks_for_cuda.py").write_text("import torch\n\nGPU = torch.cuda.is_available()\n")
+    run_dir = tmp_path / "run"
+    args = ["train", *MODEL, "--micro-batch-size", "4", "--nproc-per-node", "2"]
+    env = {"MEGA_PLUGINS_DIR": str(plugins), "NCCL_NVLS_ENABLE": "0"}
+    result = run_mega([*args, "--run-dir", str(run_dir)], tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -7,6 +7,7 @@ processes the ranks other than 0 say ``[rank N] error: ...``, so a shared log sh
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -90,6 +91,11 @@ def _launched_worker() -> bool:
 def main(argv: list[str] | None = None, plugins=None) -> None:
     """The ``mega`` command: every error becomes one ``error:`` line and an exit code
     (``plugins``: a given plugin manager instead of the installed plugins, as tests do)."""
+    # torch.cuda.is_available() asks the CUDA driver unless this is set, and that spoils fork
+    # for the launcher's workers ("Cannot re-initialize CUDA in forked subprocess") without
+    # torch.cuda.is_initialized() saying so: set before any plugin loads, the check asks NVML,
+    # so a plugin that asks at import (or mega itself) leaves the workers able to use CUDA
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     cli = make_cli(plugins)
     try:
         code = cli.main(args=argv, prog_name="mega", standalone_mode=False)

@@ -14,9 +14,11 @@ fork 2.3 s with 2 workers and 2.5 s with 4, spawn 5.0 s and 7.6 s, one process 2
 (torch 2.11, NCCL, 5 iterations): fork 8.3-9.2 s, spawn 12.4 s, one GPU 8.4 s.
 
 Forking is safe only while the parent has not initialised CUDA, and it never does: it imports
-torch but runs nothing on a device, and the ``torch.cuda.is_available()`` in elastic's own
-LaunchConfig (which would initialise the driver) asks NVML instead, through torch's documented
-fork-safe check ``PYTORCH_NVML_BASED_CUDA_CHECK=1``. If something did initialise CUDA in the
+torch but runs nothing on a device, and every ``torch.cuda.is_available()`` in it (elastic's own
+LaunchConfig's, a plugin's at import) asks NVML instead of the driver, through torch's documented
+fork-safe check ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, which ``mega.cli.main`` sets before any
+plugin loads (a driver that answered once leaves the forked workers unable to use CUDA, and
+``torch.cuda.is_initialized()`` does not say so). If something did initialise CUDA in the
 parent (a plugin at import, say), tensorstore was used here (it aborts forked children that
 use it), or other threads run here (a forked child has only the forking one:
 ``mega.parallel.fork_safety``), spawn is chosen instead. ``MEGA_START_METHOD=spawn``
