@@ -6,10 +6,11 @@ parallelism) and 49 (checkpoint I/O) accept on, as parts that each fit one devic
     python benchmarks/acceptance_runs.py --gpus 2 --part tp --out $OUT
     python benchmarks/acceptance_runs.py --gpus 4 --part cp16k --out $OUT --dry-run
 
-Measured on 2 H200 (2026-11-29, a part per call after a cold start of ~35 s): ``tp`` 291 s (before its DTensor run at micro-batch 8 was added),
-``ep`` 154 s, ``tp6p7b`` 263 s, ``cp16k`` 257 s, ``ckpt_dp2`` ~250 s; ``cp32k`` and ``ckpt_tp2``
-not yet run. ``parallel_layouts.py`` leaves each layout's run directory and log in ``--out``:
-remove them where a device call returns only a few files.
+Measured on 2 H200 (2026-11-29, a part per call after a cold start of ~35 s): ``tp`` 291 s
+(before its DTensor run at micro-batch 8 was added), ``ep`` 154 s, ``tp6p7b`` 263 s, ``cp16k``
+257 s, ``ckpt_dp2`` ~250 s; ``cp32k`` and ``ckpt_tp2`` not yet run. ``parallel_layouts.py``
+leaves each layout's run directory and log in ``--out``: remove them where a device call returns
+only a few files.
 
 Each part is a few of the existing benchmark scripts (``parallel_layouts.py``,
 ``dtensor_tp.py``, ``checkpoint_io.py``) with each layout against the layout a user would pick

@@ -219,7 +219,7 @@ def test_arrived_rows_regroup_by_expert_as_blocks_both_ways(sources: int, local:
     each row's expert, and the gradient comes back to each row's own place; empty blocks
     included."""
     from mega.parallel.expert.dispatchers import _expert_major
-    from mega.parallel.expert.local import regroup_blocks
+    from mega.parallel.expert.local import blocks_undone, regroup_blocks
 
     generator = torch.Generator().manual_seed(sources * 10 + local)
     sizes = torch.randint(0, 4, (sources * local,), generator=generator)
@@ -236,6 +236,6 @@ def test_arrived_rows_regroup_by_expert_as_blocks_both_ways(sources: int, local:
     expected = torch.empty_like(weights)
     expected[by_sort] = weights  # row by_sort[i] got weight i
     assert torch.equal(rows.grad, expected)
-    back = sorted(range(len(order)), key=order.__getitem__)
-    by_expert = [sizes.tolist()[i] for i in order]
-    assert torch.equal(regroup_blocks(grouped.detach(), by_expert, back), rows.detach())
+    assert torch.equal(
+        regroup_blocks(grouped.detach(), *blocks_undone(sizes.tolist(), order)), rows.detach()
+    )

@@ -30,6 +30,7 @@ from mega.parallel.comm import group_size
 from mega.parallel.expert.collectives import exchange_rows, gather_rows, scatter_rows
 from mega.parallel.expert.local import (
     balanced_rows,
+    blocks_undone,
     group_by_expert,
     local_mixture,
     mix_slots,
@@ -164,8 +165,7 @@ class AllToAllDispatcher:
             from mega.parallel.expert.traced import unbacked_rows
 
             unbacked_rows(grouped)
-        by_expert = [blocks[i] for i in order]
-        back = sorted(range(len(order)), key=order.__getitem__)
+        by_expert, back = blocks_undone(blocks, order)
         return grouped, counts.sum(0), _Trip(send, recv, by_expert, back, dropped)
 
     @torch.compiler.disable

@@ -181,10 +181,9 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
-def permute_rows(rows: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """``rows[perm]`` for a permutation ``perm`` (``inverse`` its inverse), gathers both ways
-    (:class:`_Permute`)."""
-    return _Permute.apply(rows, perm, inverse)
+def blocks_undone(sizes: list[int], order: list[int]) -> tuple[list[int], list[int]]:
+    """The ``(sizes, order)`` that put blocks regrouped by ``(sizes, order)`` back in place."""
+    return [sizes[i] for i in order], sorted(range(len(order)), key=order.__getitem__)
 
 
 class _Blocks(torch.autograd.Function):
@@ -193,13 +192,12 @@ class _Blocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, sizes: list[int], order: list[int]):
-        ctx.sizes = [sizes[i] for i in order]  # the output's blocks
-        ctx.inverse = sorted(range(len(order)), key=order.__getitem__)
+        ctx.undo = blocks_undone(sizes, order)
         return _cat_blocks(rows, sizes, order)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _cat_blocks(grad, ctx.sizes, ctx.inverse), None, None
+        return _cat_blocks(grad, *ctx.undo), None, None
 
 
 def _cat_blocks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> torch.Tensor:
@@ -223,7 +221,7 @@ def to_experts(
 
 def to_slots(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     """Rows in ``order`` back in slot order: ``rows[inverse]``, gathers both ways."""
-    return permute_rows(rows, inverse, order)
+    return _Permute.apply(rows, inverse, order)
 
 
 def group_by_expert(
