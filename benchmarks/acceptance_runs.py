@@ -33,10 +33,12 @@ HERE = Path(__file__).resolve().parent
 MOE = (
     "--model moe --num-layers 12 --num-query-groups 8 --num-experts 8 --moe-ffn-hidden-size 2816"
     " --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm"
-    " --moe-token-dispatcher-type alltoall"
 )
+# the dispatchers, in each row's own flags (the model's flags come after a row's and would win)
+ALLTOALL = "--moe-token-dispatcher-type=alltoall"
+FLEX = "--moe-token-dispatcher-type=flex"  # the counts kept on the device (NVSHMEM)
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
-PADDED = "--moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
+PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
 BIG = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32"  # issue 46's 6.7B GPT
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -65,16 +67,17 @@ def _torchrun(gpus: int, port: int, script: str, *args: str) -> list:
 LAYOUTS = {
     2: {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
-        "ep": [["tp1dp2", "ep2dp2", f"ep2dp2:{PADDED}"]],
-        "cp16k": [["tp1dp2", "cp2", "cp2@MEGA_CP_RING_GRAPHS=1", "cp2:--cp-comm-type=all_gather",
-                   "cp2:--cp-comm-type=a2a"]],
+        "ep": [["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{PADDED}"]],
+        # the ring-graphs row last: on 2 H200 (01703a4) it had not finished after 175 s
+        "cp16k": [["tp1dp2", "cp2", "cp2:--cp-comm-type=all_gather", "cp2:--cp-comm-type=a2a",
+                   "cp2@MEGA_CP_RING_GRAPHS=1"]],
         "cp32k": [["tp1dp2", "cp2"]],
         # the 6.7B GPT: DP2 fits an H200 (91 GB at micro-batch 2); on 80 GB GPUs use pp2-1f1b
         "tp6p7b": [["tp1dp2-mb2", "tp2dp1-sp-mb4", "tp2dp1-mb4"]],
     },
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
-        "ep": [["tp1dp4", "ep4dp4", f"ep4dp4:{PADDED}"]],
+        "ep": [["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{PADDED}"]],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",
                         "cp4:--cp-comm-type=a2a"]],

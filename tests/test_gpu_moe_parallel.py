@@ -70,6 +70,7 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], list
     [
         ("ep2-alltoall", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
         ("ep2-allgather", ["--expert-model-parallel-size", "2"]),
+        ("ep2-flex", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
         ("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dp2", []),
     ],

@@ -26,6 +26,13 @@ LAYOUTS = {
     "ep4-alltoall": (
         4, ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]
     ),
+    # flex: the counts stay on the device (on CPU ranks c10d stands in for NVSHMEM, same contract)
+    "ep2-flex": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
+    "ep4-flex": (4, ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex"]),
+    "ep2-flex-compile": (
+        2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+            "--compile"],
+    ),
     "ep2-dp2-distributed-optimizer": (
         4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     ),

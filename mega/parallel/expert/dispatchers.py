@@ -11,6 +11,9 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
   exchanged first (one host sync per layer and step, as Megatron's), except under
   ``--moe-pad-expert-input-to-capacity``, where every split is ``capacity`` rows per expert and
   nothing waits for the GPU.
+- ``flex``: ``alltoall``'s traffic with the counts kept on the device (no host sync, no shape
+  that depends on the routing; :mod:`mega.parallel.expert.split_exchange`), dropless only. The
+  experts run on a buffer with room for any routing (``n`` times the rows sent).
 
 Both are differentiable through their collectives; the routing weights never travel in
 ``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
@@ -215,3 +218,51 @@ class AllToAllDispatcher:
         tail = returned.new_zeros(slots, returned.shape[1])
         back = torch.cat([returned, tail]).index_select(0, place)
         return mix_slots(to_slots(back, order, inverse).view(t, k, -1), routing.probs, tokens.dtype)
+
+
+class DeviceSplitDispatcher:
+    """``flex``: the routed rows to their experts' ranks and back by
+    :func:`~mega.parallel.expert.split_exchange.dispatch_rows` and ``combine_rows``, whose
+    splits never leave the device. The slots are sorted by expert as ``alltoall`` sorts them;
+    the rows arrive expert-major in a buffer of ``n * T * k`` rows (any routing fits), and the
+    experts' grouped GEMM runs on its blocks alone (its offsets are the blocks' running sum; the
+    rows past them are padding it does not touch)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
+        from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
+
+        n, local = group_size(self.group), experts.count
+        t, k = routing.indices.shape
+        order, inverse, bounds = group_by_expert(routing.indices.reshape(-1), n * local)
+        splits = bounds.diff()  # rows per (rank, local expert): dropless, so bounds[0] is 0
+        outgoing = to_experts(tokens, order, inverse, k)
+        arrived, layout = dispatch_rows(outgoing, splits, self.group, local)
+        counts = layout[0].view(local, n).sum(1)
+        outputs = _experts_on_blocks(arrived, counts, experts, n)
+        returned = combine_rows(outputs, layout, splits, self.group, local)
+        return mix_slots(
+            to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
+        )
+
+
+def _experts_on_blocks(
+    arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int
+) -> torch.Tensor:
+    """The experts' outputs for ``arrived``'s rows, padding rows included. The grouped GEMM on a
+    GPU leaves the padding alone (its rows are past the last offset); the expert loop, and the
+    CPU, run the counted rows alone (the host reads their number, as the loop does anyway) and
+    give the padding zero rows. On meta (the planner) the routing is balanced: ``1 / n`` of the
+    buffer is counted."""
+    if arrived.is_meta:
+        valid = arrived.shape[0] // n
+    elif arrived.is_cuda and getattr(experts, "grouped_gemm", False):
+        if arrived.dtype == torch.bfloat16:
+            return experts(arrived, counts)
+        valid = int(counts.sum())
+    else:
+        valid = int(counts.sum())
+    out = experts(arrived[:valid], counts)
+    return torch.cat([out, out.new_zeros(arrived.shape[0] - valid, out.shape[1])])

@@ -1,5 +1,5 @@
 """The built-in MoE token dispatchers, registered like any plugin's: ``allgather`` and
-``alltoall`` (``--moe-token-dispatcher-type``). The machinery is library code
+``alltoall`` and ``flex`` (``--moe-token-dispatcher-type``). The machinery is library code
 (``mega.parallel.expert.dispatchers``); this plugin names it. Cheap to import."""
 
 from __future__ import annotations
@@ -21,6 +21,12 @@ def _alltoall(group: Any) -> Any:
     return AllToAllDispatcher(group)
 
 
+def _flex(group: Any) -> Any:
+    from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
+
+    return DeviceSplitDispatcher(group)
+
+
 @hookimpl
 def register_parallel_choices(register: Any) -> None:
     register(
@@ -35,5 +41,14 @@ def register_parallel_choices(register: Any) -> None:
             name="alltoall",
             build=_alltoall,
             description="each routed token travels to its expert's rank and back (all-to-all)",
+        )
+    )
+    register(
+        MoEDispatcherSpec(
+            name="flex",
+            build=_flex,
+            description="alltoall's traffic with the counts kept on the GPU: no host sync, one"
+            " graph (NVSHMEM on GPUs; dropless)",
+            drops_tokens=False,
         )
     )

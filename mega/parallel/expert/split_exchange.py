@@ -1,0 +1,299 @@
+"""The expert all-to-all whose splits stay on the device: the ``flex`` dispatcher's two trips.
+
+Why: the ``alltoall`` dispatcher brings each layer's per-expert counts to the host (one sync per
+layer and micro-batch) and runs its two trips eager. On 2 H200 (issue 46's MoE, 2026-11-29) its
+EP2 ran at 0.79x of DP2, while drop-and-pad, the same all-to-all bytes with fixed splits and no
+sync, ran at 0.96x: the sync and the broken graph, not the bytes, are what EP2 pays.
+
+What the two trips are, for ``n`` ranks holding ``local`` experts each, this rank's ``S`` rows
+(its routed slots, sorted by global expert: by destination rank, then its local expert):
+
+- ``dispatch_rows(rows, splits)``: ``splits [n * local]`` counts the rows per (rank, expert).
+  Returns ``arrived [n * S, h]``, expert-major (each local expert's rows from every source rank
+  together, in source order), and ``layout [2, n * local]``: the size and the first row of the
+  block at ``expert * n + source``. ``n * S`` rows hold any routing (every rank may send all of
+  its rows here); rows past the blocks are padding, whose values mean nothing.
+- ``combine_rows(outputs, layout, splits)``: the experts' output rows (``layout``'s blocks of
+  ``outputs [n * S, h]``) back to the ranks they came from, in the order they left: ``[S, h]``.
+
+Each is the other's gradient. No shape depends on the routing: a compiled MoE layer is one graph
+(each trip one opaque custom op), and nothing waits for the GPU.
+
+Transports: on CUDA, torch's NVSHMEM all-to-alls with the splits on the device
+(``symm_mem.all_to_all_vdev_2d`` and its ``_offset`` reverse, which reorders rank-major blocks
+to expert-major and back), through symmetric buffers this module keeps per shape. Two sets of
+buffers alternate: a rank copies its next rows into a set only after the trip that used the
+other set, whose start every rank must reach, so no peer still reads the set being overwritten.
+Elsewhere (CPU ranks over gloo) the same contract by c10d: the counts are exchanged and read on
+the host (a sync, as ``alltoall``'s), the rows exchanged and regrouped. On the meta device
+(``mega plan``) the routing is balanced, as every dispatcher's there: each rank receives ``S``
+rows, and the planner sees an all-to-all of them each way.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from mega.errors import MegaRunError, first_line
+from mega.parallel.functional_comm import all_to_all_rows
+from mega.parallel.weight_grad import OpaqueWhenTraced
+
+
+def exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
+    """Each block's first row when blocks of ``sizes`` lie one after another."""
+    return torch.cumsum(sizes, 0) - sizes
+
+
+def expert_major_sizes(per_source: torch.Tensor) -> torch.Tensor:
+    """``[n, local]`` block sizes (source-major) as ``[local * n]`` (expert-major)."""
+    return per_source.t().reshape(-1)
+
+
+# -------------------------------------------------------------------------- c10d (CPU ranks)
+
+
+def _exchange_sizes(sizes: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``sizes`` viewed ``[n, local]``: row ``r`` to rank ``r``; returns the rows
+    every rank sent here, ``[n, local]`` by source."""
+    received = torch.empty_like(sizes)
+    dist.all_to_all_single(received, sizes.contiguous(), group=group)
+    return received
+
+
+def _c10d_dispatch(
+    rows: torch.Tensor, splits: torch.Tensor, group: Any, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    received = _exchange_sizes(splits, group).view(n, local)  # [source, expert]
+    host = torch.cat([splits, received.reshape(-1)]).tolist()  # the host reads the counts here
+    sent, got = host[: n * local], host[n * local :]
+    send = [sum(sent[r * local : (r + 1) * local]) for r in range(n)]
+    arrived = all_to_all_rows(
+        rows, send, [sum(got[s * local : (s + 1) * local]) for s in range(n)], group
+    )
+    pieces = arrived.split(got)  # by source, then expert
+    grouped = [pieces[s * local + e] for e in range(local) for s in range(n)]
+    out = rows.new_zeros(n * rows.shape[0], rows.shape[1])
+    if grouped:
+        together = torch.cat(grouped)
+        out[: together.shape[0]] = together
+    sizes = expert_major_sizes(received)
+    return out, torch.stack([sizes, exclusive_cumsum(sizes)])
+
+
+def _c10d_combine(
+    outputs: torch.Tensor, layout: torch.Tensor, group: Any, n: int, local: int
+) -> torch.Tensor:
+    sizes, starts = layout.tolist()  # the host reads the counts here
+    # the block of (expert e, source s) goes back to s; to each source its blocks in expert order
+    per_source = layout[0].view(local, n).t().contiguous()  # [source, expert]
+    back = _exchange_sizes(per_source.reshape(-1), group).tolist()  # [holder, expert] of mine
+    pieces = [
+        outputs[starts[e * n + s] : starts[e * n + s] + sizes[e * n + s]]
+        for s in range(n)
+        for e in range(local)
+    ]
+    send = [sum(sizes[e * n + s] for e in range(local)) for s in range(n)]
+    recv = [sum(back[r * local : (r + 1) * local]) for r in range(n)]
+    rows = torch.cat(pieces) if pieces else outputs[:0]
+    return all_to_all_rows(rows, send, recv, group)
+
+
+# ---------------------------------------------------------------------- NVSHMEM (CUDA ranks)
+
+_NVSHMEM_READY: set[str] = set()
+
+
+def _nvshmem(group_name: str, device: torch.device) -> Any:
+    """torch's symmetric memory on its NVSHMEM backend, set up for ``group_name`` once."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    if group_name not in _NVSHMEM_READY:
+        try:
+            if not symm_mem.is_nvshmem_available():
+                raise RuntimeError("this torch build or machine has no NVSHMEM")
+            if symm_mem.get_backend(device) != "NVSHMEM":
+                symm_mem.set_backend("NVSHMEM")
+            with warnings.catch_warnings():  # deprecated (a no-op) on newer torch
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(group_name)
+        except Exception as exc:
+            raise MegaRunError(
+                "--moe-token-dispatcher-type flex on GPUs needs torch's NVSHMEM symmetric memory"
+                f" ({first_line(exc)}); use alltoall"
+            ) from exc
+        _NVSHMEM_READY.add(group_name)
+    return symm_mem
+
+
+class _Buffers:
+    """One trip's symmetric tensors: rows in, rows out, the splits in and the layout out."""
+
+    def __init__(
+        self, symm_mem: Any, rows_in: int, rows_out: int, like: torch.Tensor, nsplits: int
+    ):
+        h, dtype, device = like.shape[1], like.dtype, like.device
+        self.rows_in = symm_mem.empty(rows_in, h, dtype=dtype, device=device).zero_()
+        self.rows_out = symm_mem.empty(rows_out, h, dtype=dtype, device=device).zero_()
+        self.splits_in = symm_mem.empty(2, nsplits, dtype=torch.int64, device=device).zero_()
+        self.layout_out = symm_mem.empty(2, nsplits, dtype=torch.int64, device=device).zero_()
+
+
+_BUFFERS: dict[tuple, list[_Buffers]] = {}
+_TURNS: dict[tuple, int] = {}
+
+
+def _buffers(
+    group_name: str, kind: str, rows_in: int, rows_out: int, like: torch.Tensor, nsplits: int
+) -> _Buffers:
+    """The next of the two alternating buffer sets for this trip's shapes (module docstring)."""
+    key = (group_name, kind, rows_in, rows_out, like.shape[1], like.dtype, like.device, nsplits)
+    if key not in _BUFFERS:
+        symm_mem = _nvshmem(group_name, like.device)
+        _BUFFERS[key] = [_Buffers(symm_mem, rows_in, rows_out, like, nsplits) for _ in range(2)]
+        _TURNS[key] = 0
+    _TURNS[key] ^= 1
+    return _BUFFERS[key][_TURNS[key]]
+
+
+def _nvshmem_dispatch(
+    rows: torch.Tensor, splits: torch.Tensor, group_name: str, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    s = rows.shape[0]
+    b = _buffers(group_name, "dispatch", s, n * s, rows, n * local)
+    b.rows_in.copy_(rows)
+    b.splits_in[0].copy_(splits)
+    # rank-major blocks in, expert-major out, each expert's first row unaligned (1): the grouped
+    # GEMM's offsets are then the sizes' running sum
+    torch.ops.symm_mem.all_to_all_vdev_2d(
+        b.rows_in, b.rows_out, b.splits_in[0], b.layout_out, group_name, 1
+    )
+    return b.rows_out.clone(), b.layout_out.clone()
+
+
+def _nvshmem_combine(
+    outputs: torch.Tensor, layout: torch.Tensor, group_name: str, n: int, local: int
+) -> torch.Tensor:
+    s = outputs.shape[0] // n
+    b = _buffers(group_name, "combine", n * s, s, outputs, n * local)
+    b.rows_in.copy_(outputs)
+    b.splits_in.copy_(layout)
+    torch.ops.symm_mem.all_to_all_vdev_2d_offset(
+        b.rows_in, b.rows_out, b.splits_in, b.layout_out, group_name
+    )
+    return b.rows_out.clone()
+
+
+# ------------------------------------------------------------------ the trips, by transport
+
+
+def _meta_dispatch(
+    rows: torch.Tensor, n: int, local: int, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Balanced (module docstring): ``S`` rows go out and ``S`` come in, as an all-to-all."""
+    share = [rows.shape[0] // n] * n
+    share[-1] += rows.shape[0] - sum(share)
+    all_to_all_rows(rows, share, share, group)  # the planner counts its bytes
+    return rows.new_empty(n * rows.shape[0], rows.shape[1]), rows.new_empty(
+        2, n * local, dtype=torch.int64
+    )
+
+
+def _dispatch_body(
+    rows: torch.Tensor, splits: torch.Tensor, group_name: str, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group = _resolve_process_group(group_name)
+    if rows.is_meta:
+        return _meta_dispatch(rows, n, local, group)
+    if rows.is_cuda:
+        return _nvshmem_dispatch(rows, splits, group_name, n, local)
+    return _c10d_dispatch(rows, splits, group, n, local)
+
+
+def _combine_body(
+    outputs: torch.Tensor, layout: torch.Tensor, group_name: str, n: int, local: int
+) -> torch.Tensor:
+    group = _resolve_process_group(group_name)
+    if outputs.is_meta:
+        s = outputs.shape[0] // n
+        share = [s // n] * n
+        share[-1] += s - sum(share)
+        return all_to_all_rows(outputs[:s], share, share, group)
+    if outputs.is_cuda:
+        return _nvshmem_combine(outputs, layout, group_name, n, local)
+    return _c10d_combine(outputs, layout, group, n, local)
+
+
+_dispatch = OpaqueWhenTraced("mega::expert_dispatch_rows", _dispatch_body)
+_combine = OpaqueWhenTraced("mega::expert_combine_rows", _combine_body)
+
+
+@_dispatch.op.register_fake
+def _(rows, splits, group_name, n, local):
+    return rows.new_empty(n * rows.shape[0], rows.shape[1]), rows.new_empty(
+        2, n * local, dtype=torch.int64
+    )
+
+
+@_combine.op.register_fake
+def _(outputs, layout, group_name, n, local):
+    return outputs.new_empty(outputs.shape[0] // n, outputs.shape[1])
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, splits: torch.Tensor, group_name: str, n: int, local: int):
+        arrived, layout = _dispatch(rows, splits, group_name, n, local)
+        ctx.save_for_backward(layout)
+        ctx.args = group_name, n, local
+        ctx.mark_non_differentiable(layout)
+        return arrived, layout
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _layout_grad: Any):
+        (layout,) = ctx.saved_tensors
+        return _combine(grad, layout, *ctx.args), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx,
+        outputs: torch.Tensor,
+        layout: torch.Tensor,
+        splits: torch.Tensor,
+        group_name: str,
+        n: int,
+        local: int,
+    ):
+        ctx.save_for_backward(splits)
+        ctx.args = group_name, n, local
+        return _combine(outputs, layout, group_name, n, local)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (splits,) = ctx.saved_tensors
+        # the same splits give the same expert-major layout as the forward's dispatch
+        grad_outputs, _ = _dispatch(grad, splits, *ctx.args)
+        return grad_outputs, None, None, None, None, None
+
+
+def dispatch_rows(
+    rows: torch.Tensor, splits: torch.Tensor, group: Any, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(arrived [n * S, h], layout [2, n * local])`` (module docstring); differentiable."""
+    n = dist.get_world_size(group)
+    return _Dispatch.apply(rows, splits, group.group_name, n, local)
+
+
+def combine_rows(
+    outputs: torch.Tensor, layout: torch.Tensor, splits: torch.Tensor, group: Any, local: int
+) -> torch.Tensor:
+    """``[S, h]``: the blocks of ``outputs`` back in the order :func:`dispatch_rows` took them
+    (``splits`` its splits); differentiable."""
+    n = dist.get_world_size(group)
+    return _Combine.apply(outputs, layout, splits, group.group_name, n, local)

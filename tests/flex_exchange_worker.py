@@ -1,0 +1,89 @@
+"""One rank of the ``flex`` dispatcher's trips checked against their contract (run by torchrun):
+tests/test_moe_flex.py on CPU ranks (gloo: c10d's transport) and tests/test_gpu_moe_flex.py on
+GPUs (NCCL: NVSHMEM's, with the host forbidden to read the GPU after the first call).
+
+Every rank makes every rank's rows and splits from seeds, so it knows what must arrive here
+without asking anyone: ``dispatch_rows`` must bring, expert-major, each source's block for each
+local expert, and say where each block lies; ``combine_rows`` of rows scaled by the expert
+rank's ``rank + 1`` must return each row scaled by its destination's; both gradients are the
+opposite trips. Prints one line per rank when all holds.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
+
+ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
+
+
+def made(source: int, n: int, call: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``source``'s rows ``[ROWS, HIDDEN]`` and splits ``[n * LOCAL]`` (summing to ``ROWS``,
+    some empty) at call ``call``."""
+    gen = torch.Generator().manual_seed(1000 * call + source)
+    weights = torch.rand(n * LOCAL, generator=gen)
+    weights[(source + call) % (n * LOCAL)] = 0.0  # an empty block
+    splits = torch.bincount(
+        torch.multinomial(weights, ROWS, replacement=True, generator=gen), minlength=n * LOCAL
+    )
+    rows = torch.randn(ROWS, HIDDEN, generator=gen)
+    return rows.to(device), splits.to(device)
+
+
+def expected_arrival(
+    rank: int, n: int, call: int, device: torch.device
+) -> tuple[torch.Tensor, list[int]]:
+    """The rows that must arrive here (expert-major, sources in order) and the blocks' sizes."""
+    blocks, sizes = {}, {}
+    for source in range(n):
+        rows, splits = made(source, n, call, device)
+        starts = (torch.cumsum(splits, 0) - splits).tolist()
+        for e in range(LOCAL):
+            i = rank * LOCAL + e
+            blocks[e, source] = rows[starts[i] : starts[i] + int(splits[i])]
+            sizes[e, source] = int(splits[i])
+    order = [(e, s) for e in range(LOCAL) for s in range(n)]
+    return torch.cat([blocks[key] for key in order]), [sizes[key] for key in order]
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available() and os.environ.get("FLEX_DEVICE", "cpu") == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    group = dist.group.WORLD
+    for call in range(3):
+        rows, splits = made(rank, n, call, device)
+        rows.requires_grad_(True)
+        if cuda and call == 2:  # buffers made: from now on nothing may wait for the GPU
+            torch.cuda.set_sync_debug_mode("error")
+        arrived, layout = dispatch_rows(rows, splits, group, LOCAL)
+        scaled = arrived * (rank + 1)  # "the experts": each rank scales what it holds
+        returned = combine_rows(scaled, layout, splits, group, LOCAL)
+        grad = torch.randn(returned.shape, generator=torch.Generator().manual_seed(call)).to(device)
+        (returned * grad).sum().backward()
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+        want, sizes = expected_arrival(rank, n, call, device)
+        assert layout[0].tolist() == sizes, (layout[0].tolist(), sizes)
+        assert layout[1].tolist() == (torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)).tolist()
+        torch.testing.assert_close(arrived[: want.shape[0]], want, rtol=0, atol=0)
+        # each row back, scaled by its destination rank's factor; the gradient likewise
+        destination = torch.repeat_interleave(
+            torch.arange(n, device=device), splits.view(n, LOCAL).sum(1), output_size=ROWS
+        )
+        factor = (destination + 1).to(rows.dtype).unsqueeze(1)
+        torch.testing.assert_close(returned, rows.detach() * factor, rtol=0, atol=0)
+        torch.testing.assert_close(rows.grad, grad * factor, rtol=0, atol=0)
+    print(f"rank {rank}: flex trips hold their contract", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""The ``flex`` MoE dispatcher (counts kept on the device) on CPU ranks: its two trips hold their
+contract (tests/flex_exchange_worker.py, c10d's transport), and it refuses what it cannot do.
+Its training equivalence with one process is in tests/test_moe_parallel.py (``ep*-flex*``); on
+GPUs (NVSHMEM) in tests/test_gpu_moe_flex.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import run_mega
+
+
+@pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1)])
+def test_the_flex_trips_bring_each_block_to_its_expert_and_back(ranks: int, local: int):
+    worker = Path(__file__).with_name("flex_exchange_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), str(worker)]
+    env = {**os.environ, "FLEX_LOCAL": str(local)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("flex trips hold their contract") == ranks, result.stdout[-2000:]
+
+
+def test_flex_refuses_a_capacity_factor(tmp_path: Path):
+    """``flex`` is dropless: a capacity factor is one error line before launch."""
+    result = run_mega(
+        [
+            "train", "--model", "moe", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+            "--nproc-per-node", "2", "--expert-model-parallel-size", "2",
+            "--moe-token-dispatcher-type", "flex", "--moe-expert-capacity-factor", "1.0",
+            "--run-dir", str(tmp_path / "run"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "error: --moe-expert-capacity-factor: the flex dispatcher cannot drop tokens" in (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
