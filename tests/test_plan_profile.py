@@ -167,6 +167,7 @@ def test_an_amax_then_a_cast_reads_the_tensor_twice():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from mega.core.plan.fused_graph import fused_graph
+    from mega.core.plan.tracking import BLOCK
     from mega.parallel.fp8.scaling import E4M3, to_fp8
 
     def current_scale(x, y):
@@ -179,9 +180,29 @@ def test_an_amax_then_a_cast_reads_the_tensor_twice():
     current = fused_graph(make_fx(current_scale, tracing_mode="fake")(x, y).graph)
     given = fused_graph(make_fx(given_scale, tracing_mode="fake")(x, y, torch.ones(())).graph)
     cast = 256 * 512  # the FP8 output, written once and read once
-    assert given.traffic_bytes == 2 * cast and given.kernels == 1
-    assert current.traffic_bytes == 2 * cast + 2 * 2 * 256 * 512  # x and y read again
+    inputs = 2 * 2 * 256 * 512  # x and y (bf16), graph inputs the fused kernel reads once
+    scale = BLOCK  # the given scale: one value, one allocation block
+    assert given.traffic_bytes == 2 * cast + inputs + scale and given.kernels == 1
+    assert current.traffic_bytes == 2 * cast + inputs + inputs  # x and y read again
     assert current.kernels == 2
+
+
+def test_a_fused_kernel_reads_the_gemm_output_it_takes():
+    # the activation after a GEMM reads the GEMM's output from memory: the fused graph counts that
+    # read beside its own output's write and read (before 2026-11-29 it did not, and a compiled
+    # MoE layer was planned 16% fast on one H200; the GEMM's operands are the GEMM's, not counted)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from mega.core.plan.fused_graph import fused_graph
+
+    def mlp_up(a, b):
+        return torch.nn.functional.gelu(a @ b)
+
+    a, b = torch.empty(256, 128, dtype=torch.bfloat16), torch.empty(128, 512, dtype=torch.bfloat16)
+    graph = fused_graph(make_fx(mlp_up, tracing_mode="fake")(a, b).graph)
+    out = 256 * 512 * 2  # the GEMM's output and the activation's, both bf16
+    assert graph.traffic_bytes == out + 2 * out
+    assert graph.kernels == 2
 
 
 def test_rates_without_an_fp8_rate_refuse_an_fp8_plan_by_name():
