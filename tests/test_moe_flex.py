@@ -46,3 +46,20 @@ def test_flex_refuses_a_capacity_factor(tmp_path: Path):
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_flex_sizes_nvshmems_heap_for_its_buffers_unless_the_user_did(monkeypatch):
+    """NVSHMEM's symmetric heap is fixed when it starts (1 GiB by default), and one trip's
+    buffers at EP4 already take 0.8 GB: flex asks for four times its first trip's need, at least
+    2 GiB, but never overrides the user's ``NVSHMEM_SYMMETRIC_SIZE``."""
+    from mega.parallel.expert import split_exchange
+
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE", raising=False)
+    split_exchange._size_heap(800 << 20)
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(4 * (800 << 20))
+    monkeypatch.delenv("NVSHMEM_SYMMETRIC_SIZE")
+    split_exchange._size_heap(1 << 20)
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == str(2 << 30)
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "12G")
+    split_exchange._size_heap(800 << 20)
+    assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == "12G"

@@ -32,6 +32,7 @@ rows, and the planner sees an all-to-all of them each way.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -106,6 +107,16 @@ def _c10d_combine(
 # ---------------------------------------------------------------------- NVSHMEM (CUDA ranks)
 
 _NVSHMEM_READY: set[str] = set()
+# NVSHMEM's symmetric heap, fixed when it starts (its NVSHMEM_SYMMETRIC_SIZE, 1 GiB by default):
+# unless the user set it, room for four times the first trip's two buffer sets (the other trip's
+# and the backward's shapes come later), at least 2 GiB. At EP4, 16k routed rows of 2048 bf16,
+# one trip's sets alone take 0.8 GB.
+_HEAP = "NVSHMEM_SYMMETRIC_SIZE"
+
+
+def _size_heap(needed: int) -> None:
+    if _HEAP not in os.environ:
+        os.environ[_HEAP] = str(max(2 << 30, 4 * needed))
 
 
 def _nvshmem(group_name: str, device: torch.device) -> Any:
@@ -153,8 +164,16 @@ def _buffers(
     """The next of the two alternating buffer sets for this trip's shapes (module docstring)."""
     key = (group_name, kind, rows_in, rows_out, like.shape[1], like.dtype, like.device, nsplits)
     if key not in _BUFFERS:
+        _size_heap(2 * (rows_in + rows_out) * like.shape[1] * like.element_size())
         symm_mem = _nvshmem(group_name, like.device)
-        _BUFFERS[key] = [_Buffers(symm_mem, rows_in, rows_out, like, nsplits) for _ in range(2)]
+        try:
+            _BUFFERS[key] = [_Buffers(symm_mem, rows_in, rows_out, like, nsplits) for _ in range(2)]
+        except Exception as exc:  # the heap is full: say which setting sizes it
+            raise MegaRunError(
+                f"--moe-token-dispatcher-type flex: symmetric buffers of {rows_out} rows do not"
+                f" fit NVSHMEM's heap ({first_line(exc)}); set {_HEAP} larger (now"
+                f" {os.environ.get(_HEAP)} bytes)"
+            ) from exc
         _TURNS[key] = 0
     _TURNS[key] ^= 1
     return _BUFFERS[key][_TURNS[key]]
