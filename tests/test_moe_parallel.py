@@ -29,6 +29,10 @@ LAYOUTS = {
     # flex: the counts stay on the device (on CPU ranks c10d stands in for NVSHMEM, same contract)
     "ep2-flex": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
     "ep4-flex": (4, ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex"]),
+    "ep2-tp2-sp-flex": (
+        4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--moe-token-dispatcher-type", "flex"],
+    ),
     "ep2-flex-compile": (
         2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
             "--compile"],
