@@ -16,17 +16,19 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
+from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows, release_buffers
 
 ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
 
 
 def made(source: int, n: int, call: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``source``'s rows ``[ROWS, HIDDEN]`` and splits ``[n * LOCAL]`` (summing to ``ROWS``,
-    some empty) at call ``call``."""
+    some empty) at call ``call``. The first local expert of rank ``call % n`` gets nothing from
+    anyone: it still takes a row (NVSHMEM's layout), so the next expert's blocks start later."""
     gen = torch.Generator().manual_seed(1000 * call + source)
     weights = torch.rand(n * LOCAL, generator=gen)
     weights[(source + call) % (n * LOCAL)] = 0.0  # an empty block
+    weights[(call % n) * LOCAL] = 0.0  # an empty expert
     splits = torch.bincount(
         torch.multinomial(weights, ROWS, replacement=True, generator=gen), minlength=n * LOCAL
     )
@@ -36,8 +38,9 @@ def made(source: int, n: int, call: int, device: torch.device) -> tuple[torch.Te
 
 def expected_arrival(
     rank: int, n: int, call: int, device: torch.device
-) -> tuple[torch.Tensor, list[int]]:
-    """The rows that must arrive here (expert-major, sources in order) and the blocks' sizes."""
+) -> tuple[list[torch.Tensor], list[int], list[int]]:
+    """The blocks that must arrive here (expert-major, sources in order), their sizes, and their
+    first rows: one after another, an expert with no row taking one row of padding."""
     blocks, sizes = {}, {}
     for source in range(n):
         rows, splits = made(source, n, call, device)
@@ -46,8 +49,14 @@ def expected_arrival(
             i = rank * LOCAL + e
             blocks[e, source] = rows[starts[i] : starts[i] + int(splits[i])]
             sizes[e, source] = int(splits[i])
+    firsts, row = [], 0
+    for e in range(LOCAL):
+        for s in range(n):
+            firsts.append(row)
+            row += sizes[e, s]
+        row += 0 if any(sizes[e, s] for s in range(n)) else 1
     order = [(e, s) for e in range(LOCAL) for s in range(n)]
-    return torch.cat([blocks[key] for key in order]), [sizes[key] for key in order]
+    return [blocks[key] for key in order], [sizes[key] for key in order], firsts
 
 
 def main() -> None:
@@ -61,19 +70,22 @@ def main() -> None:
     for call in range(3):
         rows, splits = made(rank, n, call, device)
         rows.requires_grad_(True)
+        # made before the window below: a host-to-device copy waits for the GPU
+        grad = torch.randn(ROWS, HIDDEN, generator=torch.Generator().manual_seed(call)).to(device)
         if cuda and call == 2:  # buffers made: from now on nothing may wait for the GPU
             torch.cuda.set_sync_debug_mode("error")
         arrived, layout = dispatch_rows(rows, splits, group, LOCAL)
         scaled = arrived * (rank + 1)  # "the experts": each rank scales what it holds
         returned = combine_rows(scaled, layout, splits, group, LOCAL)
-        grad = torch.randn(returned.shape, generator=torch.Generator().manual_seed(call)).to(device)
         (returned * grad).sum().backward()
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
-        want, sizes = expected_arrival(rank, n, call, device)
+        assert arrived.shape[0] == n * ROWS + LOCAL
+        blocks, sizes, firsts = expected_arrival(rank, n, call, device)
         assert layout[0].tolist() == sizes, (layout[0].tolist(), sizes)
-        assert layout[1].tolist() == (torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)).tolist()
-        torch.testing.assert_close(arrived[: want.shape[0]], want, rtol=0, atol=0)
+        assert layout[1].tolist() == firsts, (layout[1].tolist(), firsts)
+        for block, first in zip(blocks, firsts, strict=True):
+            torch.testing.assert_close(arrived[first : first + len(block)], block, rtol=0, atol=0)
         # each row back, scaled by its destination rank's factor; the gradient likewise
         destination = torch.repeat_interleave(
             torch.arange(n, device=device), splits.view(n, LOCAL).sum(1), output_size=ROWS
@@ -82,6 +94,8 @@ def main() -> None:
         torch.testing.assert_close(returned, rows.detach() * factor, rtol=0, atol=0)
         torch.testing.assert_close(rows.grad, grad * factor, rtol=0, atol=0)
     print(f"rank {rank}: flex trips hold their contract", flush=True)
+    release_buffers()
+    dist.barrier()
     dist.destroy_process_group()
 
 

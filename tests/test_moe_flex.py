@@ -63,3 +63,36 @@ def test_flex_sizes_nvshmems_heap_for_its_buffers_unless_the_user_did(monkeypatc
     monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "12G")
     split_exchange._size_heap(800 << 20)
     assert os.environ["NVSHMEM_SYMMETRIC_SIZE"] == "12G"
+
+
+@pytest.mark.parametrize(
+    "ep, world, experts, transport, expected",
+    [
+        (2, 2, 8, "nccl", []),
+        (2, 4, 8, "nccl", ["needs --expert-model-parallel-size equal to the number of ranks (2 of 4)"]),
+        (2, 2, 64, "nccl", ["2 expert-parallel ranks of 32 local experts"]),
+        (2, 2, 8, "copy-engine", ["with MEGA_CP_P2P_TRANSPORT=copy-engine"]),
+    ],
+)  # fmt: skip
+def test_flex_on_gpus_is_refused_before_launch_where_nvshmem_cannot_carry_it(
+    monkeypatch, ep, world, experts, transport, expected
+):
+    """NVSHMEM's kernels address ranks by their world number and synchronise every rank, take at
+    most 16 ranks and 16 local experts, and the symmetric-memory backend is one per process: each
+    is one line before launch (``run_checks.machine_problems`` asks on GPU runs)."""
+    from types import SimpleNamespace
+
+    from mega.parallel.expert.validate import flex_gpu_problems
+
+    monkeypatch.setenv("MEGA_CP_P2P_TRANSPORT", transport)
+    config = SimpleNamespace(
+        model=SimpleNamespace(moe_token_dispatcher_type="flex", num_experts=experts),
+        parallel=SimpleNamespace(expert_model_parallel_size=ep, context_parallel_size=2),
+        world_size=world,
+    )
+    problems = flex_gpu_problems(config)
+    assert len(problems) == len(expected)
+    for problem, fragment in zip(problems, expected, strict=True):
+        assert fragment in problem
+    config.model.moe_token_dispatcher_type = "alltoall"
+    assert flex_gpu_problems(config) == []

@@ -21,13 +21,18 @@ def run_problems(config: Any, plugins: Any, this_machine: bool = True) -> list[s
 
 def machine_problems(config: Any) -> list[str]:
     """This machine cannot run ``config``: no GPU for ``--device cuda``, none with FP8 tensor
-    cores for ``--fp8-format``, none for the context-parallel ring's CUDA graphs."""
+    cores for ``--fp8-format``, none for the context-parallel ring's CUDA graphs; what the flex
+    MoE dispatcher needs on GPUs."""
     errors = device_problems(config.training.device)
     if config.parallel.context_parallel_size > 1:
         from mega.parallel.context.transport_choice import GRAPHS_ENV, graphs_chosen
 
         if graphs_chosen() and runs_on_cpu(config.training.device):
             errors.append(f"{GRAPHS_ENV}=1 needs CUDA GPUs (the run is on the CPU)")
+    if config.parallel.expert_model_parallel_size > 1 and not runs_on_cpu(config.training.device):
+        from mega.parallel.expert.validate import flex_gpu_problems
+
+        errors += flex_gpu_problems(config)
     fp8_format = config.precision.fp8_format
     if fp8_format:
         from mega.parallel.fp8.checks import fp8_device_problems

@@ -224,15 +224,21 @@ class DeviceSplitDispatcher:
     """``flex``: the routed rows to their experts' ranks and back by
     :func:`~mega.parallel.expert.split_exchange.dispatch_rows` and ``combine_rows``, whose
     splits never leave the device. The slots are sorted by expert as ``alltoall`` sorts them;
-    the rows arrive expert-major in a buffer of ``n * T * k`` rows (any routing fits), and the
-    experts' grouped GEMM runs on its blocks alone (its offsets are the blocks' running sum; the
-    rows past them are padding it does not touch)."""
+    the rows arrive expert-major in a buffer of ``n * T * k + local`` rows (any routing fits),
+    and the experts' grouped GEMM runs on its blocks (its offsets are where each expert's blocks
+    end; an empty expert's padding row, zeroed, joins the next group; the rows past the last
+    offset it does not touch)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
 
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
-        from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
+        from mega.parallel.expert.split_exchange import (
+            block_rows,
+            combine_rows,
+            dispatch_rows,
+            expert_groups,
+        )
 
         n, local = group_size(self.group), experts.count
         t, k = routing.indices.shape
@@ -240,8 +246,11 @@ class DeviceSplitDispatcher:
         splits = bounds.diff()  # rows per (rank, local expert): dropless, so bounds[0] is 0
         outgoing = to_experts(tokens, order, inverse, k)
         arrived, layout = dispatch_rows(outgoing, splits, self.group, local)
-        counts = layout[0].view(local, n).sum(1)
-        outputs = _experts_on_blocks(arrived, counts, experts, n)
+        if not arrived.is_meta:  # padding rows zeroed: each grouped GEMM group may start with one
+            held = block_rows(layout, arrived.shape[0]).unsqueeze(1)
+            arrived = torch.where(held, arrived, arrived.new_zeros(()))
+        groups = expert_groups(layout, n, local)  # each expert's rows, its leading padding too
+        outputs = _experts_on_blocks(arrived, groups, experts, n, local)
         returned = combine_rows(outputs, layout, splits, self.group, local)
         return mix_slots(
             to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
@@ -249,15 +258,15 @@ class DeviceSplitDispatcher:
 
 
 def _experts_on_blocks(
-    arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int
+    arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int, local: int
 ) -> torch.Tensor:
-    """The experts' outputs for ``arrived``'s rows, padding rows included. The grouped GEMM on a
-    GPU leaves the padding alone (its rows are past the last offset); the expert loop, and the
-    CPU, run the counted rows alone (the host reads their number, as the loop does anyway) and
-    give the padding zero rows. On meta (the planner) the routing is balanced: ``1 / n`` of the
-    buffer is counted."""
+    """The experts' outputs for ``arrived``'s rows in groups of ``counts`` (each expert's blocks
+    and the zeroed padding row before them, if any), the rows past the groups included. The
+    grouped GEMM on a GPU leaves those alone (past the last offset); the expert loop, and the
+    CPU, run the grouped rows alone (the host reads their number, as the loop does anyway) and
+    give the rest zero rows. On meta (the planner) the routing is balanced: ``S`` rows arrive."""
     if arrived.is_meta:
-        valid = arrived.shape[0] // n
+        valid = (arrived.shape[0] - local) // n
     elif arrived.is_cuda and getattr(experts, "grouped_gemm", False):
         if arrived.dtype == torch.bfloat16:
             return experts(arrived, counts)

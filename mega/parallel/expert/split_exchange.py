@@ -9,12 +9,17 @@ What the two trips are, for ``n`` ranks holding ``local`` experts each, this ran
 (its routed slots, sorted by global expert: by destination rank, then its local expert):
 
 - ``dispatch_rows(rows, splits)``: ``splits [n * local]`` counts the rows per (rank, expert).
-  Returns ``arrived [n * S, h]``, expert-major (each local expert's rows from every source rank
-  together, in source order), and ``layout [2, n * local]``: the size and the first row of the
-  block at ``expert * n + source``. ``n * S`` rows hold any routing (every rank may send all of
-  its rows here); rows past the blocks are padding, whose values mean nothing.
+  Returns ``arrived [n * S + local, h]``, expert-major (each local expert's blocks from every
+  source rank together, in source order, experts in order), and ``layout [2, n * local]``: the
+  size and the first row of the block at ``expert * n + source``. An expert that receives no row
+  still takes one (NVSHMEM's kernel gives every expert at least its alignment, 1 here), so the
+  experts' rows are *not* the sizes' running sum: :func:`expert_groups` reads them from the
+  layout, :func:`block_rows` says which rows hold a block. ``n * S + local`` rows hold any
+  routing (every rank may send all of its rows here, every other expert empty); the rows outside
+  the blocks are padding, whose values mean nothing.
 - ``combine_rows(outputs, layout, splits)``: the experts' output rows (``layout``'s blocks of
-  ``outputs [n * S, h]``) back to the ranks they came from, in the order they left: ``[S, h]``.
+  ``outputs [n * S + local, h]``) back to the ranks they came from, in the order they left:
+  ``[S, h]``.
 
 Each is the other's gradient. No shape depends on the routing: a compiled MoE layer is one graph
 (each trip one opaque custom op), and nothing waits for the GPU.
@@ -24,8 +29,11 @@ Transports: on CUDA, torch's NVSHMEM all-to-alls with the splits on the device
 to expert-major and back), through symmetric buffers this module keeps per shape. Two sets of
 buffers alternate: a rank copies its next rows into a set only after the trip that used the
 other set, whose start every rank must reach, so no peer still reads the set being overwritten.
-Elsewhere (CPU ranks over gloo) the same contract by c10d: the counts are exchanged and read on
-the host (a sync, as ``alltoall``'s), the rows exchanged and regrouped. On the meta device
+NVSHMEM's kernels address ranks by their number in the world and synchronise all of them: the
+expert-parallel group must be the world (EP equal to the GPU count), at most 16 ranks and 16
+local experts (the kernels' tile limits). Elsewhere (CPU ranks over gloo) the same contract by
+c10d, an empty expert's padding row included: the counts are exchanged and read on the host (a
+sync, as ``alltoall``'s), the rows exchanged and regrouped. On the meta device
 (``mega plan``) the routing is balanced, as every dispatcher's there: each rank receives ``S``
 rows, and the planner sees an all-to-all of them each way.
 """
@@ -41,18 +49,42 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.errors import MegaRunError, first_line
+from mega.parallel.expert.validate import FLEX_MOST_LOCAL_EXPERTS, FLEX_MOST_RANKS
 from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.weight_grad import OpaqueWhenTraced
-
-
-def exclusive_cumsum(sizes: torch.Tensor) -> torch.Tensor:
-    """Each block's first row when blocks of ``sizes`` lie one after another."""
-    return torch.cumsum(sizes, 0) - sizes
 
 
 def expert_major_sizes(per_source: torch.Tensor) -> torch.Tensor:
     """``[n, local]`` block sizes (source-major) as ``[local * n]`` (expert-major)."""
     return per_source.t().reshape(-1)
+
+
+def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
+    """Each expert-major block's first row as NVSHMEM lays them out (module docstring): blocks
+    one after another, an expert with no row taking one row of padding."""
+    per_expert = sizes.view(local, n)
+    totals = per_expert.sum(1)
+    room = torch.clamp(totals, min=1)  # an empty expert's padding row
+    starts = torch.cumsum(room, 0) - room
+    within = torch.cumsum(per_expert, 1) - per_expert
+    return (starts.unsqueeze(1) + within).reshape(-1)
+
+
+def expert_groups(layout: torch.Tensor, n: int, local: int) -> torch.Tensor:
+    """``[local]``: the rows of each local expert's group for a grouped GEMM over ``arrived``,
+    the padding before its blocks included (so the groups' running sum is where each expert's
+    blocks end). From the layout on the device: no host sync."""
+    ends = (layout[0] + layout[1]).view(local, n)[:, -1]
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def block_rows(layout: torch.Tensor, rows: int) -> torch.Tensor:
+    """``[rows]`` bool: which rows of ``arrived`` hold a block (the others are padding)."""
+    sizes, starts = layout[0], layout[1]
+    edges = torch.zeros(rows + 1, dtype=torch.int64, device=layout.device)
+    edges.index_add_(0, starts, torch.ones_like(starts))
+    edges.index_add_(0, starts + sizes, -torch.ones_like(starts))
+    return torch.cumsum(edges, 0)[:rows] > 0
 
 
 # -------------------------------------------------------------------------- c10d (CPU ranks)
@@ -77,13 +109,15 @@ def _c10d_dispatch(
         rows, send, [sum(got[s * local : (s + 1) * local]) for s in range(n)], group
     )
     pieces = arrived.split(got)  # by source, then expert
-    grouped = [pieces[s * local + e] for e in range(local) for s in range(n)]
-    out = rows.new_zeros(n * rows.shape[0], rows.shape[1])
-    if grouped:
-        together = torch.cat(grouped)
-        out[: together.shape[0]] = together
     sizes = expert_major_sizes(received)
-    return out, torch.stack([sizes, exclusive_cumsum(sizes)])
+    starts = padded_offsets(sizes, n, local)
+    out = rows.new_zeros(n * rows.shape[0] + local, rows.shape[1])
+    for (e, s), start in zip(
+        ((e, s) for e in range(local) for s in range(n)), starts.tolist(), strict=True
+    ):
+        piece = pieces[s * local + e]
+        out[start : start + piece.shape[0]] = piece
+    return out, torch.stack([sizes, starts])
 
 
 def _c10d_combine(
@@ -119,11 +153,29 @@ def _size_heap(needed: int) -> None:
         os.environ[_HEAP] = str(max(2 << 30, 4 * needed))
 
 
-def _nvshmem(group_name: str, device: torch.device) -> Any:
+# NVSHMEM's 2D all-to-alls: at most 16 local experts (the dispatch's tiles) and 16 ranks (the
+# combine's), torch 2.11's nvshmem_extension.cu (checked before launch too: validate.py)
+_MOST_LOCAL, _MOST_RANKS = FLEX_MOST_LOCAL_EXPERTS, FLEX_MOST_RANKS
+
+
+def _nvshmem(group_name: str, device: torch.device, n: int, local: int) -> Any:
     """torch's symmetric memory on its NVSHMEM backend, set up for ``group_name`` once."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     if group_name not in _NVSHMEM_READY:
+        problem = None
+        if n != dist.get_world_size():
+            problem = (
+                f"the expert-parallel group ({n} ranks) must be every rank ({dist.get_world_size()}):"
+                " NVSHMEM's all-to-all addresses ranks by their number in the world"
+            )
+        elif n > _MOST_RANKS or local > _MOST_LOCAL:
+            problem = (
+                f"{n} ranks of {local} local experts: NVSHMEM's all-to-all takes at most"
+                f" {_MOST_RANKS} ranks and {_MOST_LOCAL} local experts"
+            )
+        if problem:
+            raise MegaRunError(f"--moe-token-dispatcher-type flex on GPUs: {problem}; use alltoall")
         try:
             if not symm_mem.is_nvshmem_available():
                 raise RuntimeError("this torch build or machine has no NVSHMEM")
@@ -159,13 +211,19 @@ _TURNS: dict[tuple, int] = {}
 
 
 def _buffers(
-    group_name: str, kind: str, rows_in: int, rows_out: int, like: torch.Tensor, nsplits: int
+    group_name: str,
+    kind: str,
+    rows_in: int,
+    rows_out: int,
+    like: torch.Tensor,
+    nsplits: int,
+    local: int,
 ) -> _Buffers:
     """The next of the two alternating buffer sets for this trip's shapes (module docstring)."""
     key = (group_name, kind, rows_in, rows_out, like.shape[1], like.dtype, like.device, nsplits)
     if key not in _BUFFERS:
         _size_heap(2 * (rows_in + rows_out) * like.shape[1] * like.element_size())
-        symm_mem = _nvshmem(group_name, like.device)
+        symm_mem = _nvshmem(group_name, like.device, nsplits // local, local)
         try:
             _BUFFERS[key] = [_Buffers(symm_mem, rows_in, rows_out, like, nsplits) for _ in range(2)]
         except Exception as exc:  # the heap is full: say which setting sizes it
@@ -179,15 +237,23 @@ def _buffers(
     return _BUFFERS[key][_TURNS[key]]
 
 
+def release_buffers() -> None:
+    """Free the symmetric buffers now, on every rank at the same point (freeing is collective in
+    NVSHMEM: left to the interpreter's teardown, ranks may free in different orders or not at
+    all before the process group is gone)."""
+    _BUFFERS.clear()
+    _TURNS.clear()
+
+
 def _nvshmem_dispatch(
     rows: torch.Tensor, splits: torch.Tensor, group_name: str, n: int, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     s = rows.shape[0]
-    b = _buffers(group_name, "dispatch", s, n * s, rows, n * local)
+    b = _buffers(group_name, "dispatch", s, n * s + local, rows, n * local, local)
     b.rows_in.copy_(rows)
     b.splits_in[0].copy_(splits)
-    # rank-major blocks in, expert-major out, each expert's first row unaligned (1): the grouped
-    # GEMM's offsets are then the sizes' running sum
+    # rank-major blocks in, expert-major out, each expert aligned to 1 row (an empty one still
+    # takes a row: the module docstring)
     torch.ops.symm_mem.all_to_all_vdev_2d(
         b.rows_in, b.rows_out, b.splits_in[0], b.layout_out, group_name, 1
     )
@@ -197,8 +263,8 @@ def _nvshmem_dispatch(
 def _nvshmem_combine(
     outputs: torch.Tensor, layout: torch.Tensor, group_name: str, n: int, local: int
 ) -> torch.Tensor:
-    s = outputs.shape[0] // n
-    b = _buffers(group_name, "combine", n * s, s, outputs, n * local)
+    s = _sent_rows(outputs, n, local)
+    b = _buffers(group_name, "combine", n * s + local, s, outputs, n * local, local)
     b.rows_in.copy_(outputs)
     b.splits_in.copy_(layout)
     torch.ops.symm_mem.all_to_all_vdev_2d_offset(
@@ -217,9 +283,18 @@ def _meta_dispatch(
     share = [rows.shape[0] // n] * n
     share[-1] += rows.shape[0] - sum(share)
     all_to_all_rows(rows, share, share, group)  # the planner counts its bytes
-    return rows.new_empty(n * rows.shape[0], rows.shape[1]), rows.new_empty(
+    return _arrival_like(rows, n, local)
+
+
+def _arrival_like(rows: torch.Tensor, n: int, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return rows.new_empty(n * rows.shape[0] + local, rows.shape[1]), rows.new_empty(
         2, n * local, dtype=torch.int64
     )
+
+
+def _sent_rows(outputs: torch.Tensor, n: int, local: int) -> int:
+    """``S``, the rows a rank sent, from the arrival buffer's ``n * S + local`` rows."""
+    return (outputs.shape[0] - local) // n
 
 
 def _dispatch_body(
@@ -238,7 +313,7 @@ def _combine_body(
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     if outputs.is_meta:
-        s = outputs.shape[0] // n
+        s = _sent_rows(outputs, n, local)
         share = [s // n] * n
         share[-1] += s - sum(share)
         return all_to_all_rows(outputs[:s], share, share, group)
@@ -253,14 +328,12 @@ _combine = OpaqueWhenTraced("mega::expert_combine_rows", _combine_body)
 
 @_dispatch.op.register_fake
 def _(rows, splits, group_name, n, local):
-    return rows.new_empty(n * rows.shape[0], rows.shape[1]), rows.new_empty(
-        2, n * local, dtype=torch.int64
-    )
+    return _arrival_like(rows, n, local)
 
 
 @_combine.op.register_fake
 def _(outputs, layout, group_name, n, local):
-    return outputs.new_empty(outputs.shape[0] // n, outputs.shape[1])
+    return outputs.new_empty(_sent_rows(outputs, n, local), outputs.shape[1])
 
 
 class _Dispatch(torch.autograd.Function):
@@ -304,7 +377,8 @@ class _Combine(torch.autograd.Function):
 def dispatch_rows(
     rows: torch.Tensor, splits: torch.Tensor, group: Any, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(arrived [n * S, h], layout [2, n * local])`` (module docstring); differentiable."""
+    """``(arrived [n * S + local, h], layout [2, n * local])`` (module docstring);
+    differentiable."""
     n = dist.get_world_size(group)
     return _Dispatch.apply(rows, splits, group.group_name, n, local)
 

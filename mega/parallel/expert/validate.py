@@ -43,3 +43,44 @@ def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
             f"--moe-expert-capacity-factor: the {plan.moe_dispatcher} dispatcher cannot drop tokens"
         )
     return errors
+
+
+# NVSHMEM's 2D all-to-alls (the flex dispatcher on GPUs, mega.parallel.expert.split_exchange)
+FLEX_MOST_RANKS, FLEX_MOST_LOCAL_EXPERTS = 16, 16
+
+
+def flex_gpu_problems(config: Any) -> list[str]:
+    """What ``--moe-token-dispatcher-type flex`` needs on GPUs, where NVSHMEM carries it: the
+    expert-parallel group must be every rank (its kernels address ranks by their number in the
+    world and synchronise all of them), at most 16 ranks and 16 local experts, and no other user
+    of torch's symmetric memory with another backend (the copy-engine ring of context
+    parallelism: one backend per process)."""
+    model, p = config.model, config.parallel
+    if getattr(model, "moe_token_dispatcher_type", None) != "flex":
+        return []
+    ep, world = p.expert_model_parallel_size, config.world_size
+    if ep <= 1:
+        return []
+    errors = []
+    if ep != world:
+        errors.append(
+            f"--moe-token-dispatcher-type flex on GPUs needs --expert-model-parallel-size equal"
+            f" to the number of ranks ({ep} of {world}): NVSHMEM's all-to-all spans every rank"
+        )
+    local = (getattr(model, "num_experts", None) or 0) // ep
+    if ep > FLEX_MOST_RANKS or local > FLEX_MOST_LOCAL_EXPERTS:
+        errors.append(
+            f"--moe-token-dispatcher-type flex on GPUs: {ep} expert-parallel ranks of {local}"
+            f" local experts; NVSHMEM's all-to-all takes at most {FLEX_MOST_RANKS} ranks and"
+            f" {FLEX_MOST_LOCAL_EXPERTS} local experts"
+        )
+    if p.context_parallel_size > 1:
+        from mega.parallel.context.transport_choice import chosen_transport
+
+        if chosen_transport() == "copy-engine":
+            errors.append(
+                "--moe-token-dispatcher-type flex with MEGA_CP_P2P_TRANSPORT=copy-engine: both"
+                " use torch's symmetric memory, whose backend is one per process; use the nccl"
+                " transport"
+            )
+    return errors
