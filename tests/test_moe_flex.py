@@ -96,3 +96,20 @@ def test_flex_on_gpus_is_refused_before_launch_where_nvshmem_cannot_carry_it(
         assert fragment in problem
     config.model.moe_token_dispatcher_type = "alltoall"
     assert flex_gpu_problems(config) == []
+
+
+def test_a_finished_run_frees_the_symmetric_buffers_on_every_rank_before_leaving(monkeypatch):
+    """NVSHMEM frees are collective: a run that ended normally frees flex's buffers at one point
+    on every rank, then waits for all (``finish_job``); a process that made none does nothing."""
+    import torch.distributed as dist
+
+    from mega.parallel.distributed import finish_job
+    from mega.parallel.expert import split_exchange
+
+    barriers = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: barriers.append(1))
+    finish_job()
+    assert barriers == []
+    monkeypatch.setitem(split_exchange._BUFFERS, ("key",), ["a set", "another"])
+    finish_job()
+    assert barriers == [1] and not split_exchange.holds_buffers()

@@ -108,10 +108,11 @@ def evaluate_command(args_list: list[str], plugins: Any) -> None:
         return
 
     from mega.core.training.engine import Engine
-    from mega.parallel.distributed import leave_job
+    from mega.parallel.distributed import finish_job, leave_job
 
     try:
         Engine(config, plugins).evaluate_checkpoint(iteration)
+        finish_job()
     except KeyboardInterrupt:
         raise click.exceptions.Exit(130) from None
     finally:

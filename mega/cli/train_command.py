@@ -98,10 +98,11 @@ def train_command(args_list: list[str], plugins: Any) -> None:
         return
 
     from mega.core.training.engine import Engine
-    from mega.parallel.distributed import leave_job
+    from mega.parallel.distributed import finish_job, leave_job
 
     try:
         Engine(config, plugins).train()
+        finish_job()
     except KeyboardInterrupt:  # the engine has said where it stopped: exit 130, no blank line
         raise click.exceptions.Exit(130) from None
     finally:

@@ -139,6 +139,19 @@ def join_job(config: Any, joins: dict[str, tuple[str, ...]] | None = None) -> tu
     return device, topology
 
 
+def finish_job() -> None:
+    """After a run that ended normally: free, on every rank at once, what is freed collectively
+    (the flex MoE dispatcher's NVSHMEM buffers, :mod:`mega.parallel.expert.split_exchange`),
+    while every rank is still here. Not after an error: a collective free would wait for ranks
+    that left."""
+    import sys
+
+    exchange = sys.modules.get("mega.parallel.expert.split_exchange")
+    if exchange is not None and exchange.holds_buffers():
+        exchange.release_buffers()
+        sys.modules["torch.distributed"].barrier()
+
+
 def leave_job() -> None:
     """Destroy this process's process group, if it joined one, before the interpreter exits.
 

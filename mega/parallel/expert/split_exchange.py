@@ -237,6 +237,11 @@ def _buffers(
     return _BUFFERS[key][_TURNS[key]]
 
 
+def holds_buffers() -> bool:
+    """Whether this process made symmetric buffers (a flex run on GPUs)."""
+    return bool(_BUFFERS)
+
+
 def release_buffers() -> None:
     """Free the symmetric buffers now, on every rank at the same point (freeing is collective in
     NVSHMEM: left to the interpreter's teardown, ranks may free in different orders or not at
