@@ -13,7 +13,8 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
   nothing waits for the GPU.
 - ``flex``: ``alltoall``'s traffic with the counts kept on the device (no host sync, no shape
   that depends on the routing; :mod:`mega.parallel.expert.split_exchange`), dropless only. The
-  experts run on a buffer with room for any routing (``n`` times the rows sent).
+  experts run on a buffer with room for any routing (``n`` times the rows sent, and a row per
+  local expert).
 
 Both are differentiable through their collectives; the routing weights never travel in
 ``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
@@ -265,13 +266,9 @@ def _experts_on_blocks(
     grouped GEMM on a GPU leaves those alone (past the last offset); the expert loop, and the
     CPU, run the grouped rows alone (the host reads their number, as the loop does anyway) and
     give the rest zero rows. On meta (the planner) the routing is balanced: ``S`` rows arrive."""
-    if arrived.is_meta:
-        valid = (arrived.shape[0] - local) // n
-    elif arrived.is_cuda and getattr(experts, "grouped_gemm", False):
-        if arrived.dtype == torch.bfloat16:
-            return experts(arrived, counts)
-        valid = int(counts.sum())
-    else:
-        valid = int(counts.sum())
+    grouped_gemm = getattr(experts, "grouped_gemm", False) and arrived.dtype == torch.bfloat16
+    if arrived.is_cuda and grouped_gemm:
+        return experts(arrived, counts)
+    valid = (arrived.shape[0] - local) // n if arrived.is_meta else int(counts.sum())
     out = experts(arrived[:valid], counts)
     return torch.cat([out, out.new_zeros(arrived.shape[0] - valid, out.shape[1])])

@@ -49,14 +49,10 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.errors import MegaRunError, first_line
-from mega.parallel.expert.validate import FLEX_MOST_LOCAL_EXPERTS, FLEX_MOST_RANKS
+from mega.parallel.expert.local import balanced_rows
+from mega.parallel.expert.validate import flex_layout_problems
 from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.weight_grad import OpaqueWhenTraced
-
-
-def expert_major_sizes(per_source: torch.Tensor) -> torch.Tensor:
-    """``[n, local]`` block sizes (source-major) as ``[local * n]`` (expert-major)."""
-    return per_source.t().reshape(-1)
 
 
 def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
@@ -90,18 +86,16 @@ def block_rows(layout: torch.Tensor, rows: int) -> torch.Tensor:
 # -------------------------------------------------------------------------- c10d (CPU ranks)
 
 
-def _exchange_sizes(sizes: torch.Tensor, group: Any) -> torch.Tensor:
-    """Every rank's ``sizes`` viewed ``[n, local]``: row ``r`` to rank ``r``; returns the rows
-    every rank sent here, ``[n, local]`` by source."""
-    received = torch.empty_like(sizes)
-    dist.all_to_all_single(received, sizes.contiguous(), group=group)
-    return received
+def _exchange_sizes(sizes: torch.Tensor, group: Any, n: int, local: int) -> torch.Tensor:
+    """``sizes`` viewed ``[n, local]``, row ``r`` to rank ``r``: the rows every rank sent here,
+    ``[n, local]`` by source."""
+    return all_to_all_rows(sizes.view(n, local), [1] * n, [1] * n, group)
 
 
 def _c10d_dispatch(
     rows: torch.Tensor, splits: torch.Tensor, group: Any, n: int, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    received = _exchange_sizes(splits, group).view(n, local)  # [source, expert]
+    received = _exchange_sizes(splits, group, n, local)  # [source, expert]
     host = torch.cat([splits, received.reshape(-1)]).tolist()  # the host reads the counts here
     sent, got = host[: n * local], host[n * local :]
     send = [sum(sent[r * local : (r + 1) * local]) for r in range(n)]
@@ -109,7 +103,7 @@ def _c10d_dispatch(
         rows, send, [sum(got[s * local : (s + 1) * local]) for s in range(n)], group
     )
     pieces = arrived.split(got)  # by source, then expert
-    sizes = expert_major_sizes(received)
+    sizes = received.t().reshape(-1)  # expert-major
     starts = padded_offsets(sizes, n, local)
     out = rows.new_zeros(n * rows.shape[0] + local, rows.shape[1])
     for (e, s), start in zip(
@@ -125,8 +119,8 @@ def _c10d_combine(
 ) -> torch.Tensor:
     sizes, starts = layout.tolist()  # the host reads the counts here
     # the block of (expert e, source s) goes back to s; to each source its blocks in expert order
-    per_source = layout[0].view(local, n).t().contiguous()  # [source, expert]
-    back = _exchange_sizes(per_source.reshape(-1), group).tolist()  # [holder, expert] of mine
+    per_source = layout[0].view(local, n).t()  # [source, expert]
+    back = _exchange_sizes(per_source, group, n, local).reshape(-1).tolist()  # [holder, expert]
     pieces = [
         outputs[starts[e * n + s] : starts[e * n + s] + sizes[e * n + s]]
         for s in range(n)
@@ -153,29 +147,14 @@ def _size_heap(needed: int) -> None:
         os.environ[_HEAP] = str(max(2 << 30, 4 * needed))
 
 
-# NVSHMEM's 2D all-to-alls: at most 16 local experts (the dispatch's tiles) and 16 ranks (the
-# combine's), torch 2.11's nvshmem_extension.cu (checked before launch too: validate.py)
-_MOST_LOCAL, _MOST_RANKS = FLEX_MOST_LOCAL_EXPERTS, FLEX_MOST_RANKS
-
-
 def _nvshmem(group_name: str, device: torch.device, n: int, local: int) -> Any:
     """torch's symmetric memory on its NVSHMEM backend, set up for ``group_name`` once."""
     from torch.distributed import _symmetric_memory as symm_mem
 
     if group_name not in _NVSHMEM_READY:
-        problem = None
-        if n != dist.get_world_size():
-            problem = (
-                f"the expert-parallel group ({n} ranks) must be every rank ({dist.get_world_size()}):"
-                " NVSHMEM's all-to-all addresses ranks by their number in the world"
-            )
-        elif n > _MOST_RANKS or local > _MOST_LOCAL:
-            problem = (
-                f"{n} ranks of {local} local experts: NVSHMEM's all-to-all takes at most"
-                f" {_MOST_RANKS} ranks and {_MOST_LOCAL} local experts"
-            )
-        if problem:
-            raise MegaRunError(f"--moe-token-dispatcher-type flex on GPUs: {problem}; use alltoall")
+        problems = flex_layout_problems(n, dist.get_world_size(), local)
+        if problems:
+            raise MegaRunError(problems[0])
         try:
             if not symm_mem.is_nvshmem_available():
                 raise RuntimeError("this torch build or machine has no NVSHMEM")
@@ -285,8 +264,7 @@ def _meta_dispatch(
     rows: torch.Tensor, n: int, local: int, group: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Balanced (module docstring): ``S`` rows go out and ``S`` come in, as an all-to-all."""
-    share = [rows.shape[0] // n] * n
-    share[-1] += rows.shape[0] - sum(share)
+    share = balanced_rows(rows.shape[0], n)
     all_to_all_rows(rows, share, share, group)  # the planner counts its bytes
     return _arrival_like(rows, n, local)
 
@@ -319,8 +297,7 @@ def _combine_body(
     group = _resolve_process_group(group_name)
     if outputs.is_meta:
         s = _sent_rows(outputs, n, local)
-        share = [s // n] * n
-        share[-1] += s - sum(share)
+        share = balanced_rows(s, n)
         return all_to_all_rows(outputs[:s], share, share, group)
     if outputs.is_cuda:
         return _nvshmem_combine(outputs, layout, group_name, n, local)

@@ -49,6 +49,26 @@ def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
 FLEX_MOST_RANKS, FLEX_MOST_LOCAL_EXPERTS = 16, 16
 
 
+def flex_layout_problems(ep: int, world: int, local: int) -> list[str]:
+    """The expert layouts NVSHMEM's all-to-all cannot carry: a group that is not every rank (its
+    kernels address ranks by their number in the world and synchronise all of them), more than
+    16 ranks or 16 local experts (its tiles). Before launch (:func:`flex_gpu_problems`) and at
+    the first trip (a library caller's)."""
+    errors = []
+    if ep != world:
+        errors.append(
+            f"--moe-token-dispatcher-type flex on GPUs needs --expert-model-parallel-size equal"
+            f" to the number of ranks ({ep} of {world}): NVSHMEM's all-to-all spans every rank"
+        )
+    if ep > FLEX_MOST_RANKS or local > FLEX_MOST_LOCAL_EXPERTS:
+        errors.append(
+            f"--moe-token-dispatcher-type flex on GPUs: {ep} expert-parallel ranks of {local}"
+            f" local experts; NVSHMEM's all-to-all takes at most {FLEX_MOST_RANKS} ranks and"
+            f" {FLEX_MOST_LOCAL_EXPERTS} local experts"
+        )
+    return errors
+
+
 def flex_gpu_problems(config: Any) -> list[str]:
     """What ``--moe-token-dispatcher-type flex`` needs on GPUs, where NVSHMEM carries it: the
     expert-parallel group must be every rank (its kernels address ranks by their number in the
@@ -61,19 +81,7 @@ def flex_gpu_problems(config: Any) -> list[str]:
     ep, world = p.expert_model_parallel_size, config.world_size
     if ep <= 1:
         return []
-    errors = []
-    if ep != world:
-        errors.append(
-            f"--moe-token-dispatcher-type flex on GPUs needs --expert-model-parallel-size equal"
-            f" to the number of ranks ({ep} of {world}): NVSHMEM's all-to-all spans every rank"
-        )
-    local = (getattr(model, "num_experts", None) or 0) // ep
-    if ep > FLEX_MOST_RANKS or local > FLEX_MOST_LOCAL_EXPERTS:
-        errors.append(
-            f"--moe-token-dispatcher-type flex on GPUs: {ep} expert-parallel ranks of {local}"
-            f" local experts; NVSHMEM's all-to-all takes at most {FLEX_MOST_RANKS} ranks and"
-            f" {FLEX_MOST_LOCAL_EXPERTS} local experts"
-        )
+    errors = flex_layout_problems(ep, world, (getattr(model, "num_experts", None) or 0) // ep)
     if p.context_parallel_size > 1:
         from mega.parallel.context.transport_choice import chosen_transport
 
