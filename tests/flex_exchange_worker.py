@@ -27,8 +27,9 @@ def made(source: int, n: int, call: int, device: torch.device) -> tuple[torch.Te
     anyone: it still takes a row (NVSHMEM's layout), so the next expert's blocks start later."""
     gen = torch.Generator().manual_seed(1000 * call + source)
     weights = torch.rand(n * LOCAL, generator=gen)
-    weights[(source + call) % (n * LOCAL)] = 0.0  # an empty block
     weights[(call % n) * LOCAL] = 0.0  # an empty expert
+    if (weights > 0).sum() > 1:  # an empty block, where another block remains to draw from
+        weights[(source + call) % (n * LOCAL)] = 0.0
     splits = torch.bincount(
         torch.multinomial(weights, ROWS, replacement=True, generator=gen), minlength=n * LOCAL
     )

@@ -15,7 +15,7 @@ import pytest
 from conftest import run_mega
 
 
-@pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1)])
+@pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1), (2, 1)])
 def test_the_flex_trips_bring_each_block_to_its_expert_and_back(ranks: int, local: int):
     worker = Path(__file__).with_name("flex_exchange_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]

@@ -224,11 +224,12 @@ class AllToAllDispatcher:
 class DeviceSplitDispatcher:
     """``flex``: the routed rows to their experts' ranks and back by
     :func:`~mega.parallel.expert.split_exchange.dispatch_rows` and ``combine_rows``, whose
-    splits never leave the device. The slots are sorted by expert as ``alltoall`` sorts them;
-    the rows arrive expert-major in a buffer of ``n * T * k + local`` rows (any routing fits),
-    and the experts' grouped GEMM runs on its blocks (its offsets are where each expert's blocks
-    end; an empty expert's padding row, zeroed, joins the next group; the rows past the last
-    offset it does not touch)."""
+    splits never leave the device. The slots are sorted by expert as ``alltoall`` sorts them,
+    and each (rank, expert) block is cut into pieces that travel as sub-experts
+    (``pieces_per_expert``). The rows arrive expert-major in a buffer of
+    ``n * T * k + local * pieces`` rows (any routing fits), and the experts' grouped GEMM runs on
+    its blocks (its offsets are where each expert's last piece ends; an empty piece's padding
+    row, zeroed, joins its expert's group; the rows past the last offset it does not touch)."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -239,20 +240,26 @@ class DeviceSplitDispatcher:
             combine_rows,
             dispatch_rows,
             expert_groups,
+            pieces_per_expert,
+            split_in_pieces,
         )
 
         n, local = group_size(self.group), experts.count
         t, k = routing.indices.shape
         order, inverse, bounds = group_by_expert(routing.indices.reshape(-1), n * local)
-        splits = bounds.diff()  # rows per (rank, local expert): dropless, so bounds[0] is 0
+        # rows per (rank, local expert), dropless (bounds[0] is 0), each block cut in pieces that
+        # travel as sub-experts: more of the kernel's thread blocks move them
+        pieces = pieces_per_expert(n, local)
+        splits = split_in_pieces(bounds.diff(), pieces)
         outgoing = to_experts(tokens, order, inverse, k)
-        arrived, layout = dispatch_rows(outgoing, splits, self.group, local)
-        if not arrived.is_meta:  # padding rows zeroed: each grouped GEMM group may start with one
+        arrived, layout = dispatch_rows(outgoing, splits, self.group, local * pieces)
+        if not arrived.is_meta:  # padding rows zeroed: each grouped GEMM group may hold some
             held = block_rows(layout, arrived.shape[0]).unsqueeze(1)
             arrived = torch.where(held, arrived, arrived.new_zeros(()))
-        groups = expert_groups(layout, n, local)  # each expert's rows, its leading padding too
-        outputs = _experts_on_blocks(arrived, groups, experts, n, local)
-        returned = combine_rows(outputs, layout, splits, self.group, local)
+        # each expert's rows: its pieces' blocks, which lie together, and padding among them
+        groups = expert_groups(layout, n * pieces, local)
+        outputs = _experts_on_blocks(arrived, groups, experts, n, local * pieces)
+        returned = combine_rows(outputs, layout, splits, self.group, local * pieces)
         return mix_slots(
             to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
         )
@@ -262,7 +269,7 @@ def _experts_on_blocks(
     arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int, local: int
 ) -> torch.Tensor:
     """The experts' outputs for ``arrived``'s rows in groups of ``counts`` (each expert's blocks
-    and the zeroed padding row before them, if any), the rows past the groups included. The
+    and the zeroed padding rows among them, if any), the rows past the groups included. The
     grouped GEMM on a GPU leaves those alone (past the last offset); the expert loop, and the
     CPU, run the grouped rows alone (the host reads their number, as the loop does anyway) and
     give the rest zero rows. On meta (the planner) the routing is balanced: ``S`` rows arrive."""

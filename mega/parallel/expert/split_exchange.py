@@ -50,9 +50,31 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.errors import MegaRunError, first_line
 from mega.parallel.expert.local import balanced_rows
-from mega.parallel.expert.validate import flex_layout_problems
+from mega.parallel.expert.validate import FLEX_MOST_LOCAL_EXPERTS, flex_layout_problems
 from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.weight_grad import OpaqueWhenTraced
+
+# torch's 2D kernel moves each (rank, expert) block with one thread block of its own, at most 64 on
+# one node. At EP2 with 4 local experts that is 8 thread blocks, and a trip of issue 46's MoE
+# (33 MB to the peer) took 1.9 ms on 2 H200 (2026-11-29), 4x NCCL's all-to-all of the same rows.
+KERNEL_MOST_BLOCKS = 64
+
+
+def pieces_per_expert(n: int, local: int) -> int:
+    """Into how many pieces the flex dispatcher cuts each (rank, expert) block, each piece a
+    sub-expert of its own to the kernels: as many as keep ``n * local * pieces`` within the
+    kernel's thread blocks and ``local * pieces`` within its experts. An expert's pieces lie
+    together in the expert-major layout, so the expert still sees its rows as one group."""
+    return max(1, min(FLEX_MOST_LOCAL_EXPERTS // local, KERNEL_MOST_BLOCKS // (n * local)))
+
+
+def split_in_pieces(splits: torch.Tensor, pieces: int) -> torch.Tensor:
+    """``[len(splits) * pieces]``: each count cut into ``pieces`` parts that differ by one row at
+    most, in order (a block's rows stay in order, its pieces one after another). On the device."""
+    if pieces == 1:
+        return splits
+    extra = torch.arange(pieces, device=splits.device) < (splits % pieces).unsqueeze(1)
+    return ((splits // pieces).unsqueeze(1) + extra).reshape(-1)
 
 
 def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
