@@ -142,10 +142,15 @@ def join_job(config: Any, joins: dict[str, tuple[str, ...]] | None = None) -> tu
 def finish_job() -> None:
     """After a run that ended normally: free, on every rank at once, what is freed collectively
     (the flex MoE dispatcher's NVSHMEM buffers, :mod:`mega.parallel.expert.split_exchange`),
-    while every rank is still here. Not after an error: a collective free would wait for ranks
-    that left."""
+    while every rank is still here, and the CUDA graphs that captured NCCL kernels (the CP ring's,
+    :func:`mega.parallel.context.graphed.release_graphs`), which the process group's destroy
+    would wait for. Not after an error: a collective free would wait for ranks that left, and a
+    replay may wait for one (after an error the launcher stops the ranks)."""
     import sys
 
+    graphed = sys.modules.get("mega.parallel.context.graphed")
+    if graphed is not None:  # NCCL's destroy (leave_job) waits for the graphs holding its kernels
+        graphed.release_graphs()
     exchange = sys.modules.get("mega.parallel.expert.split_exchange")
     if exchange is not None and exchange.holds_buffers():
         exchange.release_buffers()

@@ -23,6 +23,7 @@ refuses the pair). Captured NCCL calls need NCCL's graph support (CUDA 11.3+, an
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,7 @@ class GraphedPass:
     def __init__(self, body: Callable[..., tuple]) -> None:
         self.body = body
         self.passes: dict[tuple, _Pass] = {}
+        _ALL.add(self)
 
     def __call__(self, *args: Any) -> tuple:
         first = args[0]
@@ -90,6 +92,26 @@ class GraphedPass:
         if entry.graph is None:
             entry.capture(self.body, args)
         return entry.replay(args)
+
+
+_ALL: weakref.WeakSet[GraphedPass] = weakref.WeakSet()
+
+
+def release_graphs() -> None:
+    """Destroy every captured pass's graph, before the process group is destroyed. Why: NCCL
+    counts the graphs that captured a communicator's kernels and its destroy waits until each
+    is destroyed (``commDestroySync`` spins on ``localPersistentRefs``); graphs kept to the
+    interpreter's exit hung ``destroy_process_group`` on 2 H200 (2026-11-29: every rank's
+    training done, each stuck there). Waits for the GPU first: after a normal end only
+    (:func:`mega.parallel.distributed.finish_job`). The next call of a key runs eager and
+    captures anew."""
+    for graphed in list(_ALL):
+        if any(entry.graph is not None for entry in graphed.passes.values()):
+            torch.cuda.synchronize()  # no replay still running on the graphs being destroyed
+        for entry in graphed.passes.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        graphed.passes.clear()
 
 
 def graphed_pass(body: Callable[..., tuple]) -> Callable[..., tuple]:
