@@ -37,6 +37,7 @@ MOE = (
 # the dispatchers, in each row's own flags (the model's flags come after a row's and would win)
 ALLTOALL = "--moe-token-dispatcher-type=alltoall"
 FLEX = "--moe-token-dispatcher-type=flex"  # the counts kept on the device (NVSHMEM)
+FLEX_OVERLAP = f"{FLEX} --overlap-moe-expert-parallel-comm"  # two chunks, trips beside experts
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
@@ -67,7 +68,10 @@ def _torchrun(gpus: int, port: int, script: str, *args: str) -> list:
 LAYOUTS = {
     2: {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
-        "ep": [["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{PADDED}"]],
+        "ep": [
+            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_OVERLAP}",
+             f"ep2dp2:{PADDED}"]
+        ],
         # the ring-graphs row last: on 2 H200 (01703a4) it had not finished after 175 s
         "cp16k": [["tp1dp2", "cp2", "cp2:--cp-comm-type=all_gather", "cp2:--cp-comm-type=a2a",
                    "cp2@MEGA_CP_RING_GRAPHS=1"]],
@@ -77,7 +81,10 @@ LAYOUTS = {
     },
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
-        "ep": [["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{PADDED}"]],
+        "ep": [
+            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_OVERLAP}",
+             f"ep4dp4:{PADDED}"]
+        ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",
                         "cp4:--cp-comm-type=a2a"]],

@@ -71,6 +71,9 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], list
         ("ep2-alltoall", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
         ("ep2-allgather", ["--expert-model-parallel-size", "2"]),
         ("ep2-flex", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
+        # two chunks, each one's trips on a side stream beside the other's experts
+        ("ep2-flex-overlap", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                              "flex", "--overlap-moe-expert-parallel-comm"]),
         ("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dp2", []),
     ],

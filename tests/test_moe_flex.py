@@ -48,6 +48,56 @@ def test_flex_refuses_a_capacity_factor(tmp_path: Path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"],
+         "error: --overlap-moe-expert-parallel-comm: only the flex dispatcher overlaps its trips"),
+        (["--moe-token-dispatcher-type", "flex"],
+         "error: --overlap-moe-expert-parallel-comm needs --expert-model-parallel-size above 1"),
+    ],
+)  # fmt: skip
+def test_overlapped_trips_are_refused_where_no_trip_can_overlap(
+    tmp_path: Path, flags: list[str], expected: str
+):
+    """Only ``flex`` overlaps its trips, and only trips between expert ranks exist to overlap:
+    anything else is one error line before launch, not a flag silently ignored."""
+    result = run_mega(
+        [
+            "train", "--model", "moe", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "16",
+            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
+            "NullTokenizer", "--vocab-size", "64", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
+            "--nproc-per-node", "2", "--overlap-moe-expert-parallel-comm", *flags,
+            "--run-dir", str(tmp_path / "run"),
+        ],
+        tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert expected in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_block_cut_in_pieces_keeps_its_rows_in_order_and_its_pieces_even():
+    """Each (rank, expert) count cut into ``pieces`` counts that sum to it and differ by one row
+    at most, a block's pieces one after another (its rows stay in order); as many pieces as
+    keep torch's kernel within 64 thread blocks and 16 sub-experts."""
+    import torch
+
+    from mega.parallel.expert.split_exchange import pieces_per_expert, split_in_pieces
+
+    splits = torch.tensor([7, 0, 4, 1])
+    pieces = split_in_pieces(splits, 3)
+    assert pieces.tolist() == [3, 2, 2, 0, 0, 0, 2, 1, 1, 1, 0, 0]
+    assert torch.equal(pieces.view(4, 3).sum(1), splits)
+    assert split_in_pieces(splits, 1) is splits
+    assert [pieces_per_expert(n, local) for n, local in [(2, 4), (4, 2), (2, 1), (8, 16)]] == [
+        4, 8, 16, 1,
+    ]  # fmt: skip
+
+
 def test_flex_sizes_nvshmems_heap_for_its_buffers_unless_the_user_did(monkeypatch):
     """NVSHMEM's symmetric heap is fixed when it starts (1 GiB by default), and one trip's
     buffers at EP4 already take 0.8 GB: flex asks for four times its first trip's need, at least

@@ -37,6 +37,15 @@ LAYOUTS = {
         2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
             "--compile"],
     ),
+    # the tokens in two chunks, each one's trips beside the other's experts (streams on GPUs)
+    "ep2-flex-overlap": (
+        2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+            "--overlap-moe-expert-parallel-comm"],
+    ),
+    "ep2-flex-overlap-compile": (
+        2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+            "--overlap-moe-expert-parallel-comm", "--compile"],
+    ),
     "ep2-dp2-distributed-optimizer": (
         4, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]
     ),

@@ -61,6 +61,9 @@ class ParallelPlan:
     moe_layers: str = ""
     # the registered token dispatcher that expert parallelism gives them
     moe_dispatcher: str = "allgather"
+    # the dispatcher's trips beside the experts' GEMMs (--overlap-moe-expert-parallel-comm;
+    # a dispatcher that can: ``flex``)
+    moe_overlap_comm: bool = False
     # modules (with *) whose replicated parameters act on TP-sharded activations (per-head q/k
     # norms after the column-parallel QKV): each rank's gradient is a partial sum over TP, with
     # or without sequence parallelism (marked ``param.sequence_parallel``: summed over TP)

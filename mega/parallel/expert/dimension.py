@@ -5,6 +5,7 @@ one rank too."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,8 @@ class ExpertDimension(ParallelDimension):
         dispatcher = None
         if plan is not None and plan.moe_layers:
             dispatcher = choices("moe dispatcher").get(plan.moe_dispatcher).build
+            if plan.moe_overlap_comm:  # validated: a dispatcher that overlaps (flex)
+                dispatcher = functools.partial(_overlapping, dispatcher)
         apply_expert_parallel(model, plan, topology, parallel.sequence_parallel, dispatcher)
 
     def step_scale(self, scale: float, device: Any) -> None:
@@ -34,3 +37,11 @@ class ExpertDimension(ParallelDimension):
         from mega.parallel.expert.stats import router_metrics
 
         return router_metrics(model, topology)  # MoE: load balancing, drops
+
+
+def _overlapping(build: Any, group: Any) -> Any:
+    """The dispatcher ``build`` makes, with its trips overlapped
+    (``--overlap-moe-expert-parallel-comm``)."""
+    dispatcher = build(group)
+    dispatcher.overlap = True
+    return dispatcher

@@ -229,53 +229,33 @@ class DeviceSplitDispatcher:
     (``pieces_per_expert``). The rows arrive expert-major in a buffer of
     ``n * T * k + local * pieces`` rows (any routing fits), and the experts' grouped GEMM runs on
     its blocks (its offsets are where each expert's last piece ends; an empty piece's padding
-    row, zeroed, joins its expert's group; the rows past the last offset it does not touch)."""
+    row, zeroed, joins its expert's group; the rows past the last offset it does not touch).
+    ``overlap`` (``--overlap-moe-expert-parallel-comm``): the tokens in two chunks, each one's
+    trips beside the other's experts (:mod:`mega.parallel.expert.flex_schedule`)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: Any, overlap: bool = False) -> None:
         self.group = group
+        self.overlap = overlap
 
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
-        from mega.parallel.expert.split_exchange import (
-            block_rows,
-            combine_rows,
-            dispatch_rows,
-            expert_groups,
-            pieces_per_expert,
-            split_in_pieces,
-        )
+        from mega.parallel.expert import flex_schedule
+        from mega.parallel.expert.split_exchange import pieces_per_expert
 
         n, local = group_size(self.group), experts.count
-        t, k = routing.indices.shape
-        order, inverse, bounds = group_by_expert(routing.indices.reshape(-1), n * local)
-        # rows per (rank, local expert), dropless (bounds[0] is 0), each block cut in pieces that
-        # travel as sub-experts: more of the kernel's thread blocks move them
-        pieces = pieces_per_expert(n, local)
-        splits = split_in_pieces(bounds.diff(), pieces)
-        outgoing = to_experts(tokens, order, inverse, k)
-        arrived, layout = dispatch_rows(outgoing, splits, self.group, local * pieces)
-        if not arrived.is_meta:  # padding rows zeroed: each grouped GEMM group may hold some
-            held = block_rows(layout, arrived.shape[0]).unsqueeze(1)
-            arrived = torch.where(held, arrived, arrived.new_zeros(()))
-        # each expert's rows: its pieces' blocks, which lie together, and padding among them
-        groups = expert_groups(layout, n * pieces, local)
-        outputs = _experts_on_blocks(arrived, groups, experts, n, local * pieces)
-        returned = combine_rows(outputs, layout, splits, self.group, local * pieces)
-        return mix_slots(
-            to_slots(returned, order, inverse).view(t, k, -1), routing.probs, tokens.dtype
-        )
+        shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local))
+        if not self.overlap or tokens.shape[0] < 2:
+            return flex_schedule.in_order(tokens, routing, experts, shape)
+        if traced():  # streams are not traced: a graph break, the overlapped part eager
+            return _eager(flex_schedule.overlapped)(tokens, routing, experts, shape)
+        return flex_schedule.overlapped(tokens, routing, experts, shape)
 
 
-def _experts_on_blocks(
-    arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int, local: int
-) -> torch.Tensor:
-    """The experts' outputs for ``arrived``'s rows in groups of ``counts`` (each expert's blocks
-    and the zeroed padding rows among them, if any), the rows past the groups included. The
-    grouped GEMM on a GPU leaves those alone (past the last offset); the expert loop, and the
-    CPU, run the grouped rows alone (the host reads their number, as the loop does anyway) and
-    give the rest zero rows. On meta (the planner) the routing is balanced: ``S`` rows arrive."""
-    grouped_gemm = getattr(experts, "grouped_gemm", False) and arrived.dtype == torch.bfloat16
-    if arrived.is_cuda and grouped_gemm:
-        return experts(arrived, counts)
-    valid = (arrived.shape[0] - local) // n if arrived.is_meta else int(counts.sum())
-    out = experts(arrived[:valid], counts)
-    return torch.cat([out, out.new_zeros(arrived.shape[0] - valid, out.shape[1])])
+_EAGER: dict[Any, Any] = {}
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` marked for torch.compile to call, not trace (made when first traced: marking
+    imports torch._dynamo, which an eager process need not load)."""
+    if fn not in _EAGER:
+        _EAGER[fn] = torch.compiler.disable(fn)
+    return _EAGER[fn]

@@ -29,6 +29,16 @@ def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
             f"--tensor-model-parallel-size {tp} with experts needs --sequence-parallel"
             " (as in Megatron: each rank routes its own slice of the sequence)"
         )
+    if plan.moe_overlap_comm and plan.moe_dispatcher != "flex":
+        errors.append(
+            "--overlap-moe-expert-parallel-comm: only the flex dispatcher overlaps its trips"
+            f" (--moe-token-dispatcher-type flex, not {plan.moe_dispatcher})"
+        )
+    if plan.moe_overlap_comm and ep == 1:
+        errors.append(
+            "--overlap-moe-expert-parallel-comm needs --expert-model-parallel-size above 1"
+            " (with one expert rank nothing travels)"
+        )
     dispatchers = plugins.moe_dispatchers
     if plan.moe_dispatcher not in dispatchers:
         errors.append(

@@ -37,7 +37,7 @@ class GPTConfig:
         "init_method_std", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_grouped_gemm",
         "moe_token_dispatcher_type", "moe_expert_capacity_factor",
         "moe_pad_expert_input_to_capacity", "moe_token_drop_policy",
-        "moe_router_load_balancing_type",
+        "moe_router_load_balancing_type", "overlap_moe_expert_parallel_comm",
     )  # fmt: skip
 
     # the --position-embedding-type values this model builds (T5 swaps rope for relative)
@@ -176,6 +176,11 @@ class GPTConfig:
     )
     moe_token_dispatcher_type: str = option(
         "allgather", "How tokens reach their experts' ranks (a registered dispatcher)."
+    )
+    overlap_moe_expert_parallel_comm: bool = option(
+        False,
+        "Run the expert-parallel trips beside the experts' GEMMs: the tokens in two chunks, each"
+        " one's all-to-alls on a side stream while the other's experts compute (flex dispatcher).",
     )
 
     def __post_init__(self) -> None:

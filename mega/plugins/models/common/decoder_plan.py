@@ -49,6 +49,7 @@ def gpt_parallel_plan(cfg: GPTConfig) -> ParallelPlan:
         vocab_parameters=VOCAB_PARAMETERS,
         moe_layers=f"{LAYERS}.*.mlp" if cfg.num_experts else "",
         moe_dispatcher=cfg.moe_token_dispatcher_type,
+        moe_overlap_comm=cfg.overlap_moe_expert_parallel_comm,
         # --qk-layernorm's weights see only this rank's heads: partial gradients at any SP
         tensor_parallel_partial_grads=(
             f"{LAYERS}.*.self_attention.q_layernorm",
