@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from collective_bandwidth import timed
 from result_file import with_provenance
 
 from mega.parallel.expert.split_exchange import (
@@ -38,22 +38,6 @@ from mega.parallel.expert.split_exchange import (
     release_buffers,
     split_in_pieces,
 )
-
-
-def timed(run: Callable[[], object], iters: int, warmup: int) -> float:
-    """Median milliseconds of ``run()`` over ``iters`` calls after ``warmup``, ranks in step."""
-    times = []
-    for i in range(warmup + iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def kernel_ms(run: Callable[[], object], calls: int) -> dict[str, float]:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,20 +27,26 @@ def test_the_flex_trips_bring_each_block_to_its_expert_and_back(ranks: int, loca
     assert result.stdout.count("flex trips hold their contract") == ranks, result.stdout[-2000:]
 
 
-def test_flex_refuses_a_capacity_factor(tmp_path: Path):
-    """``flex`` is dropless: a capacity factor is one error line before launch."""
-    result = run_mega(
+def _tiny_moe_train(tmp_path: Path, *flags: str) -> Any:
+    """``mega train`` of a tiny MoE on two CPU ranks with ``flags`` (run dir ``tmp_path/run``)."""
+    return run_mega(
         [
             "train", "--model", "moe", "--num-layers", "2", "--hidden-size", "32",
             "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "16",
             "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
             "NullTokenizer", "--vocab-size", "64", "--micro-batch-size", "1",
             "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
-            "--nproc-per-node", "2", "--expert-model-parallel-size", "2",
-            "--moe-token-dispatcher-type", "flex", "--moe-expert-capacity-factor", "1.0",
-            "--run-dir", str(tmp_path / "run"),
+            "--nproc-per-node", "2", *flags, "--run-dir", str(tmp_path / "run"),
         ],
         tmp_path,
+    )  # fmt: skip
+
+
+def test_flex_refuses_a_capacity_factor(tmp_path: Path):
+    """``flex`` is dropless: a capacity factor is one error line before launch."""
+    result = _tiny_moe_train(
+        tmp_path, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+        "--moe-expert-capacity-factor", "1.0",
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-2000:]
     assert "error: --moe-expert-capacity-factor: the flex dispatcher cannot drop tokens" in (
@@ -62,18 +69,7 @@ def test_overlapped_trips_are_refused_where_no_trip_can_overlap(
 ):
     """Only ``flex`` overlaps its trips, and only trips between expert ranks exist to overlap:
     anything else is one error line before launch, not a flag silently ignored."""
-    result = run_mega(
-        [
-            "train", "--model", "moe", "--num-layers", "2", "--hidden-size", "32",
-            "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "16",
-            "--max-position-embeddings", "16", "--mock-data", "--tokenizer-type",
-            "NullTokenizer", "--vocab-size", "64", "--micro-batch-size", "1",
-            "--global-batch-size", "2", "--train-iters", "1", "--device", "cpu",
-            "--nproc-per-node", "2", "--overlap-moe-expert-parallel-comm", *flags,
-            "--run-dir", str(tmp_path / "run"),
-        ],
-        tmp_path,
-    )  # fmt: skip
+    result = _tiny_moe_train(tmp_path, "--overlap-moe-expert-parallel-comm", *flags)
     assert result.returncode == 2, result.stderr[-2000:]
     assert expected in result.stderr
     assert "Traceback" not in result.stderr
