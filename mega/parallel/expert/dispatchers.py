@@ -243,7 +243,9 @@ class DeviceSplitDispatcher:
 
         n, local = group_size(self.group), experts.count
         shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local))
-        if not self.overlap or tokens.shape[0] < 2:
+        # two equal chunks: one shape, so the chunks share NVSHMEM buffers (an odd count of
+        # tokens, which no real sequence gives, runs as one chunk rather than make two shapes)
+        if not self.overlap or tokens.shape[0] % 2 or tokens.shape[0] < 2:
             return flex_schedule.in_order(tokens, routing, experts, shape)
         if traced():  # streams are not traced: a graph break, the overlapped part eager
             return _eager(flex_schedule.overlapped)(tokens, routing, experts, shape)

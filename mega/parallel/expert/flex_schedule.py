@@ -133,8 +133,8 @@ _SIDE: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE:
-        _SIDE[device] = torch.cuda.Stream(device)
+    if device not in _SIDE:  # high priority: the trips' one-block barrier kernels do not queue
+        _SIDE[device] = torch.cuda.Stream(device, priority=-1)  # behind the GEMMs' blocks
     return _SIDE[device]
 
 
