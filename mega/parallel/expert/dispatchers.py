@@ -14,7 +14,8 @@ Rank ``r`` of ``n`` holds experts ``r*E/n .. (r+1)*E/n - 1``; each rank routes i
 - ``flex``: ``alltoall``'s traffic with the counts kept on the device (no host sync, no shape
   that depends on the routing; :mod:`mega.parallel.expert.split_exchange`), dropless only. The
   experts run on a buffer with room for any routing (``n`` times the rows sent, and a row per
-  local expert).
+  sub-expert: each block travels cut in pieces). Its steps and their order, with and without
+  ``--overlap-moe-expert-parallel-comm``, are :mod:`mega.parallel.expert.flex_schedule`'s.
 
 Both are differentiable through their collectives; the routing weights never travel in
 ``alltoall`` (the outputs are weighted where the tokens live). On the meta device (``mega
