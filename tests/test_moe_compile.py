@@ -5,6 +5,7 @@ auxiliary losses' backward scale is read at run time, not frozen into the compil
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -197,3 +198,17 @@ def test_the_compiled_alltoall_dispatch_compiles_once_and_matches_eager_on_two_r
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("compiled alltoall matches eager") == 2, result.stdout[-2000:]
+
+
+def test_the_overlapped_flex_dispatch_compiles_once_and_matches_eager_on_two_ranks():
+    """flex with its trips overlapped (``--overlap-moe-expert-parallel-comm``): torch.compile
+    calls the overlapped part eager (streams are not traced), the same outputs and gradients as
+    eager and as one process, and no recompile over four routings (marking the part at the first
+    traced call once recompiled the layer)."""
+    worker = Path(__file__).with_name("moe_dispatch_compile_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", str(worker)]
+    env = {**os.environ, "MOE_DISPATCHER": "flex-overlap"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("compiled flex-overlap matches eager") == 2, result.stdout[-2000:]

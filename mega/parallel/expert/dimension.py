@@ -43,5 +43,5 @@ def _overlapping(build: Any, group: Any) -> Any:
     """The dispatcher ``build`` makes, with its trips overlapped
     (``--overlap-moe-expert-parallel-comm``)."""
     dispatcher = build(group)
-    dispatcher.overlap = True
+    dispatcher.overlap_trips()
     return dispatcher

@@ -236,7 +236,18 @@ class DeviceSplitDispatcher:
 
     def __init__(self, group: Any, overlap: bool = False) -> None:
         self.group = group
-        self.overlap = overlap
+        self.overlap = False
+        if overlap:
+            self.overlap_trips()
+
+    def overlap_trips(self) -> None:
+        """From now on the trips overlapped (``--overlap-moe-expert-parallel-comm``). The
+        overlapped part is marked here for torch.compile to call, not trace (streams are not
+        traced), once: a mark made at the first traced call recompiled the layer."""
+        from mega.parallel.expert import flex_schedule
+
+        self.overlap = True
+        self._untraced_overlapped = torch.compiler.disable(flex_schedule.overlapped)
 
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         from mega.parallel.expert import flex_schedule
@@ -249,16 +260,5 @@ class DeviceSplitDispatcher:
         if not self.overlap or tokens.shape[0] % 2 or tokens.shape[0] < 2:
             return flex_schedule.in_order(tokens, routing, experts, shape)
         if traced():  # streams are not traced: a graph break, the overlapped part eager
-            return _eager(flex_schedule.overlapped)(tokens, routing, experts, shape)
+            return self._untraced_overlapped(tokens, routing, experts, shape)
         return flex_schedule.overlapped(tokens, routing, experts, shape)
-
-
-_EAGER: dict[Any, Any] = {}
-
-
-def _eager(fn: Any) -> Any:
-    """``fn`` marked for torch.compile to call, not trace (made when first traced: marking
-    imports torch._dynamo, which an eager process need not load)."""
-    if fn not in _EAGER:
-        _EAGER[fn] = torch.compiler.disable(fn)
-    return _EAGER[fn]
