@@ -236,18 +236,17 @@ class DeviceSplitDispatcher:
 
     def __init__(self, group: Any, overlap: bool = False) -> None:
         self.group = group
-        self.overlap = False
+        self._overlapped: Any = None  # the overlapped schedule, once turned on
         if overlap:
             self.overlap_trips()
 
     def overlap_trips(self) -> None:
         """From now on the trips overlapped (``--overlap-moe-expert-parallel-comm``). The
-        overlapped part is marked here for torch.compile to call, not trace (streams are not
+        overlapped schedule is marked here for torch.compile to call, not trace (streams are not
         traced), once: a mark made at the first traced call recompiled the layer."""
         from mega.parallel.expert import flex_schedule
 
-        self.overlap = True
-        self._untraced_overlapped = torch.compiler.disable(flex_schedule.overlapped)
+        self._overlapped = torch.compiler.disable(flex_schedule.overlapped)
 
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         from mega.parallel.expert import flex_schedule
@@ -257,8 +256,6 @@ class DeviceSplitDispatcher:
         shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local))
         # two equal chunks: one shape, so the chunks share NVSHMEM buffers (an odd count of
         # tokens, which no real sequence gives, runs as one chunk rather than make two shapes)
-        if not self.overlap or tokens.shape[0] % 2 or tokens.shape[0] < 2:
+        if self._overlapped is None or tokens.shape[0] % 2 or tokens.shape[0] < 2:
             return flex_schedule.in_order(tokens, routing, experts, shape)
-        if traced():  # streams are not traced: a graph break, the overlapped part eager
-            return self._untraced_overlapped(tokens, routing, experts, shape)
-        return flex_schedule.overlapped(tokens, routing, experts, shape)
+        return self._overlapped(tokens, routing, experts, shape)  # compiled: a graph break
