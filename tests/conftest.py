@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,20 @@ LAUNCHER_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+
+
+def run_workers(
+    worker: str, ranks: int, env: dict[str, str] | None = None, timeout: float = 300
+) -> str:
+    """``tests/WORKER`` on ``ranks`` local processes by torchrun (standalone), ``env`` added to
+    this process's: its stdout, once every rank has exited 0 (else the output's tail fails)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(ranks), str(Path(__file__).with_name(worker))]
+    environ = {**os.environ, **(env or {})}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=environ)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
 
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?\| lm loss: ([0-9.E+-]+) \|")
 

@@ -4,7 +4,9 @@ dispatcher eager and against every expert on one process, over four routings tha
 rows per expert and rank, a dropped slot in one). Dynamo must compile the dispatch once: the
 experts between the trips take a row count marked unbacked, so a new count is no new graph.
 ``MOE_DISPATCHER=flex-overlap``: the ``flex`` dispatcher with its trips overlapped, whose
-overlapped part torch.compile calls eager (a graph break), no slot dropped (it is dropless)."""
+overlapped part torch.compile calls eager (a graph break), no slot dropped (it is dropless).
+``MOE_DISPATCHER=flex-padded`` (with ``MEGA_FLEX_TRANSPORT=padded``): flex's trips by
+all-to-alls of fixed splits, traced into the graph."""
 
 from __future__ import annotations
 
@@ -62,8 +64,8 @@ def main() -> None:
     mine, everyone = experts_module(rank * local, local), experts_module(0, EXPERTS)
     if DISPATCHER == "alltoall":
         dispatcher = AllToAllDispatcher(dist.group.WORLD)
-    else:
-        dispatcher = DeviceSplitDispatcher(dist.group.WORLD, overlap=True)
+    else:  # flex-overlap, or flex-padded (with MEGA_FLEX_TRANSPORT=padded)
+        dispatcher = DeviceSplitDispatcher(dist.group.WORLD, overlap=DISPATCHER == "flex-overlap")
 
     def dispatch(x, probs, indices):  # noqa: ANN001, ANN202
         return dispatcher(x, Routing(probs, indices, TOKENS, False), mine)

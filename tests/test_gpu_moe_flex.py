@@ -3,17 +3,15 @@ contract as on CPU ranks (tests/flex_exchange_worker.py), and after the first ca
 the symmetric buffers) nothing waits for the GPU (``torch.cuda.set_sync_debug_mode("error")``
 around the third call's trips and their backward); and the overlapped schedule's two streams
 against the in-order one, every stream slowed where a race would show
-(tests/flex_overlap_worker.py). Skipped without 2 CUDA GPUs."""
+(tests/flex_overlap_worker.py); and the trips alone, in order, many times, each against c10d's
+(tests/flex_race_worker.py). Skipped without 2 CUDA GPUs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+from conftest import run_workers
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,32 +19,42 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("transport", ["auto", "padded"])
 @pytest.mark.parametrize("local", [1, 4])
-def test_the_flex_trips_hold_their_contract_over_nvshmem_without_a_host_sync(local: int):
-    worker = Path(__file__).with_name("flex_exchange_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(worker)]
+def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: int, transport: str):
+    """Over NVSHMEM (``auto``) and over NCCL's all-to-all of fixed splits (``padded``)."""
     env = {
-        **os.environ, "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local),
-        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+        "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local),
+        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport,
     }  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("flex trips hold their contract") == 2, result.stdout[-2000:]
+    stdout = run_workers("flex_exchange_worker.py", 2, env)
+    assert stdout.count("flex trips hold their contract") == 2, stdout[-2000:]
 
 
+# Failed on 2 H200 on 2026-11-30 (3332b02), both cases, on one rank or the other: why is not yet
+# known (tests/flex_race_worker.py probes torch's kernel). GPU runs refuse the overlap meanwhile
+# (mega.parallel.expert.validate.OVERLAP_ON_GPUS); not strict, since a race may pass a run.
+@pytest.mark.xfail(reason="overlapped flex raced on 2 H200 (2026-11-30)", strict=False)
 @pytest.mark.parametrize("caching", ["cached", "uncached"])
 def test_overlapped_flex_equals_in_order_flex_with_every_stream_slowed(caching: str):
     """``--overlap-moe-expert-parallel-comm``'s two chunks on two streams give the in-order
     schedule's outputs and gradients while every trip and every expert call first keeps its
     stream busy (tests/flex_overlap_worker.py): a missing wait reads unfinished rows. Uncached:
     with the caching allocator off, a block reused too early by another stream would differ."""
-    worker = Path(__file__).with_name("flex_overlap_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(worker)]
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
     if caching == "uncached":
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("overlapped flex equals in-order flex") == 2, result.stdout[-2000:]
+    stdout = run_workers("flex_overlap_worker.py", 2, env)
+    assert stdout.count("overlapped flex equals in-order flex") == 2, stdout[-2000:]
+
+
+def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_first():
+    """torch's 2D kernel lets thread block 0 overwrite the source offsets the other blocks read
+    when they start (a write-after-read race named in torch's PR 192300): 200 small trips per
+    mode, each against the same trip by c10d, none may differ (tests/flex_race_worker.py). The
+    overlapped schedule's race test failed on 2 H200 on 2026-11-30; this says whether in-order
+    flex carries the same risk."""
+    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    stdout = run_workers("flex_race_worker.py", 2, env)
+    for mode in ("idle", "busy", "empty-first"):
+        assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout

@@ -71,9 +71,6 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], list
         ("ep2-alltoall", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
         ("ep2-allgather", ["--expert-model-parallel-size", "2"]),
         ("ep2-flex", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
-        # two chunks, each one's trips on a side stream beside the other's experts
-        ("ep2-flex-overlap", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                              "flex", "--overlap-moe-expert-parallel-comm"]),
         ("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dp2", []),
     ],
@@ -81,6 +78,21 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], list
 def test_moe_layouts_match_one_gpu(
     tmp_path: Path, name: str, flags: list[str], one_gpu: tuple[list[float], list[float]]
 ):
+    _matches_one_gpu(tmp_path, name, flags, one_gpu)
+
+
+def test_flex_by_padded_all_to_alls_matches_one_gpu(
+    tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
+):
+    """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by NCCL all-to-alls of fixed splits."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
+    flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
+    _matches_one_gpu(tmp_path, "ep2-flex-padded", flags, one_gpu)
+
+
+def _matches_one_gpu(
+    tmp_path: Path, name: str, flags: list[str], one_gpu: tuple[list[float], list[float]]
+) -> None:
     losses, norms = one_gpu
     got_losses, got_norms = curves(tmp_path, name, [*flags, "--nproc-per-node", "2"])
     first_norm = abs(got_norms[0] - norms[0]) / norms[0]

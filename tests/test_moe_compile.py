@@ -5,10 +5,6 @@ auxiliary losses' backward scale is read at run time, not frozen into the compil
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +14,8 @@ from mega.core.config.resolve import resolve_config
 from mega.core.plugins.manager import make_plugins
 from mega.parallel.expert.aux_loss import set_backward_scale
 from mega.parallel.expert.local import local_mixture
+
+from conftest import run_workers
 
 
 def _routing(tokens: int = 32, k: int = 2, experts: int = 4):
@@ -192,12 +190,8 @@ def test_the_compiled_alltoall_dispatch_compiles_once_and_matches_eager_on_two_r
     routings: the same outputs and gradients as eager and as every expert on one process, and no
     new graph for new row counts (tests/moe_dispatch_compile_worker.py; the experts' rows unmarked
     as unbacked, the third call compiled anew: frames 4, 4, 5, 5)."""
-    worker = Path(__file__).with_name("moe_dispatch_compile_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(worker)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("compiled alltoall matches eager") == 2, result.stdout[-2000:]
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2)
+    assert stdout.count("compiled alltoall matches eager") == 2, stdout[-2000:]
 
 
 def test_the_overlapped_flex_dispatch_compiles_once_and_matches_eager_on_two_ranks():
@@ -205,10 +199,15 @@ def test_the_overlapped_flex_dispatch_compiles_once_and_matches_eager_on_two_ran
     calls the overlapped part eager (streams are not traced), the same outputs and gradients as
     eager and as one process, and no recompile over four routings (marking the part at the first
     traced call once recompiled the layer)."""
-    worker = Path(__file__).with_name("moe_dispatch_compile_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", str(worker)]
-    env = {**os.environ, "MOE_DISPATCHER": "flex-overlap"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("compiled flex-overlap matches eager") == 2, result.stdout[-2000:]
+    env = {"MOE_DISPATCHER": "flex-overlap"}
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
+    assert stdout.count("compiled flex-overlap matches eager") == 2, stdout[-2000:]
+
+
+def test_flex_by_padded_all_to_alls_compiles_once_and_matches_eager_on_two_ranks():
+    """``MEGA_FLEX_TRANSPORT=padded``: flex's trips as all-to-alls of fixed splits and index maps
+    made on the device, traced with the layer: the same outputs and gradients as eager and as
+    one process, and no recompile over four routings (tests/moe_dispatch_compile_worker.py)."""
+    env = {"MOE_DISPATCHER": "flex-padded", "MEGA_FLEX_TRANSPORT": "padded"}
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
+    assert stdout.count("compiled flex-padded matches eager") == 2, stdout[-2000:]

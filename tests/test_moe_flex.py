@@ -6,25 +6,34 @@ GPUs (NVSHMEM) in tests/test_gpu_moe_flex.py."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import run_mega
+from conftest import run_mega, run_workers
 
 
-@pytest.mark.parametrize("ranks, local", [(2, 2), (3, 1), (2, 1)])
-def test_the_flex_trips_bring_each_block_to_its_expert_and_back(ranks: int, local: int):
-    worker = Path(__file__).with_name("flex_exchange_worker.py")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", str(ranks), str(worker)]
-    env = {**os.environ, "FLEX_LOCAL": str(local)}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("flex trips hold their contract") == ranks, result.stdout[-2000:]
+@pytest.mark.parametrize(
+    "ranks, local, transport",
+    [(2, 2, "auto"), (3, 1, "auto"), (2, 1, "auto"), (2, 2, "padded"), (3, 3, "padded")],
+)
+def test_the_flex_trips_bring_each_block_to_its_expert_and_back(
+    ranks: int, local: int, transport: str
+):
+    """c10d's trips (``auto`` on CPU ranks) and the all-to-alls of fixed splits (``padded``)."""
+    env = {"FLEX_LOCAL": str(local), "MEGA_FLEX_TRANSPORT": transport}
+    stdout = run_workers("flex_exchange_worker.py", ranks, env)
+    assert stdout.count("flex trips hold their contract") == ranks, stdout[-2000:]
+
+
+def test_the_race_probe_finds_no_wrong_trip_where_c10d_carries_both():
+    """tests/flex_race_worker.py's own logic on CPU ranks (c10d in NVSHMEM's place): every trip
+    checked, none wrong. On GPUs it probes torch's 2D kernel (tests/test_gpu_moe_flex.py)."""
+    env = {"FLEX_RACE_CPU": "1", "FLEX_RACE_TRIPS": "5"}
+    stdout = run_workers("flex_race_worker.py", 2, env)
+    for mode in ("idle", "busy", "empty-first"):
+        assert f"race probe {mode}: 5 trips on 2 ranks, 0 wrong" in stdout, stdout
 
 
 def _tiny_moe_train(tmp_path: Path, *flags: str) -> Any:
@@ -53,6 +62,20 @@ def test_flex_refuses_a_capacity_factor(tmp_path: Path):
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_flex_transport_is_one_error_line(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "carrier-pigeon")
+    result = _tiny_moe_train(
+        tmp_path, "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: MEGA_FLEX_TRANSPORT='carrier-pigeon': must be one of auto, padded"], (
+        result.stderr[-2000:]
+    )
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
@@ -141,6 +164,26 @@ def test_flex_on_gpus_is_refused_before_launch_where_nvshmem_cannot_carry_it(
     for problem, fragment in zip(problems, expected, strict=True):
         assert fragment in problem
     config.model.moe_token_dispatcher_type = "alltoall"
+    assert flex_gpu_problems(config) == []
+
+
+def test_the_overlap_is_refused_before_launch_on_gpus():
+    """On 2 H200 the overlapped trips raced and ran slower than in order: GPU runs get one line
+    (``flex_gpu_problems``, asked on GPU runs only); CPU ranks still run it (its tests)."""
+    from types import SimpleNamespace
+
+    from mega.parallel.expert.validate import OVERLAP_ON_GPUS, flex_gpu_problems
+
+    model = SimpleNamespace(
+        moe_token_dispatcher_type="flex", num_experts=8, overlap_moe_expert_parallel_comm=True
+    )
+    config = SimpleNamespace(
+        model=model,
+        parallel=SimpleNamespace(expert_model_parallel_size=2, context_parallel_size=1),
+        world_size=2,
+    )
+    assert flex_gpu_problems(config) == [OVERLAP_ON_GPUS]
+    model.overlap_moe_expert_parallel_comm = False
     assert flex_gpu_problems(config) == []
 
 

@@ -38,6 +38,8 @@ from mega.parallel.expert.split_exchange import (
     expert_groups,
     split_in_pieces,
 )
+from mega.parallel.expert.validate import flex_transport
+from mega.parallel.weight_grad import traced
 
 
 @dataclass
@@ -88,7 +90,9 @@ def trip_out(c: Chunk, s: Shape) -> None:
 
 def run_experts(c: Chunk, s: Shape, experts: Any) -> None:
     arrived = c.arrived
-    if not arrived.is_meta:  # padding rows zeroed: each grouped GEMM group may hold some
+    # NVSHMEM's buffer keeps an earlier trip's rows in its padding, and a grouped GEMM group may
+    # hold padding rows: zero them (c10d's and the padded transport's are zero already)
+    if arrived.is_cuda and flex_transport() != "padded":
         held = block_rows(c.layout, arrived.shape[0]).unsqueeze(1)
         arrived = torch.where(held, arrived, arrived.new_zeros(()))
     # each expert's rows: its pieces' blocks, which lie together, and padding among them
@@ -115,9 +119,16 @@ def experts_on_blocks(
     grouped_gemm = getattr(experts, "grouped_gemm", False) and arrived.dtype == torch.bfloat16
     if arrived.is_cuda and grouped_gemm:
         return experts(arrived, counts)
-    valid = (arrived.shape[0] - local) // n if arrived.is_meta else int(counts.sum())
-    out = experts(arrived[:valid], counts)
-    return torch.cat([out, out.new_zeros(arrived.shape[0] - valid, out.shape[1])])
+    if arrived.is_meta:
+        grouped = arrived[: (arrived.shape[0] - local) // n]
+    elif traced():  # eager, its row count unbacked: one graph for every routing
+        from mega.parallel.expert.traced import grouped_rows
+
+        grouped = grouped_rows(arrived, counts)
+    else:
+        grouped = arrived[: int(counts.sum())]
+    out = experts(grouped, counts)
+    return torch.cat([out, out.new_zeros(arrived.shape[0] - grouped.shape[0], out.shape[1])])
 
 
 def in_order(tokens: torch.Tensor, routing: Any, experts: Any, s: Shape) -> torch.Tensor:

@@ -49,8 +49,14 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.errors import MegaRunError, first_line
+from mega.parallel.expert import padded_exchange
 from mega.parallel.expert.local import balanced_rows
-from mega.parallel.expert.validate import FLEX_MOST_LOCAL_EXPERTS, flex_layout_problems
+from mega.parallel.expert.padded_exchange import padded_offsets
+from mega.parallel.expert.validate import (
+    FLEX_MOST_LOCAL_EXPERTS,
+    flex_layout_problems,
+    flex_transport,
+)
 from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.weight_grad import OpaqueWhenTraced
 
@@ -64,7 +70,10 @@ def pieces_per_expert(n: int, local: int) -> int:
     """Into how many pieces the flex dispatcher cuts each (rank, expert) block, each piece a
     sub-expert of its own to the kernels: as many as keep ``n * local * pieces`` within the
     kernel's thread blocks and ``local * pieces`` within its experts. An expert's pieces lie
-    together in the expert-major layout, so the expert still sees its rows as one group."""
+    together in the expert-major layout, so the expert still sees its rows as one group. One
+    where ``MEGA_FLEX_TRANSPORT=padded`` carries the trips (no NVSHMEM kernel to feed)."""
+    if flex_transport() == "padded":
+        return 1
     return max(1, min(FLEX_MOST_LOCAL_EXPERTS // local, KERNEL_MOST_BLOCKS // (n * local)))
 
 
@@ -75,17 +84,6 @@ def split_in_pieces(splits: torch.Tensor, pieces: int) -> torch.Tensor:
         return splits
     extra = torch.arange(pieces, device=splits.device) < (splits % pieces).unsqueeze(1)
     return ((splits // pieces).unsqueeze(1) + extra).reshape(-1)
-
-
-def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
-    """Each expert-major block's first row as NVSHMEM lays them out (module docstring): blocks
-    one after another, an expert with no row taking one row of padding."""
-    per_expert = sizes.view(local, n)
-    totals = per_expert.sum(1)
-    room = torch.clamp(totals, min=1)  # an empty expert's padding row
-    starts = torch.cumsum(room, 0) - room
-    within = torch.cumsum(per_expert, 1) - per_expert
-    return (starts.unsqueeze(1) + within).reshape(-1)
 
 
 def expert_groups(layout: torch.Tensor, n: int, local: int) -> torch.Tensor:
@@ -384,6 +382,8 @@ def dispatch_rows(
     """``(arrived [n * S + local, h], layout [2, n * local])`` (module docstring);
     differentiable."""
     n = dist.get_world_size(group)
+    if flex_transport() == "padded":
+        return padded_exchange.dispatch(rows, splits, group, n, local)
     return _Dispatch.apply(rows, splits, group.group_name, n, local)
 
 
@@ -393,4 +393,6 @@ def combine_rows(
     """``[S, h]``: the blocks of ``outputs`` back in the order :func:`dispatch_rows` took them
     (``splits`` its splits); differentiable."""
     n = dist.get_world_size(group)
+    if flex_transport() == "padded":
+        return padded_exchange.combine(outputs, layout, splits, group, n, local)
     return _Combine.apply(outputs, layout, splits, group.group_name, n, local)

@@ -27,6 +27,15 @@ def split_rows(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...
     return pieces
 
 
+@torch.compiler.disable
+def grouped_rows(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x[:counts.sum()]``, the rows the groups hold, their count unbacked: flex's arrival
+    buffer for the expert loop, which reads the counts on the host anyway."""
+    rows = x[: int(counts.sum())]
+    mark_unbacked(rows, 0)
+    return rows
+
+
 def unbacked_rows(x: torch.Tensor) -> torch.Tensor:
     """``x``, its row count marked unbacked for the graph that takes it (called eagerly, as
     the rest of this module): the expert all-to-all's arrived rows."""

@@ -1,0 +1,129 @@
+"""The ``flex`` trips by one all-to-all of fixed splits each way: ``MEGA_FLEX_TRANSPORT=padded``.
+
+The same contract as :mod:`mega.parallel.expert.split_exchange`'s (``dispatch_rows`` brings
+``arrived [n * S + local, h]`` expert-major with its ``layout``; ``combine_rows`` takes the
+experts' rows back), carried another way. Every rank sends every rank a block of ``S`` rows (its
+routed slots: all of them could go to one rank), its real rows first; the per-expert counts go
+in a small all-to-all of their own; each side finds its rows by index maps computed on the
+device from those counts. So no split is read on the host, no shape depends on the routing (a
+compiled MoE layer is one graph), it runs on any backend (NCCL, gloo) and any expert-parallel
+group, and it needs no symmetric memory.
+
+Why: torch's NVSHMEM kernels cost more per trip than NCCL's all-to-all (on 2 H200, 2026-11-30,
+at 16,384 rows of 2048: 0.57 ms against 0.17 ms, ``benchmarks/flex_trips.py``) and a
+write-after-read race is suspected in them (docs/moe.md). The price here is bytes: ``n`` times
+the real rows cross (EP2 twice, EP4 four times), plus two gathers each way.
+
+Every gather's gradient is the opposite gather (:class:`_Rows`): the maps are one-to-one between
+the rows that carry a slot, and a row that carries none reads a zero row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.parallel.expert.collectives import exchange_rows
+
+
+def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
+    """Each expert-major block's first row as NVSHMEM lays them out (split_exchange's docstring): blocks
+    one after another, an expert with no row taking one row of padding."""
+    per_expert = sizes.view(local, n)
+    totals = per_expert.sum(1)
+    room = torch.clamp(totals, min=1)  # an empty expert's padding row
+    starts = torch.cumsum(room, 0) - room
+    within = torch.cumsum(per_expert, 1) - per_expert
+    return (starts.unsqueeze(1) + within).reshape(-1)
+
+
+class _Rows(torch.autograd.Function):
+    """``out[i] = x[index[i]]``, a zero row where ``index[i] == len(x)``; backward the opposite
+    gather by ``back`` (``back[j] == len(out)`` for a row of ``x`` no output takes)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (back,) = ctx.saved_tensors
+        return torch.cat([grad, grad.new_zeros(1, grad.shape[1])]).index_select(0, back), None, None
+
+
+def _send_maps(splits: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.Tensor, ...]:
+    """Between a rank's ``S`` sorted rows and its send buffer ``[n * S]`` (block ``r``: the rows
+    for rank ``r``, then padding): ``(into, out_of)``, ``into[p]`` the row that fills place
+    ``p`` (``S``: none) and ``out_of[i]`` the place of row ``i``."""
+    sent = splits.view(n, local).sum(1)
+    ends = torch.cumsum(sent, 0)
+    starts = ends - sent
+    j = torch.arange(s, device=splits.device)
+    into = torch.where(j < sent.unsqueeze(1), starts.unsqueeze(1) + j, s).reshape(-1)
+    rank = torch.searchsorted(ends, j, right=True).clamp(max=n - 1)
+    return into, rank * s + j - starts.index_select(0, rank)
+
+
+def _arrival_maps(counts: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.Tensor, ...]:
+    """Between the received blocks ``[n * S]`` (block ``q``: source ``q``'s rows for this rank's
+    experts in expert order, then padding; ``counts [n, local]`` their rows per expert) and the
+    expert-major arrival ``[n * S + local]``: ``(into, out_of, layout)``, ``into[o]`` the
+    received row at arrival row ``o`` (``n * S``: none), ``out_of[p]`` the arrival row of
+    received row ``p`` (``n * S + local``: none) and the layout (sizes and first rows of the
+    blocks at ``expert * n + source``, an empty expert taking a padding row as NVSHMEM's do)."""
+    device, rows = counts.device, n * s + local
+    sizes = counts.t().reshape(-1)
+    starts = padded_offsets(sizes, n, local)
+    ends = torch.cumsum(counts, 1)
+    within = ends - counts  # [source, expert]: where the expert's rows begin in the block
+    o = torch.arange(rows, device=device)
+    # the block holding arrival row o is the last to start at or before it (an empty block
+    # starting where a full one does comes first in expert-major order)
+    block = (torch.searchsorted(starts, o, right=True) - 1).clamp(min=0)
+    offset = o - starts.index_select(0, block)
+    expert, source = block // n, block % n
+    held = offset < sizes.index_select(0, block)
+    into = torch.where(held, source * s + within[source, expert] + offset, n * s)
+    j = torch.arange(s, device=device).expand(n, s).contiguous()
+    expert_of = torch.searchsorted(ends, j, right=True).clamp(max=local - 1)
+    source_of = torch.arange(n, device=device).unsqueeze(1).expand(n, s)
+    block_of = expert_of * n + source_of
+    place = starts.index_select(0, block_of.reshape(-1)).view(n, s) + j
+    place = place - within.gather(1, expert_of)
+    out_of = torch.where(j < ends[:, -1:], place, rows).reshape(-1)
+    return into, out_of, torch.stack([sizes, starts])
+
+
+def dispatch(
+    rows: torch.Tensor, splits: torch.Tensor, group: Any, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(arrived [n * S + local, h], layout [2, n * local])``: ``split_exchange.dispatch_rows``'s
+    contract by fixed splits."""
+    s = rows.shape[0]
+    into, out_of = _send_maps(splits, n, local, s)
+    send = _Rows.apply(rows, into, out_of)
+    received = exchange_rows(send, [s] * n, [s] * n, group)
+    counts = exchange_rows(splits.view(n, local), [1] * n, [1] * n, group)
+    into, out_of, layout = _arrival_maps(counts, n, local, s)
+    return _Rows.apply(received, into, out_of), layout
+
+
+def combine(
+    outputs: torch.Tensor,
+    layout: torch.Tensor,
+    splits: torch.Tensor,
+    group: Any,
+    n: int,
+    local: int,
+) -> torch.Tensor:
+    """``[S, h]``: the blocks of ``outputs`` back to the ranks they came from, in the order they
+    left (``splits`` this rank's own, as it sent them); ``split_exchange.combine_rows``'s
+    contract by fixed splits."""
+    s = (outputs.shape[0] - local) // n
+    counts = layout[0].view(local, n).t()
+    into, out_of, _ = _arrival_maps(counts, n, local, s)
+    back = exchange_rows(_Rows.apply(outputs, out_of, into), [s] * n, [s] * n, group)
+    into, out_of = _send_maps(splits, n, local, s)
+    return _Rows.apply(back, out_of, into)
