@@ -38,6 +38,15 @@ def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
     return (starts.unsqueeze(1) + within).reshape(-1)
 
 
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]``, a zero row where ``index == len(x)`` (no copy of ``x`` with a zero row
+    appended: one gather and one fill, both the size of the result)."""
+    if x.shape[0] == 0:  # nothing to take: every row is a zero row
+        return x.new_zeros(index.shape[0], x.shape[1])
+    rows = x.index_select(0, index.clamp(max=x.shape[0] - 1))
+    return rows.masked_fill_((index == x.shape[0]).unsqueeze(1), 0)
+
+
 class _Rows(torch.autograd.Function):
     """``out[i] = x[index[i]]``, a zero row where ``index[i] == len(x)``; backward the opposite
     gather by ``back`` (``back[j] == len(out)`` for a row of ``x`` no output takes)."""
@@ -45,12 +54,12 @@ class _Rows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, index: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(back)
-        return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)
+        return _take(x, index)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (back,) = ctx.saved_tensors
-        return torch.cat([grad, grad.new_zeros(1, grad.shape[1])]).index_select(0, back), None, None
+        return _take(grad, back), None, None
 
 
 def _send_maps(splits: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.Tensor, ...]:
