@@ -72,7 +72,8 @@ LAYOUTS = {
             ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_PADDED}",
              f"ep2dp2:{PADDED}"]
         ],
-        # the ring-graphs row last: on 2 H200 (01703a4) it had not finished after 175 s
+        # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
+        # takes about 300 s with it (2026-11-30 ran out at 265 s before it)
         "cp16k": [["tp1dp2", "cp2", "cp2:--cp-comm-type=all_gather", "cp2:--cp-comm-type=a2a",
                    "cp2@MEGA_CP_RING_GRAPHS=1"]],
         "cp32k": [["tp1dp2", "cp2"]],

@@ -29,6 +29,8 @@ LAYOUTS = {
     # flex: the counts stay on the device (on CPU ranks c10d stands in for NVSHMEM, same contract)
     "ep2-flex": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
     "ep4-flex": (4, ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "flex"]),
+    # an expert-parallel group smaller than the world (NVSHMEM cannot; c10d and padded can)
+    "ep2-dp2-flex": (4, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
     "ep2-tp2-sp-flex": (
         4, ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--moe-token-dispatcher-type", "flex"],
@@ -87,7 +89,7 @@ def test_expert_parallel_layout_trains_as_one_process(name, one_process, tmp_pat
     assert_same_training(one_process, result)
 
 
-@pytest.mark.parametrize("name", ["ep2-flex", "ep4-flex", "ep2-flex-compile"])
+@pytest.mark.parametrize("name", ["ep2-flex", "ep4-flex", "ep2-dp2-flex", "ep2-flex-compile"])
 def test_flex_by_padded_all_to_alls_trains_as_one_process(name, one_process, tmp_path, monkeypatch):
     """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by all-to-alls of fixed splits (every rank
     sends every rank all of its rows' room, the counts found on the device), eager and compiled:
