@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from mega.parallel.distributed import leave_job
 from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows, release_buffers
 
 ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
@@ -97,7 +98,7 @@ def main() -> None:
     print(f"rank {rank}: flex trips hold their contract", flush=True)
     release_buffers()
     dist.barrier()
-    dist.destroy_process_group()
+    leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
 if __name__ == "__main__":

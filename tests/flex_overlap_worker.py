@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from mega.parallel.distributed import leave_job
 from mega.parallel.expert import flex_schedule, split_exchange
 from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
 from mega.parallel.expert.split_exchange import release_buffers
@@ -96,7 +97,7 @@ def main() -> None:
     print(f"rank {rank}: overlapped flex equals in-order flex", flush=True)
     release_buffers()
     dist.barrier()
-    dist.destroy_process_group()
+    leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from mega.parallel.distributed import leave_job
 from mega.parallel.expert import split_exchange as sx
 
 TRIPS = int(os.environ.get("FLEX_RACE_TRIPS", "200"))
@@ -96,7 +97,7 @@ def main() -> None:
             print(f"race probe {mode}: {TRIPS} trips on {n} ranks, {int(wrong)} wrong", flush=True)
     sx.release_buffers()
     dist.barrier()
-    dist.destroy_process_group()
+    leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
+from mega.parallel.distributed import leave_job
 from mega.parallel.expert.dispatchers import AllToAllDispatcher, DeviceSplitDispatcher
 from mega.parallel.expert.local import local_mixture
 from mega.plugins.models.common.moe import GroupedExperts, Routing
@@ -87,7 +88,7 @@ def main() -> None:
         frames.append((counter.frame_count, counters["frames"]["total"]))
     assert frames == frames[:1] * 4, frames  # compiled once, whatever the routing
     print(f"rank {rank}: compiled {DISPATCHER} matches eager and one process, frames {frames}")
-    dist.destroy_process_group()
+    leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from mega.parallel.context.lanes import CopyEngineLane, lane
 from mega.parallel.context.ring import ring_attention
 from mega.parallel.context.transport_choice import TRANSPORT_ENV
+from mega.parallel.distributed import leave_job
 
 
 def attention(transport: str, seed: int, s_local: int) -> list[torch.Tensor]:
@@ -55,7 +56,7 @@ def main() -> None:
             assert diff <= 1e-2, (dist.get_rank(), seed, s_local, name, diff)
     torch.cuda.synchronize()
     print(f"rank {dist.get_rank()}: copy-engine and nccl agree, worst {worst:.2e}", flush=True)
-    dist.destroy_process_group()
+    leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
 if __name__ == "__main__":

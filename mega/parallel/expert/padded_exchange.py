@@ -16,6 +16,10 @@ the real rows cross (EP2 twice, EP4 four times), plus two gathers each way.
 
 Every gather's gradient is the opposite gather (:class:`_Rows`): the maps are one-to-one between
 the rows that carry a slot, and a row that carries none reads a zero row.
+
+Every rank routes the same number of slots ``S`` (a micro-batch's tokens times ``k``, the same on
+every rank of the group), as the NVSHMEM buffers assume too: the blocks' size is agreed without
+asking.
 """
 
 from __future__ import annotations
