@@ -14,8 +14,11 @@ Per row (``--rows`` routed rows per rank, ``--hidden`` bf16 columns, ``--local``
 rank, each (rank, expert) block cut in ``pieces``; balanced random routing): the median
 milliseconds of the dispatch, of the combine, and of NCCL's ``all_to_all_single`` of the same rows
 (CUDA events around each, a barrier and a sync before each call), and from a profile of
-``--profiled`` calls the device time per call of NVSHMEM's split exchange and data kernels. Rank
-0 writes ``<out>/<name>_<date>.json`` with the commit, command, device and versions.
+``--profiled`` calls the device time per call of NVSHMEM's split exchange and data kernels (and
+of NCCL's kernels). ``--transports auto,padded`` times each transport of flex's trips
+(``MEGA_FLEX_TRANSPORT``: NVSHMEM, or NCCL all-to-alls of fixed splits, whose blocks are not cut
+in pieces). Rank 0 writes ``<out>/<name>_<date>.json`` with the commit, command, device and
+versions.
 """
 
 from __future__ import annotations
@@ -48,17 +51,22 @@ def kernel_ms(run: Callable[[], object], calls: int) -> dict[str, float]:
             dist.barrier()
             run()
         torch.cuda.synchronize()
-    totals = {"exchange_ms": 0.0, "data_ms": 0.0}
+    totals = {"exchange_ms": 0.0, "data_ms": 0.0, "nccl_ms": 0.0}
     for event in prof.key_averages():
         name = event.key
         if "exchangeSplitAndOffset" in name:
             totals["exchange_ms"] += event.device_time_total / 1e3
         elif "allToAllV" in name:
             totals["data_ms"] += event.device_time_total / 1e3
+        elif name.startswith("ncclDevKernel"):
+            totals["nccl_ms"] += event.device_time_total / 1e3
     return {k: round(v / calls, 4) for k, v in totals.items()}
 
 
-def row(rows: int, hidden: int, local: int, pieces: int, args: argparse.Namespace) -> dict:
+def row(
+    rows: int, hidden: int, local: int, pieces: int, transport: str, args: argparse.Namespace
+) -> dict:
+    os.environ["MEGA_FLEX_TRANSPORT"] = transport  # read at every trip
     rank, n = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(rank)
     slots = torch.randint(0, n * local, (rows,), generator=gen)
@@ -84,7 +92,8 @@ def row(rows: int, hidden: int, local: int, pieces: int, args: argparse.Namespac
 
     with torch.no_grad():
         result = {
-            "rows": rows, "hidden": hidden, "local": local, "pieces": pieces,
+            "transport": transport, "rows": rows, "hidden": hidden, "local": local,
+            "pieces": pieces,
             "mib_per_rank": round(rows * hidden * 2 / 2**20, 1),
             "dispatch_ms": round(timed(dispatch, args.iters, args.warmup), 4),
             "combine_ms": round(timed(combine, args.iters, args.warmup), 4),
@@ -101,6 +110,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--local", type=int, default=4, help="experts per rank")
     parser.add_argument("--pieces", default="", help="pieces per block (default: 1 and flex's)")
+    parser.add_argument("--transports", default="auto,padded", help="MEGA_FLEX_TRANSPORT values")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profiled", type=int, default=10)
@@ -110,15 +120,17 @@ def main() -> None:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     n = dist.get_world_size()
+    os.environ["MEGA_FLEX_TRANSPORT"] = "auto"  # flex's own pieces, for NVSHMEM
     pieces = sorted({1, pieces_per_expert(n, args.local)})
     if args.pieces:
         pieces = [int(p) for p in args.pieces.split(",")]
     rows = []
     for count in (int(r) for r in args.rows.split(",")):
-        for p in pieces:
-            rows.append(row(count, args.hidden, args.local, p, args))
-            if dist.get_rank() == 0:
-                print(json.dumps(rows[-1]), flush=True)
+        for transport in args.transports.split(","):
+            for p in pieces if transport == "auto" else [1]:
+                rows.append(row(count, args.hidden, args.local, p, transport, args))
+                if dist.get_rank() == 0:
+                    print(json.dumps(rows[-1]), flush=True)
     if dist.get_rank() == 0:
         result = with_provenance({"world_size": n, "results": rows})
         out = Path(args.out)
