@@ -8,7 +8,8 @@ and neither (idle: the GPU waits for the host, when the host is behind); per str
 and busy time; the NCCL kernels by name. On 4 H100 it showed a compiled TP2 + SP step idle for
 half its span (docs/performance.md, "Why TP was slow at micro-batch 4"). With ``--host-ops N``
 also the host's N costliest ops per step, inclusive and self (``host_ops``): where the time of a
-host-bound step goes (a CP4 rank's ring calls, ``cp4_fake_16k_2026-11-29``).
+host-bound step goes (a CP4 rank's ring calls, ``cp4_fake_16k_2026-11-29``); with ``--callers OP``
+the host ops around each call of OP (``callers``: which graph or node calls ``aten::item``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import collections
 import gzip
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -96,31 +98,37 @@ def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
 HOST_CATEGORIES = ("cpu_op", "user_annotation", "python_function")
 
 
-def host_ops(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, Any]:
-    """The host's side: per op name (a custom op such as ``mega::ring_attention_forward``, an
-    aten op, a compiled graph's call), its calls per step and milliseconds per step, inclusive
-    (with the ops it calls) and self (without them: the Python and dispatch around them), the
-    ``top`` by inclusive time. The profiler's own cost per op inflates these where a step is
-    host-bound (~1.4x for a CP4 rank, ``cp4_fake_16k_2026-11-29``)."""
+def _nested(trace: dict[str, Any]) -> Iterator[tuple[dict, list[dict]]]:
+    """Every host op with the ops enclosing it on its thread (outermost first), in time order."""
     by_thread: dict[Any, list[dict]] = collections.defaultdict(list)
     for e in trace["traceEvents"]:
         if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES:
             by_thread[e["pid"], e["tid"]].append(e)
-    inclusive: collections.Counter = collections.Counter()
-    own: collections.Counter = collections.Counter()
-    calls: collections.Counter = collections.Counter()
     for events in by_thread.values():
         events.sort(key=lambda e: (e["ts"], -e["dur"]))
         stack: list[dict] = []  # the ops enclosing the current one, innermost last
         for e in events:
             while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
                 stack.pop()
-            inclusive[e["name"]] += e["dur"]
-            own[e["name"]] += e["dur"]
-            calls[e["name"]] += 1
-            if stack:
-                own[stack[-1]["name"]] -= e["dur"]
+            yield e, list(stack)
             stack.append(e)
+
+
+def host_ops(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, Any]:
+    """The host's side: per op name (a custom op such as ``mega::ring_attention_forward``, an
+    aten op, a compiled graph's call), its calls per step and milliseconds per step, inclusive
+    (with the ops it calls) and self (without them: the Python and dispatch around them), the
+    ``top`` by inclusive time. The profiler's own cost per op inflates these where a step is
+    host-bound (~1.4x for a CP4 rank, ``cp4_fake_16k_2026-11-29``)."""
+    inclusive: collections.Counter = collections.Counter()
+    own: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    for e, stack in _nested(trace):
+        inclusive[e["name"]] += e["dur"]
+        own[e["name"]] += e["dur"]
+        calls[e["name"]] += 1
+        if stack:
+            own[stack[-1]["name"]] -= e["dur"]
     ms = 1e-3 / steps
     return {
         name: {
@@ -132,12 +140,33 @@ def host_ops(trace: dict[str, Any], steps: int, top: int = 25) -> dict[str, Any]
     }
 
 
+def callers(trace: dict[str, Any], op: str, steps: int, depth: int = 3) -> dict[str, Any]:
+    """Where the host calls ``op`` (say ``aten::item``, a sync): per chain of the ``depth`` ops
+    enclosing it (innermost first, `` <- ``), its calls and milliseconds per step. A trace
+    without Python stacks still names the compiled graph, autograd node or custom op around
+    each call."""
+    found: collections.Counter = collections.Counter()
+    time: collections.Counter = collections.Counter()
+    for e, stack in _nested(trace):
+        if e["name"] == op:
+            chain = " <- ".join(o["name"][:80] for o in stack[::-1][:depth]) or "(top level)"
+            found[chain] += 1
+            time[chain] += e["dur"]
+    return {
+        chain: {"per_step": n / steps, "ms": time[chain] * 1e-3 / steps}
+        for chain, n in found.most_common()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--steps", type=int, default=2, help="steps the trace holds")
     parser.add_argument(
         "--host-ops", type=int, default=0, metavar="N", help="also the N costliest host ops"
+    )
+    parser.add_argument(
+        "--callers", default="", metavar="OP", help="also the host ops around each call of OP"
     )
     args = parser.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
@@ -146,6 +175,8 @@ def main() -> None:
     summary = summarize(trace, args.steps)
     if args.host_ops:
         summary["host_ops"] = host_ops(trace, args.steps, args.host_ops)
+    if args.callers:
+        summary["callers"] = callers(trace, args.callers, args.steps)
     print(json.dumps(summary, indent=1))
 
 

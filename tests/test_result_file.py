@@ -161,3 +161,20 @@ def test_host_ops_split_an_op_into_its_callees_and_its_own_time(monkeypatch):
     assert ops["launch"]["per_step"] == 2 and ops["launch"]["self_ms"] == pytest.approx(0.05)
     assert ops["add"]["self_ms"] == pytest.approx(0.005)
     assert list(ops)[0] == "ring"  # by inclusive time
+
+
+def test_callers_name_the_ops_around_each_call(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_summary
+
+    def op(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 1}
+
+    # one step: a graph call holding a node holding an item of 4 us; another item alone
+    events = [op("graph", 0, 100), op("node", 10, 50), op("aten::item", 20, 4)]
+    events += [op("aten::item", 200, 6)]
+    found = trace_summary.callers({"traceEvents": events}, "aten::item", steps=1)
+    assert found == {
+        "node <- graph": {"per_step": 1, "ms": pytest.approx(0.004)},
+        "(top level)": {"per_step": 1, "ms": pytest.approx(0.006)},
+    }
