@@ -202,3 +202,18 @@ def test_a_finished_run_frees_the_symmetric_buffers_on_every_rank_before_leaving
     monkeypatch.setitem(split_exchange._BUFFERS, ("key",), ["a set", "another"])
     finish_job()
     assert barriers == [1] and not split_exchange.holds_buffers()
+
+
+def test_the_padded_trip_refuses_splits_that_leave_rows_out():
+    """Dropless: splits that count fewer rows than were sent would lose the rest quietly (they
+    would ride in the padding); the padded dispatch asserts on the device that they add up."""
+    import torch
+
+    from mega.parallel.expert import padded_exchange
+
+    rows = torch.arange(4.0).unsqueeze(1)
+    arrived, layout = padded_exchange.dispatch(rows, torch.tensor([1, 3]), None, 1, 2)
+    assert arrived.squeeze(1).tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0]
+    assert layout.tolist() == [[1, 3], [0, 1]]
+    with pytest.raises(RuntimeError):
+        padded_exchange.dispatch(rows, torch.tensor([1, 2]), None, 1, 2)

@@ -115,6 +115,8 @@ def dispatch(
     """``(arrived [n * S + local, h], layout [2, n * local])``: ``split_exchange.dispatch_rows``'s
     contract by fixed splits."""
     s = rows.shape[0]
+    # every row goes somewhere (dropless): rows the splits did not count would be lost quietly
+    torch._assert_async(splits.sum() == s)
     into, out_of = _send_maps(splits, n, local, s)
     send = _Rows.apply(rows, into, out_of)
     received = exchange_rows(send, [s] * n, [s] * n, group)
