@@ -6,7 +6,8 @@ experts' rows back), carried another way. Every rank sends every rank a block of
 routed slots: all of them could go to one rank), its real rows first; the per-expert counts go
 in a small all-to-all of their own; each side finds its rows by index maps computed on the
 device from those counts. So no split is read on the host, no shape depends on the routing (a
-compiled MoE layer is one graph), it runs on any backend (NCCL, gloo) and any expert-parallel
+compiled MoE layer with the grouped GEMM on GPUs is one graph; the expert loop reads its counts
+anyway), it runs on any backend (NCCL, gloo) and any expert-parallel
 group, and it needs no symmetric memory.
 
 Why: torch's NVSHMEM kernels cost more per trip than NCCL's all-to-all (on 2 H200, 2026-11-30,
