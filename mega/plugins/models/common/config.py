@@ -180,7 +180,8 @@ class GPTConfig:
     overlap_moe_expert_parallel_comm: bool = option(
         False,
         "Run the expert-parallel trips beside the experts' GEMMs: the tokens in two chunks, each"
-        " one's all-to-alls on a side stream while the other's experts compute (flex dispatcher).",
+        " one's all-to-alls on a side stream while the other's experts compute (flex dispatcher;"
+        " refused on GPUs for now: it raced and ran slower there, docs/moe.md).",
     )
 
     def __post_init__(self) -> None:
