@@ -31,17 +31,26 @@ def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: i
     assert stdout.count("flex trips hold their contract") == 2, stdout[-2000:]
 
 
-# Failed on 2 H200 on 2026-11-30 (3332b02), both cases, on one rank or the other: why is not yet
-# known (tests/flex_race_worker.py probes torch's kernel). GPU runs refuse the overlap meanwhile
-# (mega.parallel.expert.validate.OVERLAP_ON_GPUS); not strict, since a race may pass a run.
-@pytest.mark.xfail(reason="overlapped flex raced on 2 H200 (2026-11-30)", strict=False)
+# Over NVSHMEM it failed on 2 H200 on 2026-11-30 (3332b02), both cases, on one rank or the
+# other: why is not yet known (tests/flex_race_worker.py probes torch's kernel). GPU runs refuse
+# the overlap meanwhile (mega.parallel.expert.validate.OVERLAP_ON_GPUS); not strict, since a race
+# may pass a run. Over the padded transport (no NVSHMEM kernel) not yet run: if it passes where
+# NVSHMEM fails, the schedule's waits are cleared and the kernel is the culprit.
+_NVSHMEM_RACED = pytest.mark.xfail(reason="raced over NVSHMEM on 2 H200 (2026-11-30)", strict=False)
+
+
+@pytest.mark.parametrize(
+    "transport", [pytest.param("auto", marks=_NVSHMEM_RACED), pytest.param("padded")]
+)
 @pytest.mark.parametrize("caching", ["cached", "uncached"])
-def test_overlapped_flex_equals_in_order_flex_with_every_stream_slowed(caching: str):
+def test_overlapped_flex_equals_in_order_flex_with_every_stream_slowed(
+    caching: str, transport: str
+):
     """``--overlap-moe-expert-parallel-comm``'s two chunks on two streams give the in-order
     schedule's outputs and gradients while every trip and every expert call first keeps its
     stream busy (tests/flex_overlap_worker.py): a missing wait reads unfinished rows. Uncached:
     with the caching allocator off, a block reused too early by another stream would differ."""
-    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport}
     if caching == "uncached":
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     stdout = run_workers("flex_overlap_worker.py", 2, env)
