@@ -16,8 +16,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.distributed import leave_job
-from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows, release_buffers
+from mega.parallel.distributed import finish_job, leave_job
+from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
 
 ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
 
@@ -96,8 +96,7 @@ def main() -> None:
         torch.testing.assert_close(returned, rows.detach() * factor, rtol=0, atol=0)
         torch.testing.assert_close(rows.grad, grad * factor, rtol=0, atol=0)
     print(f"rank {rank}: flex trips hold their contract", flush=True)
-    release_buffers()
-    dist.barrier()
+    finish_job()  # the symmetric buffers freed on every rank at once (a collective free)
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 

@@ -14,10 +14,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from mega.parallel.distributed import leave_job
+from mega.parallel.distributed import finish_job, leave_job
 from mega.parallel.expert import flex_schedule, padded_exchange, split_exchange
 from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
-from mega.parallel.expert.split_exchange import release_buffers
 
 TOKENS, HIDDEN, LOCAL, TOPK = 512, 64, 2, 2
 CYCLES = int(os.environ.get("FLEX_SLEEP_CYCLES", "20000000"))  # ~10 ms on an H200
@@ -97,8 +96,7 @@ def main() -> None:
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4, msg=f"{name} differs")
     assert flex_schedule._SIDE, "the overlapped schedule never used its side stream"
     print(f"rank {rank}: overlapped flex equals in-order flex", flush=True)
-    release_buffers()
-    dist.barrier()
+    finish_job()  # the symmetric buffers freed on every rank at once (a collective free)
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 

@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.distributed import leave_job
+from mega.parallel.distributed import finish_job, leave_job
 from mega.parallel.expert import split_exchange as sx
 
 TRIPS = int(os.environ.get("FLEX_RACE_TRIPS", "200"))
@@ -95,8 +95,7 @@ def main() -> None:
         dist.all_reduce(wrong)
         if rank == 0:
             print(f"race probe {mode}: {TRIPS} trips on {n} ranks, {int(wrong)} wrong", flush=True)
-    sx.release_buffers()
-    dist.barrier()
+    finish_job()  # the symmetric buffers freed on every rank at once (a collective free)
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit
 
 
