@@ -187,6 +187,23 @@ def test_the_overlap_is_refused_before_launch_on_gpus():
     assert flex_gpu_problems(config) == []
 
 
+def test_the_padded_transport_lifts_nvshmems_limits_before_launch(monkeypatch):
+    """EP2 of 4 GPUs and 32 local experts: NVSHMEM cannot (two lines), NCCL's fixed-split
+    all-to-alls can (``MEGA_FLEX_TRANSPORT=padded``: none)."""
+    from types import SimpleNamespace
+
+    from mega.parallel.expert.validate import flex_gpu_problems
+
+    config = SimpleNamespace(
+        model=SimpleNamespace(moe_token_dispatcher_type="flex", num_experts=64),
+        parallel=SimpleNamespace(expert_model_parallel_size=2, context_parallel_size=1),
+        world_size=4,
+    )
+    assert len(flex_gpu_problems(config)) == 2
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
+    assert flex_gpu_problems(config) == []
+
+
 def test_a_finished_run_frees_the_symmetric_buffers_on_every_rank_before_leaving(monkeypatch):
     """NVSHMEM frees are collective: a run that ended normally frees flex's buffers at one point
     on every rank, then waits for all (``finish_job``); a process that made none does nothing."""
