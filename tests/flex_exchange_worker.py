@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 
 from mega.parallel.distributed import finish_job, leave_job
-from mega.parallel.expert.split_exchange import combine_rows, dispatch_rows
+from mega.parallel.expert.split_exchange import (
+    arrival_align,
+    combine_rows,
+    dispatch_rows,
+    expert_groups,
+)
 
 ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
 
@@ -42,7 +47,9 @@ def expected_arrival(
     rank: int, n: int, call: int, device: torch.device
 ) -> tuple[list[torch.Tensor], list[int], list[int]]:
     """The blocks that must arrive here (expert-major, sources in order), their sizes, and their
-    first rows: one after another, an expert with no row taking one row of padding."""
+    first rows: one after another, each expert's room rounded up to the transport's alignment
+    and at least one alignment (an expert with no row taking that much padding)."""
+    align = arrival_align()
     blocks, sizes = {}, {}
     for source in range(n):
         rows, splits = made(source, n, call, device)
@@ -56,7 +63,8 @@ def expected_arrival(
         for s in range(n):
             firsts.append(row)
             row += sizes[e, s]
-        row += 0 if any(sizes[e, s] for s in range(n)) else 1
+        room = max(row - firsts[e * n], 1)
+        row = firsts[e * n] + -(-room // align) * align
     order = [(e, s) for e in range(LOCAL) for s in range(n)]
     return [blocks[key] for key in order], [sizes[key] for key in order], firsts
 
@@ -82,10 +90,14 @@ def main() -> None:
         (returned * grad).sum().backward()
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
-        assert arrived.shape[0] == n * ROWS + LOCAL
+        assert arrived.shape[0] == n * ROWS + LOCAL * arrival_align()
         blocks, sizes, firsts = expected_arrival(rank, n, call, device)
         assert layout[0].tolist() == sizes, (layout[0].tolist(), sizes)
         assert layout[1].tolist() == firsts, (layout[1].tolist(), firsts)
+        # the grouped GEMM's groups: each expert's room up to the next expert's, aligned
+        ends = torch.cumsum(expert_groups(layout, n, LOCAL), 0).tolist()
+        assert ends == [*firsts[n::n], firsts[-1] + sizes[-1]], (ends, firsts, sizes)
+        assert all(g % arrival_align() == 0 for g in ends[:-1]), ends
         for block, first in zip(blocks, firsts, strict=True):
             torch.testing.assert_close(arrived[first : first + len(block)], block, rtol=0, atol=0)
         # each row back, scaled by its destination rank's factor; the gradient likewise

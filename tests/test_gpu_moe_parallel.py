@@ -81,11 +81,18 @@ def test_moe_layouts_match_one_gpu(
     _matches_one_gpu(tmp_path, name, flags, one_gpu)
 
 
+# On 2 H200 (2026-11-30) its first gradient norm was 1.17 against one GPU's 1.43 (losses 3.9%
+# apart), while on CPU ranks, compiled with the grouped GEMM forced, it matched one process
+# exactly; GPUs refuse it until the difference is found (validate.PADDED_ON_GPUS). Not strict:
+# passing is what the hunt wants.
+@pytest.mark.xfail(reason="gradients off one GPU's on 2 H200 (2026-11-30)", strict=False)
 def test_flex_by_padded_all_to_alls_matches_one_gpu(
     tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
 ):
-    """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by NCCL all-to-alls of fixed splits."""
+    """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by NCCL all-to-alls of fixed splits (run
+    although GPUs refuse it: ``MEGA_FLEX_PADDED_ON_GPUS=1``)."""
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
+    monkeypatch.setenv("MEGA_FLEX_PADDED_ON_GPUS", "1")
     flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
     _matches_one_gpu(tmp_path, "ep2-flex-padded", flags, one_gpu)
 

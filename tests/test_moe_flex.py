@@ -201,7 +201,26 @@ def test_the_padded_transport_lifts_nvshmems_limits_before_launch(monkeypatch):
     )
     assert len(flex_gpu_problems(config)) == 2
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
+    monkeypatch.setenv("MEGA_FLEX_PADDED_ON_GPUS", "1")
     assert flex_gpu_problems(config) == []
+
+
+def test_the_padded_transport_is_refused_on_gpus_while_its_gradients_differ(monkeypatch):
+    """On 2 H200 its EP2 gradients were not one GPU's (validate.PADDED_ON_GPUS): one line before
+    launch, instead of a run that trains on wrong gradients; CPU ranks are not asked."""
+    from types import SimpleNamespace
+
+    from mega.parallel.expert.validate import PADDED_ON_GPUS, flex_gpu_problems
+
+    config = SimpleNamespace(
+        model=SimpleNamespace(moe_token_dispatcher_type="flex", num_experts=8),
+        parallel=SimpleNamespace(expert_model_parallel_size=2, context_parallel_size=1),
+        world_size=2,
+    )
+    monkeypatch.delenv("MEGA_FLEX_PADDED_ON_GPUS", raising=False)
+    assert flex_gpu_problems(config) == []  # auto: NVSHMEM carries EP2 of 2
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
+    assert flex_gpu_problems(config) == [PADDED_ON_GPUS]
 
 
 def test_a_finished_run_frees_the_symmetric_buffers_on_every_rank_before_leaving(monkeypatch):
@@ -230,7 +249,8 @@ def test_the_padded_trip_refuses_splits_that_leave_rows_out():
 
     rows = torch.arange(4.0).unsqueeze(1)
     arrived, layout = padded_exchange.dispatch(rows, torch.tensor([1, 3]), None, 1, 2)
-    assert arrived.squeeze(1).tolist() == [0.0, 1.0, 2.0, 3.0, 0.0, 0.0]
-    assert layout.tolist() == [[1, 3], [0, 1]]
+    # each expert's room a multiple of GROUP_ALIGN (8) rows: expert 1's rows begin at row 8
+    assert arrived.squeeze(1).tolist() == [0.0] + [0.0] * 7 + [1.0, 2.0, 3.0] + [0.0] * 9
+    assert layout.tolist() == [[1, 3], [0, 8]]
     with pytest.raises(RuntimeError):
         padded_exchange.dispatch(rows, torch.tensor([1, 2]), None, 1, 2)

@@ -227,10 +227,11 @@ class DeviceSplitDispatcher:
     :func:`~mega.parallel.expert.split_exchange.dispatch_rows` and ``combine_rows``, whose
     splits never leave the device. The slots are sorted by expert as ``alltoall`` sorts them,
     and each (rank, expert) block is cut into pieces that travel as sub-experts
-    (``pieces_per_expert``). The rows arrive expert-major in a buffer of
-    ``n * T * k + local * pieces`` rows (any routing fits), and the experts' grouped GEMM runs on
-    its blocks (its offsets are where each expert's last piece ends; an empty piece's padding
-    row, zeroed, joins its expert's group; the rows past the last offset it does not touch).
+    (``pieces_per_expert``). The rows arrive expert-major in a buffer of ``n * T * k`` rows and
+    each expert's padding (any routing fits; split_exchange's docstring), and the experts'
+    grouped GEMM runs on its blocks (its offsets are where the next expert's room begins, so
+    an expert's group holds its padding rows, zeroed; the rows past the last offset it does
+    not touch).
     ``overlap`` (``--overlap-moe-expert-parallel-comm``): the tokens in two chunks, each one's
     trips beside the other's experts (:mod:`mega.parallel.expert.flex_schedule`)."""
 

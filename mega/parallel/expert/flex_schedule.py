@@ -36,6 +36,7 @@ from mega.parallel.expert.split_exchange import (
     combine_rows,
     dispatch_rows,
     expert_groups,
+    sent_rows,
     split_in_pieces,
 )
 from mega.parallel.expert.validate import flex_transport
@@ -120,7 +121,7 @@ def experts_on_blocks(
     if arrived.is_cuda and grouped_gemm:
         return experts(arrived, counts)
     if arrived.is_meta:
-        grouped = arrived[: (arrived.shape[0] - local) // n]
+        grouped = arrived[: sent_rows(arrived.shape[0], n, local)]
     elif traced():  # eager, its row count unbacked: one graph for every routing
         from mega.parallel.expert.traced import grouped_rows
 

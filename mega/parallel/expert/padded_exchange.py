@@ -1,7 +1,7 @@
 """The ``flex`` trips by one all-to-all of fixed splits each way: ``MEGA_FLEX_TRANSPORT=padded``.
 
 The same contract as :mod:`mega.parallel.expert.split_exchange`'s (``dispatch_rows`` brings
-``arrived [n * S + local, h]`` expert-major with its ``layout``; ``combine_rows`` takes the
+``arrived`` expert-major with its ``layout``; ``combine_rows`` takes the
 experts' rows back), carried another way. Every rank sends every rank a block of ``S`` rows (its
 routed slots: all of them could go to one rank), its real rows first; the per-expert counts go
 in a small all-to-all of their own; each side finds its rows by index maps computed on the
@@ -31,13 +31,20 @@ import torch
 
 from mega.parallel.expert.collectives import exchange_rows
 
+# Each expert's rows start at a multiple of 8 rows here (16 bytes of bf16): the grouped GEMM's
+# kernel requires that of a group when the operand's rows are its contiguous dimension, and
+# Inductor may lay a gradient out so (the weight gradient's ``grad.t()`` as a row-major buffer:
+# ``delta % align`` asserted, 2 H200, torch 2.11, 2026-11-30). torchtitan aligns its groups alike.
+GROUP_ALIGN = 8
 
-def padded_offsets(sizes: torch.Tensor, n: int, local: int) -> torch.Tensor:
+
+def padded_offsets(sizes: torch.Tensor, n: int, local: int, align: int = 1) -> torch.Tensor:
     """Each expert-major block's first row as NVSHMEM lays them out (split_exchange's docstring): blocks
-    one after another, an expert with no row taking one row of padding."""
+    one after another, each expert's room rounded up to ``align`` rows and at least ``align`` (an
+    empty expert's padding, as NVSHMEM's kernel gives one)."""
     per_expert = sizes.view(local, n)
     totals = per_expert.sum(1)
-    room = torch.clamp(totals, min=1)  # an empty expert's padding row
+    room = (torch.clamp(totals, min=1) + align - 1) // align * align
     starts = torch.cumsum(room, 0) - room
     within = torch.cumsum(per_expert, 1) - per_expert
     return (starts.unsqueeze(1) + within).reshape(-1)
@@ -67,6 +74,14 @@ class _Rows(torch.autograd.Function):
         return _take(grad, back), None, None
 
 
+def _count_at_or_below(bounds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``torch.searchsorted(bounds, values, right=True)`` for ascending ``bounds`` (batched along
+    the leading dimension when 2-D), as a comparison count: torch 2.11's Inductor fails to lower
+    ``searchsorted`` whose boundaries are a view (``NotImplementedError: View`` on 2 H200,
+    2026-11-30), and the bounds here are a few dozen rank or expert ends, so counting is cheap."""
+    return (values.unsqueeze(-1) >= bounds.unsqueeze(-2)).sum(-1)
+
+
 def _send_maps(splits: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.Tensor, ...]:
     """Between a rank's ``S`` sorted rows and its send buffer ``[n * S]`` (block ``r``: the rows
     for rank ``r``, then padding): ``(into, out_of)``, ``into[p]`` the row that fills place
@@ -76,32 +91,32 @@ def _send_maps(splits: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.
     starts = ends - sent
     j = torch.arange(s, device=splits.device)
     into = torch.where(j < sent.unsqueeze(1), starts.unsqueeze(1) + j, s).reshape(-1)
-    rank = torch.searchsorted(ends, j, right=True).clamp(max=n - 1)
+    rank = _count_at_or_below(ends, j).clamp(max=n - 1)
     return into, rank * s + j - starts.index_select(0, rank)
 
 
 def _arrival_maps(counts: torch.Tensor, n: int, local: int, s: int) -> tuple[torch.Tensor, ...]:
     """Between the received blocks ``[n * S]`` (block ``q``: source ``q``'s rows for this rank's
     experts in expert order, then padding; ``counts [n, local]`` their rows per expert) and the
-    expert-major arrival ``[n * S + local]``: ``(into, out_of, layout)``, ``into[o]`` the
+    expert-major arrival ``[n * S + local * GROUP_ALIGN]``: ``(into, out_of, layout)``, ``into[o]`` the
     received row at arrival row ``o`` (``n * S``: none), ``out_of[p]`` the arrival row of
-    received row ``p`` (``n * S + local``: none) and the layout (sizes and first rows of the
+    received row ``p`` (``n * S + local * GROUP_ALIGN``: none) and the layout (sizes and first rows of the
     blocks at ``expert * n + source``, an empty expert taking a padding row as NVSHMEM's do)."""
-    device, rows = counts.device, n * s + local
+    device, rows = counts.device, n * s + local * GROUP_ALIGN
     sizes = counts.t().reshape(-1)
-    starts = padded_offsets(sizes, n, local)
+    starts = padded_offsets(sizes, n, local, GROUP_ALIGN)
     ends = torch.cumsum(counts, 1)
     within = ends - counts  # [source, expert]: where the expert's rows begin in the block
     o = torch.arange(rows, device=device)
     # the block holding arrival row o is the last to start at or before it (an empty block
     # starting where a full one does comes first in expert-major order)
-    block = (torch.searchsorted(starts, o, right=True) - 1).clamp(min=0)
+    block = (_count_at_or_below(starts, o) - 1).clamp(min=0)
     offset = o - starts.index_select(0, block)
     expert, source = block // n, block % n
     held = offset < sizes.index_select(0, block)
     into = torch.where(held, source * s + within[source, expert] + offset, n * s)
     j = torch.arange(s, device=device).expand(n, s).contiguous()
-    expert_of = torch.searchsorted(ends, j, right=True).clamp(max=local - 1)
+    expert_of = _count_at_or_below(ends, j).clamp(max=local - 1)
     source_of = torch.arange(n, device=device).unsqueeze(1).expand(n, s)
     block_of = expert_of * n + source_of
     place = starts.index_select(0, block_of.reshape(-1)).view(n, s) + j
@@ -113,7 +128,7 @@ def _arrival_maps(counts: torch.Tensor, n: int, local: int, s: int) -> tuple[tor
 def dispatch(
     rows: torch.Tensor, splits: torch.Tensor, group: Any, n: int, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(arrived [n * S + local, h], layout [2, n * local])``: ``split_exchange.dispatch_rows``'s
+    """``(arrived [n * S + local * GROUP_ALIGN, h], layout [2, n * local])``: ``split_exchange.dispatch_rows``'s
     contract by fixed splits."""
     s = rows.shape[0]
     # every row goes somewhere (dropless): rows the splits did not count would be lost quietly
@@ -137,7 +152,7 @@ def combine(
     """``[S, h]``: the blocks of ``outputs`` back to the ranks they came from, in the order they
     left (``splits`` this rank's own, as it sent them); ``split_exchange.combine_rows``'s
     contract by fixed splits."""
-    s = (outputs.shape[0] - local) // n
+    s = (outputs.shape[0] - local * GROUP_ALIGN) // n
     counts = layout[0].view(local, n).t()
     into, out_of, _ = _arrival_maps(counts, n, local, s)
     back = exchange_rows(_Rows.apply(outputs, out_of, into), [s] * n, [s] * n, group)

@@ -9,16 +9,17 @@ What the two trips are, for ``n`` ranks holding ``local`` experts each, this ran
 (its routed slots, sorted by global expert: by destination rank, then its local expert):
 
 - ``dispatch_rows(rows, splits)``: ``splits [n * local]`` counts the rows per (rank, expert).
-  Returns ``arrived [n * S + local, h]``, expert-major (each local expert's blocks from every
-  source rank together, in source order, experts in order), and ``layout [2, n * local]``: the
-  size and the first row of the block at ``expert * n + source``. An expert that receives no row
-  still takes one (NVSHMEM's kernel gives every expert at least its alignment, 1 here), so the
+  Returns ``arrived [n * S + local * a, h]``, expert-major (each local expert's blocks from
+  every source rank together, in source order, experts in order), and ``layout [2, n * local]``:
+  the size and the first row of the block at ``expert * n + source``. Each expert's room is
+  rounded up to ``a`` rows (:func:`arrival_align`) and is at least ``a`` rows (NVSHMEM's kernel
+  gives every expert at least its alignment, 1 here; the padded transport aligns to 8), so the
   experts' rows are *not* the sizes' running sum: :func:`expert_groups` reads them from the
-  layout, :func:`block_rows` says which rows hold a block. ``n * S + local`` rows hold any
+  layout, :func:`block_rows` says which rows hold a block. ``n * S + local * a`` rows hold any
   routing (every rank may send all of its rows here, every other expert empty); the rows outside
   the blocks are padding, whose values mean nothing.
 - ``combine_rows(outputs, layout, splits)``: the experts' output rows (``layout``'s blocks of
-  ``outputs [n * S + local, h]``) back to the ranks they came from, in the order they left:
+  ``outputs [n * S + local * a, h]``) back to the ranks they came from, in the order they left:
   ``[S, h]``.
 
 Each is the other's gradient. No shape depends on the routing: a compiled MoE layer is one graph
@@ -86,11 +87,23 @@ def split_in_pieces(splits: torch.Tensor, pieces: int) -> torch.Tensor:
     return ((splits // pieces).unsqueeze(1) + extra).reshape(-1)
 
 
+def arrival_align() -> int:
+    """``a``: the rows each expert's room in ``arrived`` is a multiple of (module docstring)."""
+    return padded_exchange.GROUP_ALIGN if flex_transport() == "padded" else 1
+
+
+def sent_rows(arrived_rows: int, n: int, local: int) -> int:
+    """``S``, the rows a rank sent, from the arrival's ``n * S + local * a`` rows."""
+    return (arrived_rows - local * arrival_align()) // n
+
+
 def expert_groups(layout: torch.Tensor, n: int, local: int) -> torch.Tensor:
-    """``[local]``: the rows of each local expert's group for a grouped GEMM over ``arrived``,
-    the padding before its blocks included (so the groups' running sum is where each expert's
-    blocks end). From the layout on the device: no host sync."""
-    ends = (layout[0] + layout[1]).view(local, n)[:, -1]
+    """``[local]``: the rows of each local expert's group for a grouped GEMM over ``arrived``:
+    its room, the padding after its blocks included, up to where the next expert's room begins
+    (so every group but the last is a multiple of the alignment); the last ends with its blocks.
+    From the layout on the device: no host sync."""
+    firsts = layout[1].view(local, n)[:, 0]  # where each expert's room begins
+    ends = torch.cat([firsts[1:], (layout[0] + layout[1])[-1:]])
     return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
@@ -267,7 +280,7 @@ def _nvshmem_dispatch(
 def _nvshmem_combine(
     outputs: torch.Tensor, layout: torch.Tensor, group_name: str, n: int, local: int
 ) -> torch.Tensor:
-    s = _sent_rows(outputs, n, local)
+    s = sent_rows(outputs.shape[0], n, local)
     b = _buffers(group_name, "combine", n * s + local, s, outputs, n * local, local)
     b.rows_in.copy_(outputs)
     b.splits_in.copy_(layout)
@@ -295,11 +308,6 @@ def _arrival_like(rows: torch.Tensor, n: int, local: int) -> tuple[torch.Tensor,
     )
 
 
-def _sent_rows(outputs: torch.Tensor, n: int, local: int) -> int:
-    """``S``, the rows a rank sent, from the arrival buffer's ``n * S + local`` rows."""
-    return (outputs.shape[0] - local) // n
-
-
 def _dispatch_body(
     rows: torch.Tensor, splits: torch.Tensor, group_name: str, n: int, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +324,7 @@ def _combine_body(
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     if outputs.is_meta:
-        s = _sent_rows(outputs, n, local)
+        s = sent_rows(outputs.shape[0], n, local)
         share = balanced_rows(s, n)
         return all_to_all_rows(outputs[:s], share, share, group)
     if outputs.is_cuda:
@@ -335,7 +343,7 @@ def _(rows, splits, group_name, n, local):
 
 @_combine.op.register_fake
 def _(outputs, layout, group_name, n, local):
-    return outputs.new_empty(_sent_rows(outputs, n, local), outputs.shape[1])
+    return outputs.new_empty(sent_rows(outputs.shape[0], n, local), outputs.shape[1])
 
 
 class _Dispatch(torch.autograd.Function):

@@ -105,13 +105,26 @@ OVERLAP_ON_GPUS = (
 )
 
 
+# On 2 H200 (2026-11-30) the padded transport trained EP2 compiled with the grouped GEMM, after two
+# fixes (Inductor could not lower searchsorted; the grouped GEMM's groups now aligned), but its
+# gradients were not one GPU's: first gradient norm 1.17 against 1.43, losses 3.9% apart. On CPU
+# ranks, compiled and with the grouped GEMM forced, it matches one process exactly. Until the GPU
+# difference is found, GPUs refuse it; MEGA_FLEX_PADDED_ON_GPUS=1 lets its GPU test hunt it.
+PADDED_ON_GPUS_ENV = "MEGA_FLEX_PADDED_ON_GPUS"
+PADDED_ON_GPUS = (
+    "MEGA_FLEX_TRANSPORT=padded is not run on GPUs yet: on 2 H200 its gradients differed from one"
+    " GPU's (first gradient norm 1.17 against 1.43; docs/moe.md)"
+)
+
+
 def flex_gpu_problems(config: Any) -> list[str]:
     """What ``--moe-token-dispatcher-type flex`` needs on GPUs, where NVSHMEM carries it: the
     expert-parallel group must be every rank (its kernels address ranks by their number in the
     world and synchronise all of them), at most 16 ranks and 16 local experts, and no other user
     of torch's symmetric memory with another backend (the copy-engine ring of context
     parallelism: one backend per process), unless ``MEGA_FLEX_TRANSPORT=padded`` carries the
-    trips instead; and no overlap (:data:`OVERLAP_ON_GPUS`)."""
+    trips instead (refused for now: :data:`PADDED_ON_GPUS`); and no overlap
+    (:data:`OVERLAP_ON_GPUS`)."""
     model, p = config.model, config.parallel
     if getattr(model, "moe_token_dispatcher_type", None) != "flex":
         return []
@@ -120,6 +133,8 @@ def flex_gpu_problems(config: Any) -> list[str]:
         return []
     errors = [OVERLAP_ON_GPUS] if getattr(model, "overlap_moe_expert_parallel_comm", False) else []
     if flex_transport() == "padded":  # NCCL's all-to-all: none of NVSHMEM's limits
+        if os.environ.get(PADDED_ON_GPUS_ENV) != "1":
+            errors.append(PADDED_ON_GPUS)
         return errors
     errors += flex_layout_problems(ep, world, (getattr(model, "num_experts", None) or 0) // ep)
     if p.context_parallel_size > 1:
