@@ -68,3 +68,17 @@ def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_
     stdout = run_workers("flex_race_worker.py", 2, env)
     for mode in ("idle", "busy", "empty-first"):
         assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout
+
+
+@pytest.mark.parametrize("transport", ["auto", "padded"])
+def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm(transport: str):
+    """The flex dispatcher with the grouped GEMM in bf16, compiled by Inductor, against itself
+    eager and against every expert on one GPU, over four routings (tests/
+    moe_dispatch_compile_worker.py with ``MOE_GPU=1``). Where the padded transport's training
+    gradients were off one GPU's (2 H200, 2026-11-30), this says whether the layer alone is."""
+    env = {
+        "MOE_GPU": "1", "MOE_DISPATCHER": "flex-padded" if transport == "padded" else "flex",
+        "MEGA_FLEX_TRANSPORT": transport, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+    }  # fmt: skip
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
+    assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
