@@ -81,11 +81,10 @@ def test_moe_layouts_match_one_gpu(
     _matches_one_gpu(tmp_path, name, flags, one_gpu)
 
 
-# On 2 H200 (2026-11-30) its first gradient norm was 1.17 against one GPU's 1.43 (losses 3.9%
-# apart), while on CPU ranks, compiled with the grouped GEMM forced, it matched one process
-# exactly; GPUs refuse it until the difference is found (validate.PADDED_ON_GPUS). Not strict:
-# passing is what the hunt wants.
-@pytest.mark.xfail(reason="gradients off one GPU's on 2 H200 (2026-11-30)", strict=False)
+# On 2 H200 (2026-11-30) its first gradient norm was 1.17 against one GPU's 1.43: torch 2.11's
+# compile lost the gradient of its gather (an in-place fill in an autograd.Function's forward;
+# tests/test_moe_flex.py shows it on CPU under 2.11). Fixed; GPUs refuse the transport until
+# this passes on them (validate.PADDED_ON_GPUS).
 def test_flex_by_padded_all_to_alls_matches_one_gpu(
     tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
 ):

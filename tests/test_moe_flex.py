@@ -205,9 +205,9 @@ def test_the_padded_transport_lifts_nvshmems_limits_before_launch(monkeypatch):
     assert flex_gpu_problems(config) == []
 
 
-def test_the_padded_transport_is_refused_on_gpus_while_its_gradients_differ(monkeypatch):
+def test_the_padded_transport_is_refused_on_gpus_until_its_fix_is_checked_there(monkeypatch):
     """On 2 H200 its EP2 gradients were not one GPU's (validate.PADDED_ON_GPUS): one line before
-    launch, instead of a run that trains on wrong gradients; CPU ranks are not asked."""
+    launch until a GPU run checks the fix; CPU ranks are not asked."""
     from types import SimpleNamespace
 
     from mega.parallel.expert.validate import PADDED_ON_GPUS, flex_gpu_problems
@@ -254,3 +254,31 @@ def test_the_padded_trip_refuses_splits_that_leave_rows_out():
     assert layout.tolist() == [[1, 3], [0, 8]]
     with pytest.raises(RuntimeError):
         padded_exchange.dispatch(rows, torch.tensor([1, 2]), None, 1, 2)
+
+
+def test_the_padded_gathers_compile_to_their_eager_gradients():
+    """torch 2.11's compile gave the padded transport's gather (an autograd.Function) a zero
+    gradient while its forward filled its result in place (on 2 H200 and on CPU, 2026-11-30: EP2
+    trained without its experts' gradients); torch 2.13 was right either way. Run under 2.11,
+    this fails on the in-place fill."""
+    import torch
+
+    from mega.parallel.expert.padded_exchange import _Rows
+
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([2, 0, 6, 1, 5, 6, 3, 4])  # 6: a zero row
+    back = torch.tensor([1, 3, 0, 6, 7, 4])  # where each row of x went
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return _Rows.apply(x, index, back)
+
+    results = []
+    for fn in (gather, torch.compile(gather, backend="aot_eager", fullgraph=True)):
+        leaf = x.clone().requires_grad_()
+        out = fn(leaf)
+        out.backward(torch.arange(float(out.numel())).view_as(out))
+        results.append((out.detach(), leaf.grad))
+    (eager_out, eager_grad), (compiled_out, compiled_grad) = results
+    torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=0)
+    assert eager_grad.abs().sum() > 0  # rows of x reached the output: a gradient to lose

@@ -52,11 +52,15 @@ def padded_offsets(sizes: torch.Tensor, n: int, local: int, align: int = 1) -> t
 
 def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``x[index]``, a zero row where ``index == len(x)`` (no copy of ``x`` with a zero row
-    appended: one gather and one fill, both the size of the result)."""
+    appended: one gather and one fill, both the size of the result, fused when compiled).
+
+    The fill is out of place on purpose: torch 2.11's compile gives an autograd.Function whose
+    forward returns a tensor filled in place a zero gradient (the padded transport's EP2 trained
+    with its experts' gradients missing, 2 H200 and CPU, 2026-11-30; torch 2.13 is right)."""
     if x.shape[0] == 0:  # nothing to take: every row is a zero row
         return x.new_zeros(index.shape[0], x.shape[1])
     rows = x.index_select(0, index.clamp(max=x.shape[0] - 1))
-    return rows.masked_fill_((index == x.shape[0]).unsqueeze(1), 0)
+    return rows.masked_fill((index == x.shape[0]).unsqueeze(1), 0)
 
 
 class _Rows(torch.autograd.Function):

@@ -107,13 +107,16 @@ OVERLAP_ON_GPUS = (
 
 # On 2 H200 (2026-11-30) the padded transport trained EP2 compiled with the grouped GEMM, after two
 # fixes (Inductor could not lower searchsorted; the grouped GEMM's groups now aligned), but its
-# gradients were not one GPU's: first gradient norm 1.17 against 1.43, losses 3.9% apart. On CPU
-# ranks, compiled and with the grouped GEMM forced, it matches one process exactly. Until the GPU
-# difference is found, GPUs refuse it; MEGA_FLEX_PADDED_ON_GPUS=1 lets its GPU test hunt it.
+# gradients were not one GPU's: first gradient norm 1.17 against 1.43, losses 3.9% apart. The
+# cause, found on CPU under torch 2.11 (the GPU machines' torch; 2.13 is right): compile gave its
+# gather, an autograd.Function filling its result in place, a zero gradient. The fill is out of
+# place now and CPU ranks under 2.11 train as one process; until a GPU run says the same, GPUs
+# refuse it. MEGA_FLEX_PADDED_ON_GPUS=1 lets its GPU test check.
 PADDED_ON_GPUS_ENV = "MEGA_FLEX_PADDED_ON_GPUS"
 PADDED_ON_GPUS = (
-    "MEGA_FLEX_TRANSPORT=padded is not run on GPUs yet: on 2 H200 its gradients differed from one"
-    " GPU's (first gradient norm 1.17 against 1.43; docs/moe.md)"
+    "MEGA_FLEX_TRANSPORT=padded is not run on GPUs until its fix is checked there: on 2 H200 its"
+    " gradients differed from one GPU's (torch 2.11's compile lost its gather's gradient; fixed"
+    " and checked on CPU ranks; docs/moe.md)"
 )
 
 
