@@ -247,10 +247,10 @@ def test_the_padded_trip_refuses_splits_that_leave_rows_out():
 
     from mega.parallel.expert import padded_exchange
 
-    rows = torch.arange(4.0).unsqueeze(1)
+    rows = torch.arange(1.0, 5.0).unsqueeze(1)  # no row is zero: padding shows as 0.0
     arrived, layout = padded_exchange.dispatch(rows, torch.tensor([1, 3]), None, 1, 2)
     # each expert's room a multiple of GROUP_ALIGN (8) rows: expert 1's rows begin at row 8
-    assert arrived.squeeze(1).tolist() == [0.0] + [0.0] * 7 + [1.0, 2.0, 3.0] + [0.0] * 9
+    assert arrived.squeeze(1).tolist() == [1.0] + [0.0] * 7 + [2.0, 3.0, 4.0] + [0.0] * 9
     assert layout.tolist() == [[1, 3], [0, 8]]
     with pytest.raises(RuntimeError):
         padded_exchange.dispatch(rows, torch.tensor([1, 2]), None, 1, 2)

@@ -11,8 +11,9 @@ anyway), it runs on any backend (NCCL, gloo) and any expert-parallel
 group, and it needs no symmetric memory.
 
 Why: torch's NVSHMEM kernels cost more per trip than NCCL's all-to-all (on 2 H200, 2026-11-30,
-at 16,384 rows of 2048: 0.57 ms against 0.17 ms, ``benchmarks/flex_trips.py``) and a
-write-after-read race is suspected in them (docs/moe.md). The price here is bytes: ``n`` times
+at 16,384 rows of 2048: 0.57 ms against 0.17 ms, ``benchmarks/flex_trips.py``), and a
+write-after-read race is suspected in them when two streams overlap their trips (docs/moe.md;
+in order, 600 probed trips were right). The price here is bytes: ``n`` times
 the real rows cross (EP2 twice, EP4 four times), plus two gathers each way.
 
 Every gather's gradient is the opposite gather (:class:`_Rows`): the maps are one-to-one between
@@ -105,7 +106,8 @@ def _arrival_maps(counts: torch.Tensor, n: int, local: int, s: int) -> tuple[tor
     expert-major arrival ``[n * S + local * GROUP_ALIGN]``: ``(into, out_of, layout)``, ``into[o]`` the
     received row at arrival row ``o`` (``n * S``: none), ``out_of[p]`` the arrival row of
     received row ``p`` (``n * S + local * GROUP_ALIGN``: none) and the layout (sizes and first rows of the
-    blocks at ``expert * n + source``, an empty expert taking a padding row as NVSHMEM's do)."""
+    blocks at ``expert * n + source``, each expert's room a multiple of ``GROUP_ALIGN`` rows
+    and an empty expert's ``GROUP_ALIGN`` rows of padding)."""
     device, rows = counts.device, n * s + local * GROUP_ALIGN
     sizes = counts.t().reshape(-1)
     starts = padded_offsets(sizes, n, local, GROUP_ALIGN)

@@ -52,7 +52,6 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.errors import MegaRunError, first_line
 from mega.parallel.expert import padded_exchange
 from mega.parallel.expert.local import balanced_rows
-from mega.parallel.expert.padded_exchange import padded_offsets
 from mega.parallel.expert.validate import (
     FLEX_MOST_LOCAL_EXPERTS,
     flex_layout_problems,
@@ -137,7 +136,7 @@ def _c10d_dispatch(
     )
     pieces = arrived.split(got)  # by source, then expert
     sizes = received.t().reshape(-1)  # expert-major
-    starts = padded_offsets(sizes, n, local)
+    starts = padded_exchange.padded_offsets(sizes, n, local)
     out = rows.new_zeros(n * rows.shape[0] + local, rows.shape[1])
     for (e, s), start in zip(
         ((e, s) for e in range(local) for s in range(n)), starts.tolist(), strict=True
@@ -387,8 +386,8 @@ class _Combine(torch.autograd.Function):
 def dispatch_rows(
     rows: torch.Tensor, splits: torch.Tensor, group: Any, local: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(arrived [n * S + local, h], layout [2, n * local])`` (module docstring);
-    differentiable."""
+    """``(arrived [n * S + local * a, h], layout [2, n * local])`` (module docstring; ``a``
+    is :func:`arrival_align`); differentiable."""
     n = dist.get_world_size(group)
     if flex_transport() == "padded":
         return padded_exchange.dispatch(rows, splits, group, n, local)
