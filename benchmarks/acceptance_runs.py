@@ -36,10 +36,10 @@ MOE = (
 )
 # the dispatchers, in each row's own flags (the model's flags come after a row's and would win)
 ALLTOALL = "--moe-token-dispatcher-type=alltoall"
-FLEX = "--moe-token-dispatcher-type=flex"  # the counts kept on the device (NVSHMEM)
-# the same by NCCL all-to-alls of fixed splits; GPUs refuse it until a run like this one checks
-# its fix (mega.parallel.expert.validate.PADDED_ON_GPUS), hence the override
-FLEX_PADDED = f"{FLEX}@MEGA_FLEX_TRANSPORT=padded@MEGA_FLEX_PADDED_ON_GPUS=1"
+# the counts kept on the device, the trips by NCCL all-to-alls of fixed splits (the GPU default)
+FLEX = "--moe-token-dispatcher-type=flex"
+FLEX_NVSHMEM = f"{FLEX}@MEGA_FLEX_TRANSPORT=split"  # the same by NVSHMEM's exact splits
+FLEX_OVERLAP = f"{FLEX} --overlap-moe-expert-parallel-comm"  # trips beside the expert GEMMs
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
@@ -71,8 +71,8 @@ LAYOUTS = {
     2: {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
         "ep": [
-            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_PADDED}",
-             f"ep2dp2:{PADDED}"]
+            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_NVSHMEM}",
+             f"ep2dp2:{FLEX_OVERLAP}", f"ep2dp2:{PADDED}"]
         ],
         # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
         # takes about 300 s with it (2026-11-30 ran out at 265 s before it)
@@ -85,8 +85,8 @@ LAYOUTS = {
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
         "ep": [
-            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_PADDED}",
-             f"ep4dp4:{PADDED}"]
+            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_NVSHMEM}",
+             f"ep4dp4:{FLEX_OVERLAP}", f"ep4dp4:{PADDED}"]
         ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",

@@ -15,7 +15,7 @@ rank, each (rank, expert) block cut in ``pieces``; balanced random routing): the
 milliseconds of the dispatch, of the combine, and of NCCL's ``all_to_all_single`` of the same rows
 (CUDA events around each, a barrier and a sync before each call), and from a profile of
 ``--profiled`` calls the device time per call of NVSHMEM's split exchange and data kernels (and
-of NCCL's kernels). ``--transports auto,padded`` times each transport of flex's trips
+of NCCL's kernels). ``--transports split,padded`` times each transport of flex's trips
 (``MEGA_FLEX_TRANSPORT``: NVSHMEM, or NCCL all-to-alls of fixed splits, whose blocks are not cut
 in pieces). Rank 0 writes ``<out>/<name>_<date>.json`` with the commit, command, device and
 versions.
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--local", type=int, default=4, help="experts per rank")
     parser.add_argument("--pieces", default="", help="pieces per block (default: 1 and flex's)")
-    parser.add_argument("--transports", default="auto,padded", help="MEGA_FLEX_TRANSPORT values")
+    parser.add_argument("--transports", default="split,padded", help="MEGA_FLEX_TRANSPORT values")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profiled", type=int, default=10)
@@ -120,14 +120,14 @@ def main() -> None:
     dist.init_process_group("nccl")
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     n = dist.get_world_size()
-    os.environ["MEGA_FLEX_TRANSPORT"] = "auto"  # flex's own pieces, for NVSHMEM
+    os.environ["MEGA_FLEX_TRANSPORT"] = "split"  # flex's own pieces, for NVSHMEM
     pieces = sorted({1, pieces_per_expert(n, args.local)})
     if args.pieces:
         pieces = [int(p) for p in args.pieces.split(",")]
     rows = []
     for count in (int(r) for r in args.rows.split(",")):
         for transport in args.transports.split(","):
-            for p in pieces if transport == "auto" else [1]:
+            for p in pieces if transport == "split" else [1]:
                 rows.append(row(count, args.hidden, args.local, p, transport, args))
                 if dist.get_rank() == 0:
                     print(json.dumps(rows[-1]), flush=True)

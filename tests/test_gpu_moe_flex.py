@@ -19,10 +19,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["auto", "padded"])
+@pytest.mark.parametrize("transport", ["split", "padded"])
 @pytest.mark.parametrize("local", [1, 4])
 def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: int, transport: str):
-    """Over NVSHMEM (``auto``) and over NCCL's all-to-all of fixed splits (``padded``)."""
+    """Over NVSHMEM (``split``) and over NCCL's all-to-all of fixed splits (``padded``)."""
     env = {
         "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local),
         "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport,
@@ -41,7 +41,7 @@ _NVSHMEM_RACED = pytest.mark.xfail(reason="raced over NVSHMEM on 2 H200 (2026-11
 
 
 @pytest.mark.parametrize(
-    "transport", [pytest.param("auto", marks=_NVSHMEM_RACED), pytest.param("padded")]
+    "transport", [pytest.param("split", marks=_NVSHMEM_RACED), pytest.param("padded")]
 )
 @pytest.mark.parametrize("caching", ["cached", "uncached"])
 def test_overlapped_flex_equals_in_order_flex_with_every_stream_slowed(
@@ -70,7 +70,7 @@ def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_
         assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout
 
 
-@pytest.mark.parametrize("transport", ["auto", "padded"])
+@pytest.mark.parametrize("transport", ["split", "padded"])
 def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm(transport: str):
     """The flex dispatcher with the grouped GEMM in bf16, compiled by Inductor, against itself
     eager and against every expert on one GPU, over four routings (tests/

@@ -71,6 +71,8 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], list
         ("ep2-alltoall", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
         ("ep2-allgather", ["--expert-model-parallel-size", "2"]),
         ("ep2-flex", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]),
+        ("ep2-flex-overlap", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex",
+                              "--overlap-moe-expert-parallel-comm"]),
         ("tp2-sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         ("dp2", []),
     ],
@@ -81,19 +83,17 @@ def test_moe_layouts_match_one_gpu(
     _matches_one_gpu(tmp_path, name, flags, one_gpu)
 
 
-# On 2 H200 (2026-11-30) its first gradient norm was 1.17 against one GPU's 1.43: torch 2.11's
-# compile lost the gradient of its gather (an in-place fill in an autograd.Function's forward;
-# tests/test_moe_flex.py shows it on CPU under 2.11). Fixed; GPUs refuse the transport until
-# this passes on them (validate.PADDED_ON_GPUS).
-def test_flex_by_padded_all_to_alls_matches_one_gpu(
+# ep2-flex above runs the padded all-to-alls (the GPU default). On 2 H200 (2026-11-30) their
+# first gradient norm was once 1.17 against one GPU's 1.43: torch 2.11's compile lost the
+# gradient of their gather (an in-place fill in an autograd.Function's forward;
+# tests/test_moe_flex.py shows it on CPU under 2.11); fixed, and it passed here at 5e5c460.
+def test_flex_by_nvshmem_matches_one_gpu(
     tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
 ):
-    """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by NCCL all-to-alls of fixed splits (run
-    although GPUs refuse it: ``MEGA_FLEX_PADDED_ON_GPUS=1``)."""
-    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "padded")
-    monkeypatch.setenv("MEGA_FLEX_PADDED_ON_GPUS", "1")
+    """``MEGA_FLEX_TRANSPORT=split``: flex's trips by torch's NVSHMEM all-to-alls."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "split")
     flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
-    _matches_one_gpu(tmp_path, "ep2-flex-padded", flags, one_gpu)
+    _matches_one_gpu(tmp_path, "ep2-flex-split", flags, one_gpu)
 
 
 def _matches_one_gpu(

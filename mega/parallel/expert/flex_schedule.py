@@ -39,7 +39,7 @@ from mega.parallel.expert.split_exchange import (
     sent_rows,
     split_in_pieces,
 )
-from mega.parallel.expert.validate import flex_transport
+from mega.parallel.expert.validate import padded_trips
 from mega.parallel.weight_grad import traced
 
 
@@ -93,7 +93,7 @@ def run_experts(c: Chunk, s: Shape, experts: Any) -> None:
     arrived = c.arrived
     # NVSHMEM's buffer keeps an earlier trip's rows in its padding, and a grouped GEMM group may
     # hold padding rows: zero them (c10d's and the padded transport's are zero already)
-    if arrived.is_cuda and flex_transport() != "padded":
+    if arrived.is_cuda and not padded_trips():
         held = block_rows(c.layout, arrived.shape[0]).unsqueeze(1)
         arrived = torch.where(held, arrived, arrived.new_zeros(()))
     # each expert's rows: its pieces' blocks, which lie together, and padding among them

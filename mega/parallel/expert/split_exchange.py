@@ -25,7 +25,10 @@ What the two trips are, for ``n`` ranks holding ``local`` experts each, this ran
 Each is the other's gradient. No shape depends on the routing: a compiled MoE layer is one graph
 (each trip one opaque custom op), and nothing waits for the GPU.
 
-Transports: on CUDA, torch's NVSHMEM all-to-alls with the splits on the device
+Transports (``MEGA_FLEX_TRANSPORT``, :mod:`mega.parallel.expert.validate`): by default GPUs carry
+the trips by the padded all-to-alls of :mod:`mega.parallel.expert.padded_exchange` (the same
+contract, and faster on 2 H200); ``split`` keeps the exact splits of this module. On CUDA those
+go by torch's NVSHMEM all-to-alls with the splits on the device
 (``symm_mem.all_to_all_vdev_2d`` and its ``_offset`` reverse, which reorders rank-major blocks
 to expert-major and back), through symmetric buffers this module keeps per shape. Two sets of
 buffers alternate: a rank copies its next rows into a set only after the trip that used the
@@ -55,7 +58,7 @@ from mega.parallel.expert.local import balanced_rows
 from mega.parallel.expert.validate import (
     FLEX_MOST_LOCAL_EXPERTS,
     flex_layout_problems,
-    flex_transport,
+    padded_trips,
 )
 from mega.parallel.functional_comm import all_to_all_rows
 from mega.parallel.weight_grad import OpaqueWhenTraced
@@ -71,8 +74,8 @@ def pieces_per_expert(n: int, local: int) -> int:
     sub-expert of its own to the kernels: as many as keep ``n * local * pieces`` within the
     kernel's thread blocks and ``local * pieces`` within its experts. An expert's pieces lie
     together in the expert-major layout, so the expert still sees its rows as one group. One
-    where ``MEGA_FLEX_TRANSPORT=padded`` carries the trips (no NVSHMEM kernel to feed)."""
-    if flex_transport() == "padded":
+    where the padded all-to-alls carry the trips (no NVSHMEM kernel to feed)."""
+    if padded_trips():
         return 1
     return max(1, min(FLEX_MOST_LOCAL_EXPERTS // local, KERNEL_MOST_BLOCKS // (n * local)))
 
@@ -88,7 +91,7 @@ def split_in_pieces(splits: torch.Tensor, pieces: int) -> torch.Tensor:
 
 def arrival_align() -> int:
     """``a``: the rows each expert's room in ``arrived`` is a multiple of (module docstring)."""
-    return padded_exchange.GROUP_ALIGN if flex_transport() == "padded" else 1
+    return padded_exchange.GROUP_ALIGN if padded_trips() else 1
 
 
 def sent_rows(arrived_rows: int, n: int, local: int) -> int:
@@ -389,7 +392,7 @@ def dispatch_rows(
     """``(arrived [n * S + local * a, h], layout [2, n * local])`` (module docstring; ``a``
     is :func:`arrival_align`); differentiable."""
     n = dist.get_world_size(group)
-    if flex_transport() == "padded":
+    if padded_trips():
         return padded_exchange.dispatch(rows, splits, group, n, local)
     return _Dispatch.apply(rows, splits, group.group_name, n, local)
 
@@ -400,6 +403,6 @@ def combine_rows(
     """``[S, h]``: the blocks of ``outputs`` back in the order :func:`dispatch_rows` took them
     (``splits`` its splits); differentiable."""
     n = dist.get_world_size(group)
-    if flex_transport() == "padded":
+    if padded_trips():
         return padded_exchange.combine(outputs, layout, splits, group, n, local)
     return _Combine.apply(outputs, layout, splits, group.group_name, n, local)

@@ -6,16 +6,32 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# which transport carries flex's trips (mega.parallel.expert.padded_exchange): "auto" (NVSHMEM on
-# GPUs, c10d reading the counts on the host on CPU ranks) or "padded" (one all-to-all of fixed
-# splits each way, any backend, nothing read on the host)
+# which transport carries flex's trips: "padded" (mega.parallel.expert.padded_exchange: one
+# all-to-all of fixed splits each way, any backend, nothing read on the host), "split"
+# (mega.parallel.expert.split_exchange: the exact splits, by NVSHMEM on GPUs and by c10d reading
+# the counts on the host on CPU ranks), or "auto": padded on GPUs, split on CPU ranks. On 2 H200
+# (2026-11-30, 5e5c460) EP2 trained at 0.898x DP2 padded against 0.810x by NVSHMEM in the same
+# run, and only the padded trips passed the overlapped schedule's race test (docs/moe.md).
 FLEX_TRANSPORT_ENV = "MEGA_FLEX_TRANSPORT"
-FLEX_TRANSPORTS = ("auto", "padded")  # the first is the default
+FLEX_TRANSPORTS = ("auto", "padded", "split")  # the first is the default
 
 
 def flex_transport() -> str:
     """The transport the environment names for flex's trips (checked before launch)."""
     return os.environ.get(FLEX_TRANSPORT_ENV, FLEX_TRANSPORTS[0])
+
+
+def padded_trips(on_gpus: bool | None = None) -> bool:
+    """Whether flex's trips go by the padded all-to-alls: asked for, or ``auto`` on GPUs
+    (``on_gpus``: whether the run is on GPUs; by default whether this process sees CUDA)."""
+    transport = flex_transport()
+    if transport != "auto":
+        return transport == "padded"
+    if on_gpus is None:
+        import torch
+
+        on_gpus = torch.cuda.is_available()
+    return on_gpus
 
 
 def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
@@ -95,50 +111,33 @@ def flex_layout_problems(ep: int, world: int, local: int) -> list[str]:
     return errors
 
 
-# On 2 H200 (2026-11-30, 3332b02) the overlapped schedule's race test failed (outputs and
-# gradients off the in-order schedule's, on one rank or the other: tests/test_gpu_moe_flex.py),
-# and a training run was slower with it (54,560 tokens/s per GPU against 66,129 in order). Until
-# that race is found and the overlap pays, GPUs do not run it; CPU ranks do (its tests).
+# On 2 H200 (2026-11-30, 3332b02) the overlapped schedule's race test failed over NVSHMEM (outputs
+# and gradients off the in-order schedule's, on one rank or the other: tests/test_gpu_moe_flex.py),
+# and a training run was slower with it (54,560 tokens/s per GPU against 66,129 in order); over
+# the padded trips the same test passed (14a6f8e). So GPUs overlap the padded trips only.
 OVERLAP_ON_GPUS = (
-    "--overlap-moe-expert-parallel-comm is not run on GPUs yet: on 2 H200 its trips raced (its"
-    " outputs differed from flex in order) and it ran at 0.83x of flex in order (docs/moe.md)"
-)
-
-
-# On 2 H200 (2026-11-30) the padded transport trained EP2 compiled with the grouped GEMM, after two
-# fixes (Inductor could not lower searchsorted; the grouped GEMM's groups now aligned), but its
-# gradients were not one GPU's: first gradient norm 1.17 against 1.43, losses 3.9% apart. The
-# cause, found on CPU under torch 2.11 (the GPU machines' torch; 2.13 is right): compile gave its
-# gather, an autograd.Function filling its result in place, a zero gradient. The fill is out of
-# place now and CPU ranks under 2.11 train as one process; until a GPU run says the same, GPUs
-# refuse it. MEGA_FLEX_PADDED_ON_GPUS=1 lets its GPU test check.
-PADDED_ON_GPUS_ENV = "MEGA_FLEX_PADDED_ON_GPUS"
-PADDED_ON_GPUS = (
-    "MEGA_FLEX_TRANSPORT=padded is not run on GPUs until its fix is checked there: on 2 H200 its"
-    " gradients differed from one GPU's (torch 2.11's compile lost its gather's gradient; fixed"
-    " and checked on CPU ranks; docs/moe.md)"
+    "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=split: over NVSHMEM the"
+    " overlapped trips raced on 2 H200 (their outputs differed from flex in order); the padded"
+    " trips (the GPU default) overlap soundly (docs/moe.md)"
 )
 
 
 def flex_gpu_problems(config: Any) -> list[str]:
-    """What ``--moe-token-dispatcher-type flex`` needs on GPUs, where NVSHMEM carries it: the
+    """What ``--moe-token-dispatcher-type flex`` needs on GPUs where NVSHMEM carries it: the
     expert-parallel group must be every rank (its kernels address ranks by their number in the
     world and synchronise all of them), at most 16 ranks and 16 local experts, and no other user
     of torch's symmetric memory with another backend (the copy-engine ring of context
-    parallelism: one backend per process), unless ``MEGA_FLEX_TRANSPORT=padded`` carries the
-    trips instead (refused for now: :data:`PADDED_ON_GPUS`); and no overlap
-    (:data:`OVERLAP_ON_GPUS`)."""
+    parallelism: one backend per process), and no overlap (:data:`OVERLAP_ON_GPUS`), unless the
+    padded all-to-alls carry the trips (the default on GPUs: none of NVSHMEM's limits)."""
     model, p = config.model, config.parallel
     if getattr(model, "moe_token_dispatcher_type", None) != "flex":
         return []
     ep, world = p.expert_model_parallel_size, config.world_size
     if ep <= 1:
         return []
+    if padded_trips(on_gpus=True):  # NCCL's all-to-all: none of NVSHMEM's limits
+        return []
     errors = [OVERLAP_ON_GPUS] if getattr(model, "overlap_moe_expert_parallel_comm", False) else []
-    if flex_transport() == "padded":  # NCCL's all-to-all: none of NVSHMEM's limits
-        if os.environ.get(PADDED_ON_GPUS_ENV) != "1":
-            errors.append(PADDED_ON_GPUS)
-        return errors
     errors += flex_layout_problems(ep, world, (getattr(model, "num_experts", None) or 0) // ep)
     if p.context_parallel_size > 1:
         from mega.parallel.context.transport_choice import chosen_transport
