@@ -39,7 +39,8 @@ ALLTOALL = "--moe-token-dispatcher-type=alltoall"
 # the counts kept on the device, the trips by NCCL all-to-alls of fixed splits (the GPU default)
 FLEX = "--moe-token-dispatcher-type=flex"
 FLEX_NVSHMEM = f"{FLEX}@MEGA_FLEX_TRANSPORT=split"  # the same by NVSHMEM's exact splits
-# trips beside the expert GEMMs; GPUs refuse it (0.479x DP2 on 2 H200, a4ab9b5) but for this
+# trips beside the expert GEMMs (pipelined: flex_schedule.pipelined); GPUs refuse it until
+# measured (the side-stream schedule before it: 0.479x DP2 on 2 H200, a4ab9b5), but for this
 FLEX_OVERLAP = f"{FLEX} --overlap-moe-expert-parallel-comm@MEGA_FLEX_OVERLAP_ON_GPUS=1"
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"

@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 from mega.parallel.distributed import finish_job, leave_job
 from mega.parallel.expert.dispatchers import AllToAllDispatcher, DeviceSplitDispatcher
 from mega.parallel.expert.local import local_mixture
+from mega.parallel.expert.validate import padded_trips
 from mega.plugins.models.common.moe import GroupedExperts, Routing
 
 GPU = os.environ.get("MOE_GPU") == "1"
@@ -90,7 +91,11 @@ def main() -> None:
     if DISPATCHER == "alltoall":
         dispatcher = AllToAllDispatcher(dist.group.WORLD)
     else:  # flex, flex-overlap, or flex-padded (with MEGA_FLEX_TRANSPORT=padded)
-        dispatcher = DeviceSplitDispatcher(dist.group.WORLD, overlap=DISPATCHER == "flex-overlap")
+        overlap = DISPATCHER == "flex-overlap"
+        # MOE_PIPELINED=1: the pipelined schedule on CPU ranks too (eager and aot_eager only: see
+        # flex_schedule.pipelined); on GPUs the grouped GEMM picks it
+        pipelined = True if os.environ.get("MOE_PIPELINED") == "1" else None
+        dispatcher = DeviceSplitDispatcher(dist.group.WORLD, overlap, pipelined)
 
     def dispatch(x, probs, indices):  # noqa: ANN001, ANN202
         return dispatcher(x, Routing(probs, indices, TOKENS, False), mine)
@@ -111,6 +116,9 @@ def main() -> None:
         # frames compiled, graphs or not (a frame without ops, recompiled, counts here only)
         frames.append((counter.frame_count, counters["frames"]["total"]))
     assert frames == frames[:1] * 4, frames  # compiled once, whatever the routing
+    if DISPATCHER == "flex-overlap" and padded_trips() and GPU:  # pipelined: traced whole
+        assert counter.frame_count == 1, frames
+        print(f"rank {rank}: the pipelined dispatch is one graph", flush=True)
     print(f"rank {rank}: compiled {DISPATCHER} matches eager and one process, frames {frames}")
     finish_job()  # NVSHMEM's buffers (flex on GPUs) freed on every rank at once
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit

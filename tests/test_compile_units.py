@@ -130,3 +130,56 @@ def test_compiled_stacks_in_an_interleaved_pipeline_train_like_eager(tmp_path: P
     assert len(eager["losses"]) == 3
     torch.testing.assert_close(compiled["losses"], eager["losses"], rtol=1e-5, atol=0)
     torch.testing.assert_close(compiled["other_losses"], eager["other_losses"], rtol=1e-5, atol=0)
+
+
+def test_a_units_compile_options_come_from_its_modules(monkeypatch):
+    """A module's ``compile_options`` reach inductor where its unit is compiled (the pipelined
+    flex trips ask for the ``sink_waits`` pass in their layer), and a unit without any is
+    compiled plainly; the recomputed layer's inner compile gets them too."""
+    from mega.core.training import compile as compile_module
+
+    gpt = GPTModel(GPTConfig(**SMALL), CTX)
+    plan = gpt_parallel_plan(gpt.config)
+    wanted = {"reorder_for_compute_comm_overlap": True}
+    gpt.decoder.layers[1].mlp.compile_options = wanted
+    assert compile_module.compile_options(gpt.decoder.layers[1]) == wanted
+    assert compile_module.compile_options(gpt.decoder.layers[0]) == {}
+    seen = []
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: seen.append((self, kw.get("options")))
+    )
+    compile_model(gpt, plan)
+    options = {id(unit): given for unit, given in seen}
+    assert options[id(gpt.decoder.layers[1])] == wanted
+    assert options[id(gpt.decoder.layers[0])] is None
+
+
+def test_the_overlapped_flex_dispatcher_asks_its_layer_for_sink_waits():
+    """``--overlap-moe-expert-parallel-comm``: the flex dispatcher's pipelined trips rely on
+    inductor's sink_waits pass (its default schedule waits at once: flex_schedule); the MoE
+    layer carries the dispatcher's options, so ``--compile`` passes them."""
+    from types import SimpleNamespace
+
+    from mega.parallel.expert.apply import apply_expert_parallel
+    from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
+    from mega.parallel.expert.flex_schedule import PIPELINED_COMPILE_OPTIONS
+
+    layer = torch.nn.Module()
+    layer.experts = torch.nn.Linear(2, 2)
+    layer.experts.count = 2
+    layer.router = SimpleNamespace()
+    plan = SimpleNamespace(moe_layers="moe")
+    model = torch.nn.Module()
+    model.moe = layer
+    topology = SimpleNamespace(
+        expert_model_parallel_size=2, tensor_model_parallel_size=1,
+        group=lambda name: None, group_rank=lambda name: 0,
+    )  # fmt: skip
+    for overlap, expected in ((False, None), (True, PIPELINED_COMPILE_OPTIONS)):
+        layer.experts = torch.nn.Linear(2, 2)
+        layer.experts.count = 2
+        layer.__dict__.pop("compile_options", None)
+        apply_expert_parallel(
+            model, plan, topology, False, lambda g, o=overlap: DeviceSplitDispatcher(g, o)
+        )
+        assert getattr(layer, "compile_options", None) == expected

@@ -82,3 +82,17 @@ def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm
     }  # fmt: skip
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
+
+
+def test_the_pipelined_flex_layer_is_one_graph_and_matches_eager_and_one_gpu():
+    """``--overlap-moe-expert-parallel-comm`` over the padded trips (the GPU default): two
+    chunks, each trip begun early and ended late on one stream (``flex_schedule.pipelined``),
+    compiled by Inductor with the grouped GEMM in bf16: one graph, no recompile over four
+    routings, and eager's and one GPU's outputs and gradients."""
+    env = {
+        "MOE_GPU": "1", "MOE_DISPATCHER": "flex-overlap", "MEGA_FLEX_TRANSPORT": "padded",
+        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+    }  # fmt: skip
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
+    assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
+    assert stdout.count("the pipelined dispatch is one graph") == 2, stdout[-2000:]

@@ -204,6 +204,17 @@ def test_the_overlapped_flex_dispatch_compiles_once_and_matches_eager_on_two_ran
     assert stdout.count("compiled flex-overlap matches eager") == 2, stdout[-2000:]
 
 
+def test_the_pipelined_flex_dispatch_matches_eager_and_one_process_on_two_ranks():
+    """flex overlapped over the padded trips (``--overlap-moe-expert-parallel-comm`` with
+    ``MEGA_FLEX_TRANSPORT=padded``): two chunks, each trip begun early and ended late on one
+    stream, traced (aot_eager here; on GPUs with inductor as one graph:
+    tests/test_gpu_moe_flex.py), the same outputs and gradients as eager and as one process, no
+    recompile over four routings."""
+    env = {"MOE_DISPATCHER": "flex-overlap", "MEGA_FLEX_TRANSPORT": "padded", "MOE_PIPELINED": "1"}
+    stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
+    assert stdout.count("compiled flex-overlap matches eager") == 2, stdout[-2000:]
+
+
 def test_flex_by_padded_all_to_alls_compiles_once_and_matches_eager_on_two_ranks():
     """``MEGA_FLEX_TRANSPORT=padded``: flex's trips as all-to-alls of fixed splits and index maps
     made on the device, traced with the layer: the same outputs and gradients as eager and as

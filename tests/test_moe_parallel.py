@@ -89,7 +89,11 @@ def test_expert_parallel_layout_trains_as_one_process(name, one_process, tmp_pat
     assert_same_training(one_process, result)
 
 
-@pytest.mark.parametrize("name", ["ep2-flex", "ep4-flex", "ep2-dp2-flex", "ep2-flex-compile"])
+@pytest.mark.parametrize(
+    "name",
+    ["ep2-flex", "ep4-flex", "ep2-dp2-flex", "ep2-flex-compile", "ep2-flex-overlap",
+     "ep2-flex-overlap-compile"],
+)  # fmt: skip
 def test_flex_by_padded_all_to_alls_trains_as_one_process(name, one_process, tmp_path, monkeypatch):
     """``MEGA_FLEX_TRANSPORT=padded``: flex's trips by all-to-alls of fixed splits (every rank
     sends every rank all of its rows' room, the counts found on the device), eager and compiled:

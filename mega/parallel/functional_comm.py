@@ -19,6 +19,10 @@ already put the wait into the graph. Every function takes a group of more than o
 :func:`start_all_gather` and :func:`wait` are the all-gather split in two, taking the group by
 name, for code that holds a name rather than a group (``mega.parallel.tensor.overlapped``, whose
 backward is a custom op that names its group): the raw ``_c10d_functional`` ops.
+:func:`start_exchange` is the all-to-all of equal blocks split so (the ``flex`` dispatcher's
+pipelined trips, ``mega.parallel.expert.padded_exchange``). Compiled, such a wait stays where
+the code put it only where inductor's ``reorder_for_locality`` pass is off (it moved the wait
+next to its collective on CPU, torch 2.13; ``mega.parallel.expert.padded_exchange``).
 """
 
 from __future__ import annotations
@@ -79,6 +83,14 @@ def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     return _OPS.all_gather_into_tensor(x.contiguous(), size, name)
 
 
+def start_exchange(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+    """Begin an all-to-all of ``size`` equal blocks of ``x``'s rows over group ``name`` (block
+    ``r`` to rank ``r``, rank ``r``'s block to place ``r``)."""
+    rows = [x.shape[0] // size] * size
+    return _OPS.all_to_all_single(x.contiguous(), rows, rows, name)
+
+
 def wait(t: torch.Tensor) -> torch.Tensor:
-    """The result of :func:`start_all_gather` (on CUDA the current stream waits, not the host)."""
+    """The result of :func:`start_all_gather` or :func:`start_exchange` (on CUDA the current
+    stream waits, not the host)."""
     return _OPS.wait_tensor(t)

@@ -27,6 +27,9 @@ own, never as part of a stack.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 
 from mega.parallel.plan import LM_HEAD, ParallelPlan, layer_lists
@@ -68,6 +71,17 @@ def compile_model(
     for chunk in chunks or [model]:
         units.update((id(unit), unit) for unit in compiled_units(chunk, plan))
     for unit in units.values():
-        if not checkpoint_outside(unit, torch.compile):
-            unit.compile()
+        options = compile_options(unit)
+        wrap = functools.partial(torch.compile, options=options) if options else torch.compile
+        if not checkpoint_outside(unit, wrap):
+            unit.compile(options=options or None)
     return len(units)
+
+
+def compile_options(unit: torch.nn.Module) -> dict[str, Any]:
+    """The inductor options the unit's modules ask for (a module's ``compile_options`` dict: the
+    flex dispatcher's pipelined trips ask for inductor's ``sink_waits`` pass in their layer)."""
+    options: dict[str, Any] = {}
+    for module in unit.modules():
+        options.update(getattr(module, "compile_options", None) or {})
+    return options

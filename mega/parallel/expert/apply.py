@@ -77,3 +77,6 @@ def apply_expert_parallel(
         if build_dispatcher is None:
             raise ValueError("expert parallelism needs a token dispatcher")
         layer.dispatcher = build_dispatcher(topology.group("ep"))
+        # what the dispatcher needs of the compiler where its layer is compiled (--compile)
+        if getattr(layer.dispatcher, "compile_options", None):
+            layer.compile_options = layer.dispatcher.compile_options

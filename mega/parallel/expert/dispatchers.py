@@ -44,6 +44,7 @@ from mega.parallel.expert.local import (
     to_experts,
     to_slots,
 )
+from mega.parallel.expert.validate import padded_trips
 from mega.parallel.weight_grad import traced
 
 
@@ -235,28 +236,39 @@ class DeviceSplitDispatcher:
     ``overlap`` (``--overlap-moe-expert-parallel-comm``): the tokens in two chunks, each one's
     trips beside the other's experts (:mod:`mega.parallel.expert.flex_schedule`)."""
 
-    def __init__(self, group: Any, overlap: bool = False) -> None:
+    def __init__(self, group: Any, overlap: bool = False, pipelined: bool | None = None) -> None:
         self.group = group
+        # the pipelined schedule where the layer is one graph (None: flex_schedule.grouped_on_gpu
+        # decides; True: always, for its CPU test, eager or traced without inductor)
+        self.pipelined = pipelined
+        self.name = group.group_name if group is not None else ""  # resolved outside traced code
         self._overlapped: Any = None  # the overlapped schedule, once turned on
         if overlap:
             self.overlap_trips()
 
     def overlap_trips(self) -> None:
-        """From now on the trips overlapped (``--overlap-moe-expert-parallel-comm``). The
-        overlapped schedule is marked here for torch.compile to call, not trace (streams are not
-        traced), once: a mark made at the first traced call recompiled the layer."""
+        """From now on the trips overlapped (``--overlap-moe-expert-parallel-comm``): over the
+        padded trips with the grouped GEMM on GPUs pipelined on one stream (traced whole),
+        otherwise on a side stream. That schedule is marked here for torch.compile to call, not trace (streams are not traced),
+        once: a mark made at the first traced call recompiled the layer."""
         from mega.parallel.expert import flex_schedule
 
         self._overlapped = torch.compiler.disable(flex_schedule.overlapped)
+        self.compile_options = flex_schedule.PIPELINED_COMPILE_OPTIONS
 
     def __call__(self, tokens: torch.Tensor, routing: Any, experts: Any) -> torch.Tensor:
         from mega.parallel.expert import flex_schedule
         from mega.parallel.expert.split_exchange import pieces_per_expert
 
         n, local = group_size(self.group), experts.count
-        shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local))
+        shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local), self.name)
         # two equal chunks: one shape, so the chunks share NVSHMEM buffers (an odd count of
         # tokens, which no real sequence gives, runs as one chunk rather than make two shapes)
         if self._overlapped is None or tokens.shape[0] % 2 or tokens.shape[0] < 2:
             return flex_schedule.in_order(tokens, routing, experts, shape)
+        pipelined = self.pipelined
+        if pipelined is None:
+            pipelined = flex_schedule.grouped_on_gpu(tokens, experts)
+        if pipelined and padded_trips() and n > 1:
+            return flex_schedule.pipelined(tokens, routing, experts, shape)
         return self._overlapped(tokens, routing, experts, shape)  # compiled: a graph break

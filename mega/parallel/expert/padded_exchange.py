@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mega.parallel.expert.collectives import exchange_rows
+from mega.parallel.functional_comm import start_exchange, wait
 
 # Each expert's rows start at a multiple of 8 rows here (16 bytes of bf16): the grouped GEMM's
 # kernel requires that of a group when the operand's rows are its contiguous dimension, and
@@ -129,6 +130,78 @@ def _arrival_maps(counts: torch.Tensor, n: int, local: int, s: int) -> tuple[tor
     place = place - within.gather(1, expert_of)
     out_of = torch.where(j < ends[:, -1:], place, rows).reshape(-1)
     return into, out_of, torch.stack([sizes, starts])
+
+
+class _Begun(torch.autograd.Function):
+    """The all-to-all of equal blocks begun (:func:`start_exchange`): its result must not be
+    read before :class:`_Ended` waits for it. Backward, the wait for the gradient's all-to-all
+    that :class:`_Ended`'s backward began: so the backward runs each trip's reverse as the same
+    begun/ended pair, in the reverse order, the autograd engine running what came between them
+    in the forward (the other chunk's experts) between them again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, n: int, name: str) -> torch.Tensor:
+        return start_exchange(x, n, name)
+
+    @staticmethod
+    def backward(ctx, pending: torch.Tensor):
+        return wait(pending), None, None
+
+
+class _Ended(torch.autograd.Function):
+    """The wait for a :class:`_Begun` all-to-all; backward, the reverse all-to-all begun (equal
+    blocks: the same exchange)."""
+
+    @staticmethod
+    def forward(ctx, pending: torch.Tensor, n: int, name: str) -> torch.Tensor:
+        ctx.n, ctx.name = n, name
+        return wait(pending)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return start_exchange(grad, ctx.n, ctx.name), None, None
+
+
+def dispatch_begin(
+    rows: torch.Tensor, splits: torch.Tensor, name: str, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch` begun: ``(rows, counts)`` on their way (over group ``name``), for
+    :func:`dispatch_end`; in between the caller does other work (the pipelined schedule of
+    ``mega.parallel.expert.flex_schedule``: another chunk's experts)."""
+    s = rows.shape[0]
+    torch._assert_async(splits.sum() == s)
+    into, out_of = _send_maps(splits, n, local, s)
+    pending = _Begun.apply(_Rows.apply(rows, into, out_of), n, name)
+    return pending, start_exchange(splits.view(n, local), n, name)
+
+
+def dispatch_end(
+    begun: tuple[torch.Tensor, torch.Tensor], name: str, n: int, local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dispatch`'s ``(arrived, layout)`` from what :func:`dispatch_begin` began."""
+    pending, counts = begun
+    received = _Ended.apply(pending, n, name)
+    into, out_of, layout = _arrival_maps(wait(counts), n, local, received.shape[0] // n)
+    return _Rows.apply(received, into, out_of), layout
+
+
+def combine_begin(
+    outputs: torch.Tensor, layout: torch.Tensor, name: str, n: int, local: int
+) -> torch.Tensor:
+    """:func:`combine` begun: the experts' rows on their way back, for :func:`combine_end`."""
+    s = (outputs.shape[0] - local * GROUP_ALIGN) // n
+    into, out_of, _ = _arrival_maps(layout[0].view(local, n).t(), n, local, s)
+    return _Begun.apply(_Rows.apply(outputs, out_of, into), n, name)
+
+
+def combine_end(
+    pending: torch.Tensor, splits: torch.Tensor, name: str, n: int, local: int
+) -> torch.Tensor:
+    """:func:`combine`'s ``[S, h]`` from what :func:`combine_begin` began (``splits`` this
+    rank's own)."""
+    back = _Ended.apply(pending, n, name)
+    into, out_of = _send_maps(splits, n, local, back.shape[0] // n)
+    return _Rows.apply(back, out_of, into)
 
 
 def dispatch(
