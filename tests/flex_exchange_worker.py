@@ -49,7 +49,7 @@ def expected_arrival(
     """The blocks that must arrive here (expert-major, sources in order), their sizes, and their
     first rows: one after another, each expert's room rounded up to the transport's alignment
     and at least one alignment (an expert with no row taking that much padding)."""
-    align = arrival_align()
+    align = arrival_align(device)
     blocks, sizes = {}, {}
     for source in range(n):
         rows, splits = made(source, n, call, device)
@@ -90,14 +90,14 @@ def main() -> None:
         (returned * grad).sum().backward()
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
-        assert arrived.shape[0] == n * ROWS + LOCAL * arrival_align()
+        assert arrived.shape[0] == n * ROWS + LOCAL * arrival_align(device)
         blocks, sizes, firsts = expected_arrival(rank, n, call, device)
         assert layout[0].tolist() == sizes, (layout[0].tolist(), sizes)
         assert layout[1].tolist() == firsts, (layout[1].tolist(), firsts)
         # the grouped GEMM's groups: each expert's room up to the next expert's, aligned
         ends = torch.cumsum(expert_groups(layout, n, LOCAL), 0).tolist()
         assert ends == [*firsts[n::n], firsts[-1] + sizes[-1]], (ends, firsts, sizes)
-        assert all(g % arrival_align() == 0 for g in ends[:-1]), ends
+        assert all(g % arrival_align(device) == 0 for g in ends[:-1]), ends
         for block, first in zip(blocks, firsts, strict=True):
             torch.testing.assert_close(arrived[first : first + len(block)], block, rtol=0, atol=0)
         # each row back, scaled by its destination rank's factor; the gradient likewise

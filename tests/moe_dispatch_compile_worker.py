@@ -105,10 +105,14 @@ def main() -> None:
 
     counter = CompileCounterWithBackend("inductor" if GPU else "aot_eager")
     compiled = torch.compile(dispatch, backend=counter)
+    options = {}
+    if GPU and DISPATCHER == "flex-overlap":  # as --compile compiles its layer (compile_options)
+        options = dispatcher.compile_options
     frames = []
     for call in range(4):
         inputs = routing(call, rank)
-        eager, traced, whole = (run(f, *inputs) for f in (dispatch, compiled, one_process))
+        with torch._inductor.config.patch(options):
+            eager, traced, whole = (run(f, *inputs) for f in (dispatch, compiled, one_process))
         for got, want in zip(traced, eager, strict=True):
             assert_near(got, want, 1e-6)
         for got, want in zip(eager, whole, strict=True):

@@ -135,7 +135,7 @@ def test_compiled_stacks_in_an_interleaved_pipeline_train_like_eager(tmp_path: P
 def test_a_units_compile_options_come_from_its_modules(monkeypatch):
     """A module's ``compile_options`` reach inductor where its unit is compiled (the pipelined
     flex trips ask for the ``sink_waits`` pass in their layer), and a unit without any is
-    compiled plainly; the recomputed layer's inner compile gets them too."""
+    compiled plainly."""
     from mega.core.training import compile as compile_module
 
     gpt = GPTModel(GPTConfig(**SMALL), CTX)

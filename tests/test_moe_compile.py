@@ -222,3 +222,13 @@ def test_flex_by_padded_all_to_alls_compiles_once_and_matches_eager_on_two_ranks
     env = {"MOE_DISPATCHER": "flex-padded", "MEGA_FLEX_TRANSPORT": "padded"}
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("compiled flex-padded matches eager") == 2, stdout[-2000:]
+
+
+def test_the_pipelined_trips_overlap_the_expert_gemms_as_inductor_compiles_them():
+    """The GPU's pipelined layer (grouped GEMM in bf16, which torch runs on the CPU too) compiled
+    by inductor with its compile options (the sink_waits pass) on two gloo ranks: in the
+    generated forward and backward, trips start before expert GEMMs that run before their waits
+    (without the pass every trip was waited at once: 0 overlapped), and the numbers are eager's
+    to bf16's rounding (tests/pipelined_order_worker.py)."""
+    stdout = run_workers("pipelined_order_worker.py", 2, {"MEGA_FLEX_TRANSPORT": "padded"})
+    assert stdout.count("pipelined trips overlap the expert GEMMs") == 2, stdout[-2000:]

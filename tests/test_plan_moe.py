@@ -233,3 +233,22 @@ def test_the_counted_alltoall_layer_is_measured_compiled_with_sizes_torch_2_11_c
         warnings.simplefilter("always")
         plan_run(config, plugins, BUILT_IN["h200"])
     _no_planning_warnings(caught)
+
+
+@pytest.mark.parametrize("transport", ["auto", "padded", "split"])
+def test_flex_is_planned_with_the_trips_gpus_run(monkeypatch, transport):
+    """GPUs carry flex's trips by the padded all-to-alls by default (``auto``), so a plan (of a
+    GPU run, on whatever machine ``mega plan`` runs) counts theirs: every rank sends every rank
+    a block of all its ``S`` slots there and back, the counts beside them; ``split`` (NVSHMEM)
+    moves the rows themselves."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
+    config, plugins = _config(
+        "--expert-model-parallel-size 2 --moe-token-dispatcher-type flex --moe-grouped-gemm",
+        world=2,
+    )
+    p = profile_rank(config, plugins, 0)
+    n, slots = 2, TOPK * MBS * SEQ
+    counts = EXPERTS * 8  # [n, E/n] int64, each way of the dispatch
+    padded = LAYERS * (2 * n * slots * H * 2 + counts)
+    sent = p.forward.collectives[("ep", "alltoall", 2)]
+    assert (sent == padded) is (transport != "split"), (sent, padded)

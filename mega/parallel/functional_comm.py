@@ -20,9 +20,9 @@ already put the wait into the graph. Every function takes a group of more than o
 name, for code that holds a name rather than a group (``mega.parallel.tensor.overlapped``, whose
 backward is a custom op that names its group): the raw ``_c10d_functional`` ops.
 :func:`start_exchange` is the all-to-all of equal blocks split so (the ``flex`` dispatcher's
-pipelined trips, ``mega.parallel.expert.padded_exchange``). Compiled, such a wait stays where
-the code put it only where inductor's ``reorder_for_locality`` pass is off (it moved the wait
-next to its collective on CPU, torch 2.13; ``mega.parallel.expert.padded_exchange``).
+pipelined trips, ``mega.parallel.expert.flex_schedule.pipelined``). Compiled, inductor's default
+schedule puts such a wait right after its collective wherever the code waits; its
+``sink_waits`` pass moves it to the first use (``flex_schedule.PIPELINED_COMPILE_OPTIONS``).
 """
 
 from __future__ import annotations

@@ -249,8 +249,10 @@ class DeviceSplitDispatcher:
     def overlap_trips(self) -> None:
         """From now on the trips overlapped (``--overlap-moe-expert-parallel-comm``): over the
         padded trips with the grouped GEMM on GPUs pipelined on one stream (traced whole),
-        otherwise on a side stream. That schedule is marked here for torch.compile to call, not trace (streams are not traced),
-        once: a mark made at the first traced call recompiled the layer."""
+        otherwise on a side stream. That schedule is marked here for torch.compile to call, not
+        trace (streams are not traced), once: a mark made at the first traced call recompiled
+        the layer. The layer's compile options (inductor's sink_waits) are asked for either
+        way: which schedule runs is known only from the data."""
         from mega.parallel.expert import flex_schedule
 
         self._overlapped = torch.compiler.disable(flex_schedule.overlapped)
@@ -261,7 +263,8 @@ class DeviceSplitDispatcher:
         from mega.parallel.expert.split_exchange import pieces_per_expert
 
         n, local = group_size(self.group), experts.count
-        shape = flex_schedule.Shape(self.group, n, local, pieces_per_expert(n, local), self.name)
+        pieces = pieces_per_expert(n, local, tokens.device)
+        shape = flex_schedule.Shape(self.group, n, local, pieces, self.name)
         # two equal chunks: one shape, so the chunks share NVSHMEM buffers (an odd count of
         # tokens, which no real sequence gives, runs as one chunk rather than make two shapes)
         if self._overlapped is None or tokens.shape[0] % 2 or tokens.shape[0] < 2:
@@ -269,6 +272,6 @@ class DeviceSplitDispatcher:
         pipelined = self.pipelined
         if pipelined is None:
             pipelined = flex_schedule.grouped_on_gpu(tokens, experts)
-        if pipelined and padded_trips() and n > 1:
+        if pipelined and padded_trips(tokens.device) and n > 1:
             return flex_schedule.pipelined(tokens, routing, experts, shape)
         return self._overlapped(tokens, routing, experts, shape)  # compiled: a graph break

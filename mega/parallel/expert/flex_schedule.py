@@ -99,7 +99,7 @@ def run_experts(c: Chunk, s: Shape, experts: Any) -> None:
     arrived = c.arrived
     # NVSHMEM's buffer keeps an earlier trip's rows in its padding, and a grouped GEMM group may
     # hold padding rows: zero them (c10d's and the padded transport's are zero already)
-    if arrived.is_cuda and not padded_trips():
+    if arrived.is_cuda and not padded_trips(arrived.device):
         held = block_rows(c.layout, arrived.shape[0]).unsqueeze(1)
         arrived = torch.where(held, arrived, arrived.new_zeros(()))
     # each expert's rows: its pieces' blocks, which lie together, and padding among them
@@ -115,11 +115,15 @@ def mix(c: Chunk, dtype: torch.dtype) -> torch.Tensor:
     return mix_slots(to_slots(c.returned, c.order, c.inverse).view(c.t, c.k, -1), c.probs, dtype)
 
 
+# where grouped_on_gpu holds: GPUs (a test adds "cpu" to compile a GPU's layer on CPU ranks)
+GROUPED_DEVICES = ("cuda",)
+
+
 def grouped_on_gpu(rows: torch.Tensor, experts: Any) -> bool:
     """Whether the experts run ``rows`` as one grouped GEMM on a GPU (bf16): then nothing in a
     compiled MoE layer reads the routing on the host, and the layer is one graph."""
     grouped_gemm = getattr(experts, "grouped_gemm", False) and rows.dtype == torch.bfloat16
-    return rows.is_cuda and grouped_gemm
+    return rows.device.type in GROUPED_DEVICES and grouped_gemm
 
 
 def experts_on_blocks(
@@ -133,7 +137,7 @@ def experts_on_blocks(
     if grouped_on_gpu(arrived, experts):
         return experts(arrived, counts)
     if arrived.is_meta:
-        grouped = arrived[: sent_rows(arrived.shape[0], n, local)]
+        grouped = arrived[: sent_rows(arrived.shape[0], n, local, arrived.device)]
     elif traced():  # eager, its row count unbacked: one graph for every routing
         from mega.parallel.expert.traced import grouped_rows
 

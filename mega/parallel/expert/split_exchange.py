@@ -69,13 +69,14 @@ from mega.parallel.weight_grad import OpaqueWhenTraced
 KERNEL_MOST_BLOCKS = 64
 
 
-def pieces_per_expert(n: int, local: int) -> int:
+def pieces_per_expert(n: int, local: int, device: torch.device | None = None) -> int:
     """Into how many pieces the flex dispatcher cuts each (rank, expert) block, each piece a
     sub-expert of its own to the kernels: as many as keep ``n * local * pieces`` within the
     kernel's thread blocks and ``local * pieces`` within its experts. An expert's pieces lie
     together in the expert-major layout, so the expert still sees its rows as one group. One
-    where the padded all-to-alls carry the trips (no NVSHMEM kernel to feed)."""
-    if padded_trips():
+    where the padded all-to-alls carry the trips (no NVSHMEM kernel to feed; ``device``: the
+    data's, :func:`~mega.parallel.expert.validate.padded_trips`)."""
+    if padded_trips(device):
         return 1
     return max(1, min(FLEX_MOST_LOCAL_EXPERTS // local, KERNEL_MOST_BLOCKS // (n * local)))
 
@@ -89,14 +90,15 @@ def split_in_pieces(splits: torch.Tensor, pieces: int) -> torch.Tensor:
     return ((splits // pieces).unsqueeze(1) + extra).reshape(-1)
 
 
-def arrival_align() -> int:
-    """``a``: the rows each expert's room in ``arrived`` is a multiple of (module docstring)."""
-    return padded_exchange.GROUP_ALIGN if padded_trips() else 1
+def arrival_align(device: torch.device | None = None) -> int:
+    """``a``: the rows each expert's room in ``arrived`` is a multiple of (module docstring;
+    ``device``: the data's)."""
+    return padded_exchange.GROUP_ALIGN if padded_trips(device) else 1
 
 
-def sent_rows(arrived_rows: int, n: int, local: int) -> int:
+def sent_rows(arrived_rows: int, n: int, local: int, device: torch.device | None = None) -> int:
     """``S``, the rows a rank sent, from the arrival's ``n * S + local * a`` rows."""
-    return (arrived_rows - local * arrival_align()) // n
+    return (arrived_rows - local * arrival_align(device)) // n
 
 
 def expert_groups(layout: torch.Tensor, n: int, local: int) -> torch.Tensor:
@@ -282,7 +284,7 @@ def _nvshmem_dispatch(
 def _nvshmem_combine(
     outputs: torch.Tensor, layout: torch.Tensor, group_name: str, n: int, local: int
 ) -> torch.Tensor:
-    s = sent_rows(outputs.shape[0], n, local)
+    s = sent_rows(outputs.shape[0], n, local, outputs.device)
     b = _buffers(group_name, "combine", n * s + local, s, outputs, n * local, local)
     b.rows_in.copy_(outputs)
     b.splits_in.copy_(layout)
@@ -326,7 +328,7 @@ def _combine_body(
 ) -> torch.Tensor:
     group = _resolve_process_group(group_name)
     if outputs.is_meta:
-        s = sent_rows(outputs.shape[0], n, local)
+        s = sent_rows(outputs.shape[0], n, local, outputs.device)
         share = balanced_rows(s, n)
         return all_to_all_rows(outputs[:s], share, share, group)
     if outputs.is_cuda:
@@ -345,7 +347,9 @@ def _(rows, splits, group_name, n, local):
 
 @_combine.op.register_fake
 def _(outputs, layout, group_name, n, local):
-    return outputs.new_empty(sent_rows(outputs.shape[0], n, local), outputs.shape[1])
+    return outputs.new_empty(
+        sent_rows(outputs.shape[0], n, local, outputs.device), outputs.shape[1]
+    )
 
 
 class _Dispatch(torch.autograd.Function):
@@ -392,7 +396,7 @@ def dispatch_rows(
     """``(arrived [n * S + local * a, h], layout [2, n * local])`` (module docstring; ``a``
     is :func:`arrival_align`); differentiable."""
     n = dist.get_world_size(group)
-    if padded_trips():
+    if padded_trips(rows.device):
         return padded_exchange.dispatch(rows, splits, group, n, local)
     return _Dispatch.apply(rows, splits, group.group_name, n, local)
 
@@ -403,6 +407,6 @@ def combine_rows(
     """``[S, h]``: the blocks of ``outputs`` back in the order :func:`dispatch_rows` took them
     (``splits`` its splits); differentiable."""
     n = dist.get_world_size(group)
-    if padded_trips():
+    if padded_trips(outputs.device):
         return padded_exchange.combine(outputs, layout, splits, group, n, local)
     return _Combine.apply(outputs, layout, splits, group.group_name, n, local)

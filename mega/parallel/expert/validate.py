@@ -4,7 +4,10 @@ group exists (``ExpertDimension.problems``)."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # which transport carries flex's trips: "padded" (mega.parallel.expert.padded_exchange: one
 # all-to-all of fixed splits each way, any backend, nothing read on the host), "split"
@@ -21,17 +24,20 @@ def flex_transport() -> str:
     return os.environ.get(FLEX_TRANSPORT_ENV, FLEX_TRANSPORTS[0])
 
 
-def padded_trips(on_gpus: bool | None = None) -> bool:
-    """Whether flex's trips go by the padded all-to-alls: asked for, or ``auto`` on GPUs
-    (``on_gpus``: whether the run is on GPUs; by default whether this process sees CUDA)."""
+def padded_trips(on_gpus: bool | torch.device | None = None) -> bool:
+    """Whether flex's trips go by the padded all-to-alls: asked for, or ``auto`` on GPUs.
+    ``on_gpus``: whether the run is on GPUs, or the device of the data (CUDA, or meta: the
+    planner plans GPU runs); by default whether this process sees CUDA."""
     transport = flex_transport()
     if transport != "auto":
         return transport == "padded"
     if on_gpus is None:
-        import torch
+        import torch  # here: the checks before launch import no torch
 
-        on_gpus = torch.cuda.is_available()
-    return on_gpus
+        return torch.cuda.is_available()
+    if isinstance(on_gpus, bool):
+        return on_gpus
+    return on_gpus.type != "cpu"
 
 
 def expert_problems(config: Any, plan: Any, plugins: Any) -> list[str]:
@@ -115,9 +121,9 @@ def flex_layout_problems(ep: int, world: int, local: int) -> list[str]:
 # and gradients off the in-order schedule's, on one rank or the other: tests/test_gpu_moe_flex.py),
 # and a training run was slower with it (54,560 tokens/s per GPU against 66,129 in order). Over
 # the padded trips the race test passed and EP2 trained as one GPU (a4ab9b5), but at 0.479x DP2
-# against 0.854x in order in the same run (its chunks' trips on a side stream, run eager). GPUs now
-# run the pipelined schedule instead (flex_schedule.pipelined: traced into the layer, no stream),
-# not yet measured; until it is, GPUs refuse the flag; MEGA_FLEX_OVERLAP_ON_GPUS=1 runs it over
+# against 0.854x in order in the same run (its chunks' trips on a side stream, run eager). With the
+# grouped GEMM in bf16, GPUs now run the pipelined schedule instead (flex_schedule.pipelined:
+# traced into the layer, no stream), not yet measured; until it is, GPUs refuse the flag; MEGA_FLEX_OVERLAP_ON_GPUS=1 runs it over
 # the padded trips (its GPU tests, its measurements), never over NVSHMEM.
 OVERLAP_ON_GPUS_ENV = "MEGA_FLEX_OVERLAP_ON_GPUS"
 OVERLAP_ON_GPUS = (

@@ -43,6 +43,10 @@ from mega.parallel.functional_comm import all_reduced
 from mega.parallel.weight_grad import traced
 from mega.plugins.models.common.config import GPTConfig
 
+# where the experts' grouped GEMM runs (torch._grouped_mm in bf16): GPUs, and meta for the planner
+# (a test adds "cpu", where torch runs it too, to compile a GPU's layer on CPU ranks)
+GROUPED_GEMM_DEVICES = ("cuda", "meta")
+
 
 @dataclass
 class Routing:
@@ -316,7 +320,11 @@ class GroupedExperts(nn.Module):
         w1, w2 = self.linear_fc1.weight, self.linear_fc2.weight
         # meta: mega plan counting a step for a GPU, with balanced routing (its counts have no
         # values: x's rows spread evenly over the experts, mega.parallel.expert.local)
-        if self.grouped_gemm and (x.is_cuda or x.is_meta) and x.dtype == torch.bfloat16:
+        if (
+            self.grouped_gemm
+            and x.device.type in GROUPED_GEMM_DEVICES
+            and x.dtype == torch.bfloat16
+        ):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
             return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
