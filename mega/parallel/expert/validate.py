@@ -121,10 +121,11 @@ def flex_layout_problems(ep: int, world: int, local: int) -> list[str]:
 # and gradients off the in-order schedule's, on one rank or the other: tests/test_gpu_moe_flex.py),
 # and a training run was slower with it (54,560 tokens/s per GPU against 66,129 in order). Over
 # the padded trips the race test passed and EP2 trained as one GPU (a4ab9b5), but at 0.479x DP2
-# against 0.854x in order in the same run (its chunks' trips on a side stream, run eager). With the
-# grouped GEMM in bf16, GPUs now run the pipelined schedule instead (flex_schedule.pipelined:
-# traced into the layer, no stream), not yet measured; until it is, GPUs refuse the flag; MEGA_FLEX_OVERLAP_ON_GPUS=1 runs it over
-# the padded trips (its GPU tests, its measurements), never over NVSHMEM.
+# against 0.854x in order in the same run (its chunks' trips on a side stream, run eager). With
+# the grouped GEMM in bf16, GPUs now run the pipelined schedule instead (flex_schedule.pipelined:
+# traced into the layer, no stream), not yet measured; until it is, GPUs refuse the flag.
+# MEGA_FLEX_OVERLAP_ON_GPUS=1 runs it over the padded trips (its GPU tests, its measurements),
+# never over NVSHMEM.
 OVERLAP_ON_GPUS_ENV = "MEGA_FLEX_OVERLAP_ON_GPUS"
 OVERLAP_ON_GPUS = (
     "--overlap-moe-expert-parallel-comm is not run on GPUs yet: on 2 H200 its first schedule"
