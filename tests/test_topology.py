@@ -65,3 +65,44 @@ def test_world_size_and_global_batch_follow_the_launch(plugins):
                              "--tensor-model-parallel-size", "2"], plugins)  # fmt: skip
     assert config.world_size == 4 and config.data_parallel_size == 2
     assert config.num_microbatches == 16 // (4 * 2)
+
+
+def _shared_groups(rank: int, world_size: int, sizes: dict[str, int]) -> list[list[str]]:
+    """The names of the groups that are one communicator (the same group object)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    topology = build_topology(world_size, rank, **sizes)
+    names = ("tp", "cp", "ep", "dp", "edp", "dpcp", "edpcp", "tpcp", "mp")
+    groups = {n: topology.group(n) for n in names if topology.group(n) is not None}
+    shared: list[list[str]] = []
+    for name, group in groups.items():
+        for same in shared:
+            if groups[same[0]] is group:
+                same.append(name)
+                break
+        else:
+            shared.append([name])
+    dist.destroy_process_group()
+    return [same for same in shared if len(same) > 1]
+
+
+@pytest.mark.parametrize(
+    "world_size, sizes, expected",
+    [
+        # EP2 on two ranks: ep and dp have the same ranks but each its own communicator, so the
+        # gradients' reduce-scatters (dpcp) do not queue on the stream of the experts' trips (2
+        # H200, 2026-11-30: one NCCL stream carried both, dpcp had taken ep's group)
+        (2, {"ep": 2}, [["dp", "dpcp"]]),
+        (2, {"tp": 2}, [["tp", "tpcp"]]),
+        (2, {}, [["dp", "dpcp"], ["edp", "edpcp"]]),
+        # with context parallelism no cp group has its counterpart's ranks: each its own (before,
+        # edpcp and tpcp took cp's: the ring's trips and the experts' gradients on one stream)
+        (4, {"cp": 2, "ep": 2}, []),
+    ],
+)
+def test_a_cp_group_reuses_only_its_own_counterpart(world_size, sizes, expected):
+    from mega.testing.ranks import run_ranks
+
+    for shared in run_ranks(_shared_groups, world_size, sizes):
+        assert shared == expected

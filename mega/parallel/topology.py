@@ -32,9 +32,13 @@ JOINS: dict[str, tuple[str, ...]] = {
     "dp": ("dp", "edp", "dpcp", "edpcp"),
     "pp": ("mp",),
 }
-# the groups spanning the cp coordinate too; each reuses a group of the same ranks made before
-# it (build_topology): without context parallelism dpcp is dp, edpcp edp and tpcp tp
-CP_GROUPS = ("dpcp", "edpcp", "tpcp")
+# the groups spanning the cp coordinate too; each reuses its counterpart's group where it has the
+# same ranks (build_topology): without context parallelism dpcp is dp, edpcp edp and tpcp tp. Only
+# its counterpart's: a group of the same ranks made for another job is another communicator on
+# purpose (EP2 on two GPUs: ep's ranks are dp's, and the experts' trips on the gradients' NCCL
+# stream queued behind their reduce-scatters, 2 H200, 2026-11-30)
+CP_COUNTERPART = {"dpcp": "dp", "edpcp": "edp", "tpcp": "tp"}
+CP_GROUPS = tuple(CP_COUNTERPART)
 DERIVED = ("mp", "edp", *CP_GROUPS)
 # the groups whose ranks hold different data: a plugin's dimension may not join them (its ranks
 # hold the same data, so that the batch arithmetic, micro-batch x dp, stays the engine's)
@@ -270,20 +274,21 @@ def build_topology(
     if world_size > 1:
         import torch.distributed as dist
 
-        created: dict[tuple[int, ...], Any] = {}
+        created: dict[tuple[str, tuple[int, ...]], Any] = {}
         for dim, ranks_lists in all_groups.items():
             for ranks in ranks_lists:
                 key = tuple(ranks)
-                if dim in CP_GROUPS and key in created:
-                    # the same ranks as a group made already (every rank decides alike): no
-                    # second communicator, e.g. dpcp is dp without context parallelism
-                    group = created[key]
+                counterpart = (CP_COUNTERPART.get(dim, ""), key)
+                if counterpart in created:
+                    # its counterpart's ranks (every rank decides alike): no second
+                    # communicator, e.g. dpcp is dp without context parallelism
+                    group = created[counterpart]
                 else:
                     # every rank creates every group, in the same order (new_group is collective)
                     group = None
                     if len(ranks) > 1:
                         group = dist.new_group(ranks, pg_options=_options(dim in high_priority))
-                    created.setdefault(key, group)
+                created[(dim, key)] = group
                 if rank in ranks:
                     members[dim] = key
                     if group is not None:
