@@ -123,14 +123,15 @@ def flex_layout_problems(ep: int, world: int, local: int) -> list[str]:
 # the padded trips the race test passed and EP2 trained as one GPU (a4ab9b5), but at 0.479x DP2
 # against 0.854x in order in the same run (its chunks' trips on a side stream, run eager). With
 # the grouped GEMM in bf16, GPUs now run the pipelined schedule instead (flex_schedule.pipelined:
-# traced into the layer, no stream), not yet measured; until it is, GPUs refuse the flag.
+# traced into the layer, no stream): right on 2 H200 (c1c71fd) but slower than in order (0.868x
+# DP2 against 0.898x in the same run), so GPUs still refuse the flag.
 # MEGA_FLEX_OVERLAP_ON_GPUS=1 runs it over the padded trips (its GPU tests, its measurements),
 # never over NVSHMEM.
 OVERLAP_ON_GPUS_ENV = "MEGA_FLEX_OVERLAP_ON_GPUS"
 OVERLAP_ON_GPUS = (
     "--overlap-moe-expert-parallel-comm is not run on GPUs yet: on 2 H200 its first schedule"
-    " trained EP2 at 0.48x of DP2 against 0.85x in order, and its pipelined one is not yet"
-    " measured (docs/moe.md)"
+    " trained EP2 at 0.48x of DP2 against 0.85x in order, its pipelined one at 0.87x against"
+    " 0.90x (docs/moe.md)"
 )
 OVERLAP_OVER_NVSHMEM = (
     "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=split: over NVSHMEM the"
