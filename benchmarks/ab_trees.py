@@ -108,7 +108,15 @@ def main() -> None:
         )
     import torch
 
+    # this driver imports no mega (provenance() finds none on its path): the new tree's, as
+    # installed last, from a fresh interpreter
+    version = subprocess.run(
+        [sys.executable, "-c", "import mega; print(mega.__version__)"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     record = with_provenance({
+        "versions": {"mega": version or None},
         "commit": commit_of(trees["new"]),  # the newer code measured; both trees below
         "command": shlex.join(sys.argv),
         "device": torch.cuda.get_device_name()
