@@ -7,7 +7,7 @@ parallelism) and 49 (checkpoint I/O) accept on, as parts that each fit one devic
     python benchmarks/acceptance_runs.py --gpus 4 --part cp16k --out $OUT --dry-run
 
 Measured on 2 H200 (2026-11-29, a part per call after a cold start of ~35 s): ``tp`` 291 s
-(before its DTensor run at micro-batch 8 was added), ``ep`` 154 s, ``tp6p7b`` 263 s, ``cp16k``
+(before its DTensor run at micro-batch 8 was added), ``ep`` 154 s (300 s with six rows on 2026-11-30), ``tp6p7b`` 263 s, ``cp16k``
 257 s, ``ckpt_dp2`` ~250 s; ``cp32k`` and ``ckpt_tp2`` not yet run. ``parallel_layouts.py``
 leaves each layout's run directory and log in ``--out``: remove them where a device call returns
 only a few files.
@@ -38,10 +38,11 @@ MOE = (
 ALLTOALL = "--moe-token-dispatcher-type=alltoall"
 # the counts kept on the device, the trips by NCCL all-to-alls of fixed splits (the GPU default)
 FLEX = "--moe-token-dispatcher-type=flex"
-FLEX_NVSHMEM = f"{FLEX}@MEGA_FLEX_TRANSPORT=split"  # the same by NVSHMEM's exact splits
-# trips beside the expert GEMMs (pipelined: flex_schedule.pipelined); GPUs refuse it until
-# measured (the side-stream schedule before it: 0.479x DP2 on 2 H200, a4ab9b5), but for this
-FLEX_OVERLAP = f"{FLEX} --overlap-moe-expert-parallel-comm@MEGA_FLEX_OVERLAP_ON_GPUS=1"
+# the padded trips' blocks by the copy engine into the peers' symmetric memory (no SM taken).
+# Rows measured and dropped from the part (both slower than FLEX in every run on 2 H200, 2026-11-30):
+# NVSHMEM's exact splits (f"{FLEX}@MEGA_FLEX_TRANSPORT=split", 0.793-0.831x DP2) and the pipelined
+# overlap (f"{FLEX} --overlap-moe-expert-parallel-comm@MEGA_FLEX_OVERLAP_ON_GPUS=1", 0.868x)
+FLEX_COPY_ENGINE = f"{FLEX}@MEGA_FLEX_TRANSPORT=copy-engine"
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
@@ -73,8 +74,8 @@ LAYOUTS = {
     2: {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
         "ep": [
-            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_NVSHMEM}",
-             f"ep2dp2:{FLEX_OVERLAP}", f"ep2dp2:{PADDED}"]
+            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
+             f"ep2dp2:{PADDED}"]
         ],
         # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
         # takes about 300 s with it (2026-11-30 ran out at 265 s before it)
@@ -87,8 +88,8 @@ LAYOUTS = {
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
         "ep": [
-            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_NVSHMEM}",
-             f"ep4dp4:{FLEX_OVERLAP}", f"ep4dp4:{PADDED}"]
+            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
+             f"ep4dp4:{PADDED}"]
         ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",

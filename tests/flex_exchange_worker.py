@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mega.parallel.distributed import finish_job, leave_job
+from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
 from mega.parallel.expert.split_exchange import (
     arrival_align,
     combine_rows,
@@ -77,6 +78,8 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     group = dist.group.WORLD
+    if cuda and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # not the fallback
+        assert copy_engine_usable(group, torch.zeros(1, device=device))
     for call in range(3):
         rows, splits = made(rank, n, call, device)
         rows.requires_grad_(True)

@@ -6,7 +6,8 @@ experts between the trips take a row count marked unbacked, so a new count is no
 ``MOE_DISPATCHER=flex-overlap``: the ``flex`` dispatcher with its trips overlapped, whose
 overlapped part torch.compile calls eager (a graph break), no slot dropped (it is dropless).
 ``MOE_DISPATCHER=flex-padded`` (with ``MEGA_FLEX_TRANSPORT=padded``): flex's trips by
-all-to-alls of fixed splits, traced into the graph.
+all-to-alls of fixed splits, traced into the graph (``copy-engine`` on GPUs: the same trips by
+the copy engine, opaque ops in the graph).
 
 ``MOE_GPU=1`` (tests/test_gpu_moe_flex.py): the same on GPUs over NCCL, in bf16 with the grouped
 GEMM, compiled by Inductor, at a model's sizes; compared by relative error, loosely (bf16 and
@@ -24,6 +25,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from mega.parallel.distributed import finish_job, leave_job
+from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
 from mega.parallel.expert.dispatchers import AllToAllDispatcher, DeviceSplitDispatcher
 from mega.parallel.expert.local import local_mixture
 from mega.parallel.expert.validate import padded_trips
@@ -120,6 +122,10 @@ def main() -> None:
         # frames compiled, graphs or not (a frame without ops, recompiled, counts here only)
         frames.append((counter.frame_count, counters["frames"]["total"]))
     assert frames == frames[:1] * 4, frames  # compiled once, whatever the routing
+    if GPU and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # not the fallback
+        assert copy_engine_usable(dist.group.WORLD, torch.zeros(1, device=DEVICE))
+        assert counter.frame_count == 1, frames  # the trips opaque ops in one graph
+        print(f"rank {rank}: the copy engine carried the compiled layer's trips", flush=True)
     if DISPATCHER == "flex-overlap" and padded_trips() and GPU:  # pipelined: traced whole
         assert counter.frame_count == 1, frames
         print(f"rank {rank}: the pipelined dispatch is one graph", flush=True)

@@ -19,10 +19,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["split", "padded"])
+@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine"])
 @pytest.mark.parametrize("local", [1, 4])
 def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: int, transport: str):
-    """Over NVSHMEM (``split``) and over NCCL's all-to-all of fixed splits (``padded``)."""
+    """Over NVSHMEM (``split``), over NCCL's all-to-all of fixed splits (``padded``) and the same
+    blocks by the copy engine (``copy-engine``; the worker checks it is not the fallback)."""
     env = {
         "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local),
         "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport,
@@ -70,18 +71,20 @@ def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_
         assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout
 
 
-@pytest.mark.parametrize("transport", ["split", "padded"])
+@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine"])
 def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm(transport: str):
     """The flex dispatcher with the grouped GEMM in bf16, compiled by Inductor, against itself
     eager and against every expert on one GPU, over four routings (tests/
     moe_dispatch_compile_worker.py with ``MOE_GPU=1``). Where the padded transport's training
     gradients were off one GPU's (2 H200, 2026-11-30), this says whether the layer alone is."""
     env = {
-        "MOE_GPU": "1", "MOE_DISPATCHER": "flex-padded" if transport == "padded" else "flex",
+        "MOE_GPU": "1", "MOE_DISPATCHER": "flex" if transport == "split" else "flex-padded",
         "MEGA_FLEX_TRANSPORT": transport, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
     }  # fmt: skip
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
+    if transport == "copy-engine":
+        assert stdout.count("the copy engine carried the compiled layer's trips") == 2, stdout
 
 
 def test_the_pipelined_flex_layer_is_one_graph_and_matches_eager_and_one_gpu():

@@ -88,9 +88,9 @@ def test_moe_layouts_match_one_gpu(
 def test_flex_overlapped_matches_one_gpu(
     tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
 ):
-    """The overlapped trips over the padded all-to-alls (GPUs refuse them until measured;
+    """The overlapped trips over the padded all-to-alls (GPUs refuse them, slower than in order;
     ``MEGA_FLEX_OVERLAP_ON_GPUS=1`` runs them). Passed on 2 H200 at a4ab9b5 with the side-stream
-    schedule; with the grouped GEMM (MODEL) it now runs the pipelined one, not yet run here."""
+    schedule and at c1c71fd with the pipelined one (the grouped GEMM of MODEL picks it)."""
     monkeypatch.setenv("MEGA_FLEX_OVERLAP_ON_GPUS", "1")
     flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
     flags += ["--overlap-moe-expert-parallel-comm"]
@@ -104,6 +104,16 @@ def test_flex_by_nvshmem_matches_one_gpu(
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "split")
     flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
     _matches_one_gpu(tmp_path, "ep2-flex-split", flags, one_gpu)
+
+
+def test_flex_by_the_copy_engine_matches_one_gpu(
+    tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
+):
+    """``MEGA_FLEX_TRANSPORT=copy-engine``: the padded trips' blocks copied into the peer's
+    symmetric memory (tests/test_gpu_moe_flex.py checks the copy engine, not the fallback, ran)."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "copy-engine")
+    flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
+    _matches_one_gpu(tmp_path, "ep2-flex-copy-engine", flags, one_gpu)
 
 
 def _matches_one_gpu(

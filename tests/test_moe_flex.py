@@ -16,13 +16,20 @@ from conftest import run_mega, run_workers
 
 @pytest.mark.parametrize(
     "ranks, local, transport",
-    [(2, 2, "split"), (3, 1, "split"), (2, 1, "auto"), (2, 2, "padded"), (3, 3, "padded")],
+    [
+        (2, 2, "split"),
+        (3, 1, "split"),
+        (2, 1, "auto"),
+        (2, 2, "padded"),
+        (3, 3, "padded"),
+        (2, 2, "copy-engine"),
+    ],
 )
 def test_the_flex_trips_bring_each_block_to_its_expert_and_back(
     ranks: int, local: int, transport: str
 ):
     """c10d's exact splits (``split``; ``auto`` on CPU ranks) and the all-to-alls of fixed splits
-    (``padded``)."""
+    (``padded``; ``copy-engine``, which CPU ranks carry so)."""
     env = {"FLEX_LOCAL": str(local), "MEGA_FLEX_TRANSPORT": transport}
     stdout = run_workers("flex_exchange_worker.py", ranks, env)
     assert stdout.count("flex trips hold their contract") == ranks, stdout[-2000:]
@@ -73,7 +80,8 @@ def test_an_unknown_flex_transport_is_one_error_line(tmp_path: Path, monkeypatch
     assert result.returncode == 2, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
-        "error: MEGA_FLEX_TRANSPORT='carrier-pigeon': must be one of auto, padded, split"
+        "error: MEGA_FLEX_TRANSPORT='carrier-pigeon': must be one of auto, padded, split,"
+        " copy-engine"
     ], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
@@ -189,6 +197,7 @@ def test_the_overlap_is_refused_before_launch_on_gpus(monkeypatch):
     NVSHMEM; CPU ranks run either (their tests)."""
     from mega.parallel.expert.validate import (
         OVERLAP_ON_GPUS,
+        OVERLAP_OVER_COPY_ENGINE,
         OVERLAP_OVER_NVSHMEM,
         flex_gpu_problems,
     )
@@ -203,8 +212,13 @@ def test_the_overlap_is_refused_before_launch_on_gpus(monkeypatch):
     for transport in ("auto", "padded"):
         monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
         assert flex_gpu_problems(config) == [], transport
-    config.model.overlap_moe_expert_parallel_comm = False
+    # the copy engine carries the trips in order only, whatever MEGA_FLEX_OVERLAP_ON_GPUS says
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "copy-engine")
+    assert flex_gpu_problems(config) == [OVERLAP_OVER_COPY_ENGINE]
     monkeypatch.delenv("MEGA_FLEX_OVERLAP_ON_GPUS")
+    assert flex_gpu_problems(config) == [OVERLAP_ON_GPUS, OVERLAP_OVER_COPY_ENGINE]
+    config.model.overlap_moe_expert_parallel_comm = False
+    assert flex_gpu_problems(config) == []
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "split")
     assert flex_gpu_problems(config) == []
 
@@ -224,7 +238,8 @@ def test_the_padded_transport_lifts_nvshmems_limits_before_launch(monkeypatch):
 
 @pytest.mark.parametrize(
     "transport, on_gpus, padded",
-    [("auto", True, True), ("auto", False, False), ("padded", False, True), ("split", True, False)],
+    [("auto", True, True), ("auto", False, False), ("padded", False, True), ("split", True, False),
+     ("copy-engine", True, True), ("copy-engine", False, True)],
 )  # fmt: skip
 def test_auto_pads_the_trips_on_gpus_only(monkeypatch, transport, on_gpus, padded):
     """On 2 H200 the padded trips trained EP2 faster than NVSHMEM's (0.898x against 0.810x DP2,

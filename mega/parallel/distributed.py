@@ -174,3 +174,15 @@ def leave_job() -> None:
         # The finished engine still holds its groups (topology, gradient-hook cycles): free them
         # now, while their threads can still be joined, not during interpreter teardown.
         gc.collect()
+
+
+def one_host(group: Any) -> bool:
+    """Whether every member of ``group`` runs on this host (peer-mapped memory needs it). torch's
+    launcher numbers ranks host by host, ``LOCAL_WORLD_SIZE`` to a host."""
+    import torch.distributed as dist
+
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    if per_host <= 0:
+        return False
+    hosts = {rank // per_host for rank in dist.get_process_group_ranks(group)}
+    return len(hosts) == 1

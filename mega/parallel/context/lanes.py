@@ -34,7 +34,6 @@ for a copy lane) before ``finish``.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from mega.parallel import comm
 from mega.parallel.context.transport_choice import chosen_transport
+from mega.parallel.distributed import one_host
 
 _ALIGN = 512  # bytes: every tensor in a slot starts aligned for any dtype's view
 _TIMEOUT_MS = 600_000  # the default NCCL timeout: a peer still compiling is not a dead peer
@@ -170,23 +170,13 @@ class CopyEngineLane:
 _COPY_LANES: dict[tuple, CopyEngineLane] = {}
 
 
-def _one_host(group: Any) -> bool:
-    """Whether every member of ``group`` runs on this host (peer-mapped memory needs it). torch's
-    launcher numbers ranks host by host, ``LOCAL_WORLD_SIZE`` to a host."""
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    if per_host <= 0:
-        return False
-    hosts = {rank // per_host for rank in dist.get_process_group_ranks(group)}
-    return len(hosts) == 1
-
-
 def copy_engine_usable(group: Any, like: torch.Tensor) -> bool:
     """Whether the ring of ``group`` can use the copy engine for tensors like ``like``."""
     return (
         chosen_transport() == "copy-engine"
         and like.is_cuda
         and dist.get_backend(group) == "nccl"
-        and _one_host(group)
+        and one_host(group)
     )
 
 

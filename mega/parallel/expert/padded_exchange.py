@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mega.parallel.expert.collectives import exchange_rows
+from mega.parallel.expert.copy_engine_exchange import copy_engine_exchange, copy_engine_usable
 from mega.parallel.functional_comm import start_exchange, wait
 
 # Each expert's rows start at a multiple of 8 rows here (16 bytes of bf16): the grouped GEMM's
@@ -78,6 +79,16 @@ class _Rows(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (back,) = ctx.saved_tensors
         return _take(grad, back), None, None
+
+
+def _blocks(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """``x``'s ``n`` equal blocks of rows, block ``q`` to rank ``q``: by the copy engine where
+    ``MEGA_FLEX_TRANSPORT=copy-engine`` can use it (:mod:`.copy_engine_exchange`), else by the
+    group's all-to-all."""
+    if copy_engine_usable(group, x):
+        return copy_engine_exchange(x, group.group_name)
+    rows = x.shape[0] // n
+    return exchange_rows(x, [rows] * n, [rows] * n, group)
 
 
 def _count_at_or_below(bounds: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -214,8 +225,8 @@ def dispatch(
     torch._assert_async(splits.sum() == s)
     into, out_of = _send_maps(splits, n, local, s)
     send = _Rows.apply(rows, into, out_of)
-    received = exchange_rows(send, [s] * n, [s] * n, group)
-    counts = exchange_rows(splits.view(n, local), [1] * n, [1] * n, group)
+    received = _blocks(send, group, n)
+    counts = _blocks(splits.view(n, local), group, n)
     into, out_of, layout = _arrival_maps(counts, n, local, s)
     return _Rows.apply(received, into, out_of), layout
 
@@ -234,6 +245,6 @@ def combine(
     s = (outputs.shape[0] - local * GROUP_ALIGN) // n
     counts = layout[0].view(local, n).t()
     into, out_of, _ = _arrival_maps(counts, n, local, s)
-    back = exchange_rows(_Rows.apply(outputs, out_of, into), [s] * n, [s] * n, group)
+    back = _blocks(_Rows.apply(outputs, out_of, into), group, n)
     into, out_of = _send_maps(splits, n, local, s)
     return _Rows.apply(back, out_of, into)

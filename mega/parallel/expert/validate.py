@@ -15,8 +15,12 @@ if TYPE_CHECKING:
 # the counts on the host on CPU ranks), or "auto": padded on GPUs, split on CPU ranks. On 2 H200
 # (2026-11-30, 5e5c460) EP2 trained at 0.898x DP2 padded against 0.810x by NVSHMEM in the same
 # run, and only the padded trips passed the overlapped schedule's race test (docs/moe.md).
+# "copy-engine": the padded trips, their blocks copied into the peers' symmetric memory by the
+# copy engine where the group's GPUs share a host (mega.parallel.expert.copy_engine_exchange;
+# elsewhere, CPU ranks included, the group's all-to-all as "padded"); in order only.
 FLEX_TRANSPORT_ENV = "MEGA_FLEX_TRANSPORT"
-FLEX_TRANSPORTS = ("auto", "padded", "split")  # the first is the default
+FLEX_TRANSPORTS = ("auto", "padded", "split", "copy-engine")  # the first is the default
+PADDED_TRANSPORTS = ("padded", "copy-engine")  # the padded trips' maps, whatever carries them
 
 
 def flex_transport() -> str:
@@ -30,7 +34,7 @@ def padded_trips(on_gpus: bool | torch.device | None = None) -> bool:
     planner plans GPU runs); by default whether this process sees CUDA."""
     transport = flex_transport()
     if transport != "auto":
-        return transport == "padded"
+        return transport in PADDED_TRANSPORTS
     if on_gpus is None:
         import torch  # here: the checks before launch import no torch
 
@@ -133,6 +137,10 @@ OVERLAP_ON_GPUS = (
     " trained EP2 at 0.48x of DP2 against 0.85x in order, its pipelined one at 0.87x against"
     " 0.90x (docs/moe.md)"
 )
+OVERLAP_OVER_COPY_ENGINE = (
+    "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=copy-engine: the copy engine"
+    " carries the trips in order only"
+)
 OVERLAP_OVER_NVSHMEM = (
     "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=split: over NVSHMEM the"
     " overlapped trips raced on 2 H200 (their outputs differed from flex in order)"
@@ -155,6 +163,8 @@ def flex_gpu_problems(config: Any) -> list[str]:
         return []
     overlap = bool(getattr(model, "overlap_moe_expert_parallel_comm", False))
     errors = [OVERLAP_ON_GPUS] if overlap and os.environ.get(OVERLAP_ON_GPUS_ENV) != "1" else []
+    if overlap and flex_transport() == "copy-engine":
+        errors.append(OVERLAP_OVER_COPY_ENGINE)
     if padded_trips(on_gpus=True):  # NCCL's all-to-all: none of NVSHMEM's limits
         return errors
     if overlap and not errors:
