@@ -17,6 +17,9 @@ GEMM (planned 89.0 ms a step, measured 99.9: 92,019 tokens/s against 82,020, +12
 profile's GEMMs took 46.7 ms against 45.3 planned, the optimizer and gradient norm 22.6 against
 23.0, its other kernels 20.4 against 10.8). The three misses are strict xfails (fixing them, or
 breaking the rest, shows), each with what its record says about where the time went.
+
+And the EP2 acceptance run on 2 H200 (``ACCEPTANCE``: DP2 and five EP2 dispatchers and
+transports, compiled): memory holds for every row; speed is a strict xfail for every row.
 """
 
 from __future__ import annotations
@@ -153,3 +156,48 @@ def test_two_h200_moe_peak_memory_of_every_rank_within_10_percent(run):
 @pytest.mark.parametrize("run", _params("two", SPEED_MISSES))
 def test_two_h200_moe_tokens_per_second_within_15_percent(run):
     assert _plan_two_h200(run).tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)
+
+
+# The MoE EP2 acceptance run on 2 H200 (c1c71fd, 2026-11-30, benchmarks/acceptance_runs.py's ep
+# part): DP2 and five EP2 rows, compiled (the default since), each with its row's environment.
+# Memory holds for all six. Speed is planned 25-65% fast for every row, DP2 included (104,878
+# tokens/s per GPU against 80,009): in DP2's profile the compute stream took ~160 ms a step
+# against 136 planned, with 47 ms of gradient reduce-scatters beside it (what they cost the GEMMs
+# there is not modelled) and the routing's kernels below their bandwidth rate (as on one GPU).
+# The EP rows' ratios to DP2 are nearer (flex planned 0.871x against 0.898x), so the base is
+# what is off; alltoall's host sync per layer (0.727x measured) is not modelled either.
+ACCEPTANCE = "layouts_moe_2gpu_h200_acc_c1c71fd_2026-11-30.json"
+ACCEPTANCE_MISS = "planned 25-65% fast, DP2 included (see ACCEPTANCE's comment)"
+
+
+def _acceptance_params() -> list:
+    rows = json.loads((RESULTS / ACCEPTANCE).read_text())["results"]
+    return [pytest.param(row, id=row["layout"].split(" ")[0]) for row in rows]
+
+
+def _plan_acceptance(row: dict, monkeypatch: pytest.MonkeyPatch):
+    env = row.get("env", {})  # the transport: rows of one command differ by it
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    key = " ".join([row["command"], *(f"{k}={v}" for k, v in sorted(env.items()))])
+    if key not in _PLANS:
+        words = shlex.split(train_flags(row["command"], tp_ran_eager=False))
+        argv = [*words, "--nproc-per-node", str(row["world_size"]), "--device", "cuda"]
+        plugins = make_plugins()
+        config = resolve_config(argv, plugins, this_machine=False)
+        _PLANS[key] = plan_run(config, plugins, BUILT_IN["h200"])
+    return _PLANS[key]
+
+
+@pytest.mark.parametrize("row", _acceptance_params())
+def test_two_h200_moe_acceptance_peak_memory_within_10_percent(row, monkeypatch):
+    plan = _plan_acceptance(row, monkeypatch)
+    for measured in row["peak_memory_gib_by_rank"]:
+        assert plan.peak_bytes / GIB == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.xfail(strict=True, reason=ACCEPTANCE_MISS)
+@pytest.mark.parametrize("row", _acceptance_params())
+def test_two_h200_moe_acceptance_tokens_per_second_within_15_percent(row, monkeypatch):
+    plan = _plan_acceptance(row, monkeypatch)
+    assert plan.tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.15)
