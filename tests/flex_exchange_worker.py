@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mega.parallel.distributed import finish_job, leave_job
+from mega.parallel.expert import copy_engine_exchange
 from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
 from mega.parallel.expert.split_exchange import (
     arrival_align,
@@ -110,6 +111,8 @@ def main() -> None:
         factor = (destination + 1).to(rows.dtype).unsqueeze(1)
         torch.testing.assert_close(returned, rows.detach() * factor, rtol=0, atol=0)
         torch.testing.assert_close(rows.grad, grad * factor, rtol=0, atol=0)
+    if cuda and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # the op ran
+        assert copy_engine_exchange._INBOXES, "no copy-engine trip ran"
     print(f"rank {rank}: flex trips hold their contract", flush=True)
     finish_job()  # the symmetric buffers freed on every rank at once (a collective free)
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit

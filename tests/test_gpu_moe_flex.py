@@ -13,6 +13,10 @@ import torch
 
 from conftest import run_workers
 
+# NVLink multicast stays off on the lent machines: NCCL's, NVSHMEM's and symmetric memory's
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_MULTICAST["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
@@ -24,10 +28,8 @@ pytestmark = [
 def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: int, transport: str):
     """Over NVSHMEM (``split``), over NCCL's all-to-all of fixed splits (``padded``) and the same
     blocks by the copy engine (``copy-engine``; the worker checks it is not the fallback)."""
-    env = {
-        "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local),
-        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport,
-    }  # fmt: skip
+    env = {**NO_MULTICAST, "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local)}
+    env["MEGA_FLEX_TRANSPORT"] = transport
     stdout = run_workers("flex_exchange_worker.py", 2, env)
     assert stdout.count("flex trips hold their contract") == 2, stdout[-2000:]
 
@@ -52,7 +54,7 @@ def test_overlapped_flex_equals_in_order_flex_with_every_stream_slowed(
     schedule's outputs and gradients while every trip and every expert call first keeps its
     stream busy (tests/flex_overlap_worker.py): a missing wait reads unfinished rows. Uncached:
     with the caching allocator off, a block reused too early by another stream would differ."""
-    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "MEGA_FLEX_TRANSPORT": transport}
+    env = {**NO_MULTICAST, "MEGA_FLEX_TRANSPORT": transport}
     if caching == "uncached":
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
     stdout = run_workers("flex_overlap_worker.py", 2, env)
@@ -65,7 +67,7 @@ def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_
     mode, each against the same trip by c10d, none may differ (tests/flex_race_worker.py). The
     overlapped schedule's race test failed on 2 H200 on 2026-11-30; this says whether in-order
     flex carries the same risk."""
-    env = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+    env = dict(NO_MULTICAST)
     stdout = run_workers("flex_race_worker.py", 2, env)
     for mode in ("idle", "busy", "empty-first"):
         assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout
@@ -79,7 +81,7 @@ def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm
     gradients were off one GPU's (2 H200, 2026-11-30), this says whether the layer alone is."""
     env = {
         "MOE_GPU": "1", "MOE_DISPATCHER": "flex" if transport == "split" else "flex-padded",
-        "MEGA_FLEX_TRANSPORT": transport, "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+        "MEGA_FLEX_TRANSPORT": transport, **NO_MULTICAST,
     }  # fmt: skip
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
@@ -94,7 +96,7 @@ def test_the_pipelined_flex_layer_is_one_graph_and_matches_eager_and_one_gpu():
     routings, and eager's and one GPU's outputs and gradients."""
     env = {
         "MOE_GPU": "1", "MOE_DISPATCHER": "flex-overlap", "MEGA_FLEX_TRANSPORT": "padded",
-        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+        **NO_MULTICAST,
     }  # fmt: skip
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("matches eager and one process") == 2, stdout[-2000:]

@@ -17,8 +17,9 @@ read), copy the block into it, put a *ready* token; then wait for every peer's *
 copy the arrived blocks out (and this rank's own block from its input) into a fresh tensor, and
 put a *free* token to every peer. Tokens are symmetric memory's signals (a put waits for the
 flag to be clear, a wait clears it), so a trip ends with every token where it began. The inbox
-(one per group and trip size) is made by a rendezvous of the group on its first trip, which every
-rank makes with the same sizes (every rank routes the same number of slots). The same protocol
+(one per group) is made by a rendezvous of the group on its first trip, which every
+rank makes with the same sizes (every rank routes the same number of slots); a larger trip makes
+a larger one, a smaller trip uses the start of it. The same protocol
 and signals as the CP ring's copy lane (:mod:`mega.parallel.context.lanes`), which ran right on 4
 H200.
 
@@ -43,26 +44,42 @@ _READY, _FREE = 0, 1  # signal channels
 
 
 class _Inbox:
-    """A rank's symmetric buffer for one trip size in one group, and its signal handle."""
+    """A rank's symmetric buffer for a group's trips, and its signal handle; made on the stream
+    every trip of the group must run on (the tokens order the trips: one stream, one order)."""
 
     def __init__(self, group: Any, nbytes: int, device: torch.device) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
+        if torch.cuda.is_current_stream_capturing():  # a rendezvous is a host collective
+            raise RuntimeError("the copy-engine trips' inbox cannot be made in a CUDA graph")
+        self.stream = torch.cuda.current_stream(device)
         self.buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)
-        self.peers = [q for q in range(self.handle.world_size) if q != self.handle.rank]
+        me, size = self.handle.rank, self.handle.world_size
+        # from the next rank on: the ranks do not all copy into the same peer first
+        self.peers = [(me + k) % size for k in range(1, size)]
         for q in self.peers:  # every peer may write its block here for the first trip
             self.handle.put_signal(q, _FREE, _TIMEOUT_MS)
 
 
-_INBOXES: dict[tuple[str, int], _Inbox] = {}
+# one inbox per group, as large as its largest trip (a smaller trip uses its start); the inboxes
+# a larger trip replaced stay alive: the GPU may still read them, and they are few
+_INBOXES: dict[str, _Inbox] = {}
+_RETIRED: list[_Inbox] = []
 
 
 def _inbox(group: Any, nbytes: int, device: torch.device) -> _Inbox:
-    key = (group.group_name, nbytes)
-    if key not in _INBOXES:
-        _INBOXES[key] = _Inbox(group, nbytes, device)
-    return _INBOXES[key]
+    inbox = _INBOXES.get(group.group_name)
+    if inbox is None or inbox.buffer.numel() < nbytes:
+        if inbox is not None:  # every rank grows at the same trip: the same sizes, in order
+            _RETIRED.append(inbox)
+        inbox = _INBOXES[group.group_name] = _Inbox(group, nbytes, device)
+    if torch.cuda.current_stream(device) != inbox.stream:
+        raise RuntimeError(
+            "the copy-engine trips of a group run in order on one stream (their signals order"
+            " them); this one is on another"
+        )
+    return inbox
 
 
 def _trip(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -80,14 +97,15 @@ def _trip(x: torch.Tensor, group: Any) -> torch.Tensor:
         handle.wait_signal(q, _FREE, _TIMEOUT_MS)
         handle.get_buffer(q, (size,), torch.uint8, me * size).copy_(flat[block(q)])
         handle.put_signal(q, _READY, _TIMEOUT_MS)
-    out = torch.empty_like(flat)
-    out[block(me)].copy_(flat[block(me)])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as the fake says
+    raw = out.view(-1).view(torch.uint8)
+    raw[block(me)].copy_(flat[block(me)])
     for q in inbox.peers:
         handle.wait_signal(q, _READY, _TIMEOUT_MS)
-        out[block(q)].copy_(inbox.buffer[block(q)])
+        raw[block(q)].copy_(inbox.buffer[block(q)])
     for q in inbox.peers:  # read: the peers may write the next trip's blocks
         handle.put_signal(q, _FREE, _TIMEOUT_MS)
-    return out.view(x.dtype).view(x.shape)
+    return out
 
 
 @torch.library.custom_op("mega::copy_engine_exchange", mutates_args=())
@@ -101,7 +119,7 @@ def copy_engine_exchange(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @copy_engine_exchange.register_fake
 def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 def _setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
