@@ -112,6 +112,7 @@ def test_flex_by_the_copy_engine_matches_one_gpu(
     """``MEGA_FLEX_TRANSPORT=copy-engine``: the padded trips' blocks copied into the peer's
     symmetric memory (tests/test_gpu_moe_flex.py checks the copy engine, not the fallback, ran)."""
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "copy-engine")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the machines' rule
     flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
     _matches_one_gpu(tmp_path, "ep2-flex-copy-engine", flags, one_gpu)
 
