@@ -381,3 +381,26 @@ def test_the_rank_profile_plugin_stops_a_profiler_the_run_ended_inside(capsys):
     module.shutdown(engine=None, exc=None)  # nothing left to stop: silent
     assert running.stopped == 1 and module._profile.profiler is None
     assert capsys.readouterr().err.count("nothing written") == 1
+
+
+def test_overlap_contention_times_gemms_beside_each_collective_on_the_cpu(tmp_path: Path):
+    """benchmarks/overlap_contention.py on 2 gloo ranks at toy size: a row per collective with
+    the GEMMs alone, the collective alone, the GEMMs beside it, and their ratios."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(ROOT / "benchmarks" / "overlap_contention.py"), "--device", "cpu", "--tokens", "64",
+        "--hidden", "32", "--ffn", "64", "--gemms", "2", "--collective-mib", "1", "--iters", "2",
+        "--warmup", "1", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("overlap_contention_*.json")
+    report = json.loads(result.read_text())
+    assert report["world_size"] == 2 and report["versions"]["torch"]
+    rows = report["results"]
+    assert [row["collective"] for row in rows] == ["reduce_scatter_fp32", "all_to_all_bf16"]
+    for row in rows:
+        assert row["gemm_slowdown"] == row["gemms_beside_ms"] / row["gemms_alone_ms"]
+        serial = row["gemms_alone_ms"] + row["collective_alone_ms"]
+        assert row["both_vs_serial"] == row["both_ms"] / serial
+        assert min(row[k] for k in ("gemms_alone_ms", "collective_alone_ms", "both_ms")) > 0
