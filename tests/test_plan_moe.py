@@ -235,12 +235,12 @@ def test_the_counted_alltoall_layer_is_measured_compiled_with_sizes_torch_2_11_c
     _no_planning_warnings(caught)
 
 
-@pytest.mark.parametrize("transport", ["auto", "padded", "split"])
+@pytest.mark.parametrize("transport", ["auto", "padded", "split", "copy-engine"])
 def test_flex_is_planned_with_the_trips_gpus_run(monkeypatch, transport):
     """GPUs carry flex's trips by the padded all-to-alls by default (``auto``), so a plan (of a
     GPU run, on whatever machine ``mega plan`` runs) counts theirs: every rank sends every rank
     a block of all its ``S`` slots there and back, the counts beside them; ``split`` (NVSHMEM)
-    moves the rows themselves."""
+    moves the rows themselves; ``copy-engine`` the padded blocks (counted as all-to-alls)."""
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
     config, plugins = _config(
         "--expert-model-parallel-size 2 --moe-token-dispatcher-type flex --moe-grouped-gemm",
