@@ -106,3 +106,44 @@ def test_a_cp_group_reuses_only_its_own_counterpart(world_size, sizes, expected)
 
     for shared in run_ranks(_shared_groups, world_size, sizes):
         assert shared == expected
+
+
+def _urgent_groups(rank: int, world_size: int, sizes: dict, asked: list[str]) -> list[str]:
+    """The names of the groups made with a high-priority stream asked for."""
+    import torch.distributed as dist
+
+    from mega.parallel import topology
+
+    urgent: list = []
+    made = dist.new_group
+
+    def new_group(ranks, pg_options=None):  # noqa: ANN001, ANN202
+        group = made(ranks)
+        if pg_options == "urgent":
+            urgent.append(group)
+        return group
+
+    dist.init_process_group("gloo")
+    topology._options = lambda high: "urgent" if high else None  # gloo takes no options
+    dist.new_group = new_group
+    built = topology.build_topology(world_size, rank, high_priority=asked, **sizes)
+    names = ("tp", "cp", "ep", "dp", "edp", "dpcp", "edpcp", "tpcp", "mp")
+    found = sorted(n for n in names if any(built.group(n) is g for g in urgent))
+    dist.destroy_process_group()
+    return found
+
+
+@pytest.mark.parametrize(
+    "sizes, asked, expected",
+    [
+        ({}, ["dpcp"], ["dp", "dpcp"]),  # without cp, dpcp is dp's group: not ignored
+        ({}, ["dp"], ["dp", "dpcp"]),
+        ({"ep": 2}, ["dpcp"], ["dp", "dpcp"]),  # ep has dp's ranks, but is another group
+        ({"cp": 2}, ["dpcp"], ["dpcp"]),  # with cp, its own group
+    ],
+)
+def test_a_cp_group_asked_for_a_high_priority_stream_gets_its_counterparts(sizes, asked, expected):
+    from mega.testing.ranks import run_ranks
+
+    for urgent in run_ranks(_urgent_groups, 2, sizes, asked):
+        assert urgent == expected

@@ -287,7 +287,10 @@ def build_topology(
                     # every rank creates every group, in the same order (new_group is collective)
                     group = None
                     if len(ranks) > 1:
-                        group = dist.new_group(ranks, pg_options=_options(dim in high_priority))
+                        # without cp a cp group is this one: its name asks for this one's stream
+                        names = {dim} | {c for c, base in CP_COUNTERPART.items() if base == dim}
+                        urgent = bool((names if cp == 1 else {dim}) & set(high_priority))
+                        group = dist.new_group(ranks, pg_options=_options(urgent))
                 created[(dim, key)] = group
                 if rank in ranks:
                     members[dim] = key

@@ -538,7 +538,9 @@ class ParallelConfig:
     high_priority_stream_groups: list[str] = option(
         [],
         "Process groups whose NCCL kernels run on high-priority streams, so that a collective"
-        " overlapping compute gets SMs first: any of " + ", ".join(STREAM_GROUPS) + ".",
+        " overlapping compute gets SMs first: any of " + ", ".join(STREAM_GROUPS) + ". Without"
+        " context parallelism dpcp is dp's group, edpcp edp's and tpcp tp's (either name puts"
+        " it on a high-priority stream).",
         nargs="+",
     )
     extra_parallel_size: list[str] = option(
