@@ -16,6 +16,14 @@ from mega.testing.ranks import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _report(command: list[str], out: Path, name: str) -> dict:
+    """Run a benchmark's ``command``; the one result file it wrote in ``out`` (``name_<date>``)."""
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = out.glob(f"{name}_*.json")
+    return json.loads(result.read_text())
+
+
 def test_gpt_throughput_smoke_run_on_the_cpu(tmp_path: Path):
     command = [
         sys.executable, str(ROOT / "benchmarks" / "gpt_throughput.py"), "--device", "cpu",
@@ -57,10 +65,7 @@ def test_bert_throughput_smoke_run_on_the_cpu(tmp_path: Path):
         "--seq", "32", "--vocab", "256", "--mbs", "2", "--gbs", "4", "--warmup", "4",
         "--iters", "2", "--out", str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (result,) = tmp_path.glob("bert_throughput_*.json")
-    report = json.loads(result.read_text())
+    report = _report(command, tmp_path, "bert_throughput")
     hf, mega = report["results"]
     assert (hf["system"], mega["system"]) == ("hf-fp32-autocast", "mega")
     assert report["summary"]["fastest_hf"] == "hf-fp32-autocast"
@@ -392,10 +397,7 @@ def test_overlap_contention_times_gemms_beside_each_collective_on_the_cpu(tmp_pa
         "--hidden", "32", "--ffn", "64", "--gemms", "2", "--collective-mib", "1", "--iters", "2",
         "--warmup", "1", "--out", str(tmp_path),
     ]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (result,) = tmp_path.glob("overlap_contention_*.json")
-    report = json.loads(result.read_text())
+    report = _report(command, tmp_path, "overlap_contention")
     assert report["world_size"] == 2 and report["versions"]["torch"]
     rows = report["results"]
     assert [row["collective"] for row in rows] == ["reduce_scatter_fp32", "all_to_all_bf16"]
