@@ -176,6 +176,19 @@ def leave_job() -> None:
         gc.collect()
 
 
+# how long a symmetric-memory signal waits for its peer before trapping: the default NCCL timeout
+# (a peer still compiling is not a dead peer)
+SIGNAL_TIMEOUT_MS = 600_000
+
+
+def peer_copies_possible(group: Any, like: Any) -> bool:
+    """Whether tensors like ``like`` can be copied into the symmetric memory of ``group``'s
+    ranks by the copy engine: CUDA tensors, an NCCL group, every rank on this host."""
+    import torch.distributed as dist
+
+    return like.is_cuda and dist.get_backend(group) == "nccl" and one_host(group)
+
+
 def one_host(group: Any) -> bool:
     """Whether every member of ``group`` runs on this host (peer-mapped memory needs it). torch's
     launcher numbers ranks host by host, ``LOCAL_WORLD_SIZE`` to a host."""

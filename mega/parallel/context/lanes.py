@@ -41,10 +41,10 @@ import torch.distributed as dist
 
 from mega.parallel import comm
 from mega.parallel.context.transport_choice import chosen_transport
-from mega.parallel.distributed import one_host
+from mega.parallel.distributed import SIGNAL_TIMEOUT_MS as _TIMEOUT_MS
+from mega.parallel.distributed import peer_copies_possible
 
 _ALIGN = 512  # bytes: every tensor in a slot starts aligned for any dtype's view
-_TIMEOUT_MS = 600_000  # the default NCCL timeout: a peer still compiling is not a dead peer
 _READY, _FREE = (0, 1), (2, 3)  # signal channels per slot
 
 
@@ -172,12 +172,7 @@ _COPY_LANES: dict[tuple, CopyEngineLane] = {}
 
 def copy_engine_usable(group: Any, like: torch.Tensor) -> bool:
     """Whether the ring of ``group`` can use the copy engine for tensors like ``like``."""
-    return (
-        chosen_transport() == "copy-engine"
-        and like.is_cuda
-        and dist.get_backend(group) == "nccl"
-        and one_host(group)
-    )
+    return chosen_transport() == "copy-engine" and peer_copies_possible(group, like)
 
 
 def lane(group: Any, to: int, frm: int, name: str, like: torch.Tensor) -> Any:

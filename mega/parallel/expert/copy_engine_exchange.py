@@ -33,13 +33,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from mega.parallel.distributed import one_host
+from mega.parallel.distributed import SIGNAL_TIMEOUT_MS as _TIMEOUT_MS
+from mega.parallel.distributed import peer_copies_possible
 from mega.parallel.expert.validate import flex_transport
 
 COPY_ENGINE = "copy-engine"  # MEGA_FLEX_TRANSPORT's value
-_TIMEOUT_MS = 600_000  # the default NCCL timeout: a peer still compiling is not a dead peer
 _READY, _FREE = 0, 1  # signal channels
 
 
@@ -137,9 +136,4 @@ def copy_engine_usable(group: Any, like: torch.Tensor) -> bool:
     """Whether the copy engine carries trips of tensors like ``like`` in ``group``: asked for, on
     CUDA GPUs of one host (NCCL's group). Elsewhere the padded trips go by the group's all-to-all
     (CPU ranks run ``copy-engine`` as ``padded``)."""
-    return (
-        flex_transport() == COPY_ENGINE
-        and like.is_cuda
-        and dist.get_backend(group) == "nccl"
-        and one_host(group)
-    )
+    return flex_transport() == COPY_ENGINE and peer_copies_possible(group, like)
