@@ -9,7 +9,8 @@ and busy time; the NCCL kernels by name. On 4 H100 it showed a compiled TP2 + SP
 half its span (docs/performance.md, "Why TP was slow at micro-batch 4"). With ``--host-ops N``
 also the host's N costliest ops per step, inclusive and self (``host_ops``): where the time of a
 host-bound step goes (a CP4 rank's ring calls, ``cp4_fake_16k_2026-11-29``); with ``--callers OP``
-the host ops around each call of OP (``callers``: which graph or node calls ``aten::item``).
+the host ops around each call of OP (``callers``: which graph or node calls ``aten::item``); with ``--kernels N``
+the N costliest compute kernels per step (``kernels``: what one layout adds over another).
 """
 
 from __future__ import annotations
@@ -158,6 +159,24 @@ def callers(trace: dict[str, Any], op: str, steps: int, depth: int = 3) -> dict[
     }
 
 
+def compute_kernels(trace: dict[str, Any], steps: int, top: int = 20) -> dict[str, Any]:
+    """The GPU's non-NCCL kernels and copies by name (cut at 90 characters), the ``top`` by time:
+    calls and milliseconds per step. Where two layouts do the same FLOPs, the kernels one of them
+    adds (padding, copies, a slower GEMM) show here."""
+    calls: collections.Counter = collections.Counter()
+    time: collections.Counter = collections.Counter()
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            if "nccl" not in e["name"].lower():
+                name = e["name"][:90]
+                calls[name] += 1
+                time[name] += e["dur"]
+    return {
+        name: {"per_step": calls[name] / steps, "ms": t * 1e-3 / steps}
+        for name, t in time.most_common(top)
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", type=Path)
@@ -168,6 +187,9 @@ def main() -> None:
     parser.add_argument(
         "--callers", default="", metavar="OP", help="also the host ops around each call of OP"
     )
+    parser.add_argument(
+        "--kernels", type=int, default=0, metavar="N", help="also the N costliest compute kernels"
+    )
     args = parser.parse_args()
     opener = gzip.open if args.trace.suffix == ".gz" else open
     with opener(args.trace, "rt") as f:
@@ -177,6 +199,8 @@ def main() -> None:
         summary["host_ops"] = host_ops(trace, args.steps, args.host_ops)
     if args.callers:
         summary["callers"] = callers(trace, args.callers, args.steps)
+    if args.kernels:
+        summary["kernels"] = compute_kernels(trace, args.steps, args.kernels)
     print(json.dumps(summary, indent=1))
 
 
