@@ -76,18 +76,21 @@ def expected_arrival(
     return [blocks[key] for key in order], [sizes[key] for key in order], firsts
 
 
-def _garbage_past_the_real_rows(x: torch.Tensor, group, send_rows=None) -> torch.Tensor:  # noqa: ANN001
+def _garbage_past_the_real_rows(x: torch.Tensor, group, real=None) -> torch.Tensor:  # noqa: ANN001
     """A peer-rows trip on CPU ranks (module docstring): gloo carries the whole blocks, then
-    every row past the real ones of each arrived block is NaN."""
+    every row past the real ones of each arrived block is NaN; what the sender says it sends
+    must be what the receiver expects."""
     out = torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), group=group)
-    if send_rows is None:  # a trip of whole blocks (the counts)
+    if real is None:  # a trip of whole blocks (the counts)
         return out
-    recv_rows = torch.empty_like(send_rows)
-    dist.all_to_all_single(recv_rows, send_rows, group=group)
+    send_rows, recv_rows = real
+    sent_here = torch.empty_like(send_rows)
+    dist.all_to_all_single(sent_here, send_rows.contiguous(), group=group)
+    assert torch.equal(sent_here, recv_rows), (sent_here, recv_rows)
     blocks = out.view(group.size(), x.shape[0] // group.size(), *x.shape[1:])
-    for q, real in enumerate(recv_rows.tolist()):
-        blocks[q, real:] = float("nan")
+    for q, rows in enumerate(recv_rows.tolist()):
+        blocks[q, rows:] = float("nan")
     return out
 
 

@@ -13,7 +13,7 @@ from mega.testing.ranks import run_ranks
 ROWS, HIDDEN = 6, 5  # rows per block
 
 
-def _gloo_trip(x: torch.Tensor, group, send_rows=None) -> torch.Tensor:  # noqa: ANN001
+def _gloo_trip(x: torch.Tensor, group, real=None) -> torch.Tensor:  # noqa: ANN001
     """What ``_trip`` does by the copy engine, by gloo: block ``q`` to rank ``q`` (whole: the
     tests give ``peer_rows_exchange`` every row as real)."""
     import torch.distributed as dist

@@ -91,10 +91,14 @@ def _inbox(group: Any, nbytes: int, device: torch.device) -> _Inbox:
     return inbox
 
 
-def _trip(x: torch.Tensor, group: Any, send_rows: torch.Tensor | None = None) -> torch.Tensor:
+def _trip(
+    x: torch.Tensor, group: Any, real: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Block ``q`` of ``x`` (its rows cut in ``group``'s size equal blocks) to rank ``q``; the
-    blocks every rank sent here, in rank order. With ``send_rows`` (``[group size]`` on the
-    device) only the first ``send_rows[q]`` rows of block ``q`` cross, by a kernel."""
+    blocks every rank sent here, in rank order. With ``real`` (``send_rows, recv_rows``, each
+    ``[group size]`` on the device) only the first ``send_rows[q]`` rows of block ``q`` cross,
+    by a kernel, and only the first ``recv_rows[q]`` of what arrived from ``q`` are copied out
+    (the rest of the result is left unwritten)."""
     flat = x.contiguous().view(-1).view(torch.uint8)
     inbox = _inbox(group, flat.numel(), x.device)
     handle, me = inbox.handle, inbox.handle.rank
@@ -106,23 +110,30 @@ def _trip(x: torch.Tensor, group: Any, send_rows: torch.Tensor | None = None) ->
 
     for q in inbox.peers:
         handle.wait_signal(q, _FREE, _TIMEOUT_MS)
-        peer = handle.get_buffer(q, (size,), torch.uint8, me * size)
-        if send_rows is None:
-            peer.copy_(flat[block(q)])
-        elif rows:
-            from mega.parallel.expert.peer_rows_kernel import copy_first_rows
-
-            copy_first_rows(peer.view(rows, -1), flat[block(q)].view(rows, -1), send_rows[q:])
+        _copy(
+            handle.get_buffer(q, (size,), torch.uint8, me * size), flat[block(q)], real, rows, 0, q
+        )
         handle.put_signal(q, _READY, _TIMEOUT_MS)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as the fake says
     raw = out.view(-1).view(torch.uint8)
-    raw[block(me)].copy_(flat[block(me)])
+    _copy(raw[block(me)], flat[block(me)], real, rows, 0, me)
     for q in inbox.peers:
         handle.wait_signal(q, _READY, _TIMEOUT_MS)
-        raw[block(q)].copy_(inbox.buffer[block(q)])
+        _copy(raw[block(q)], inbox.buffer[block(q)], real, rows, 1, q)
     for q in inbox.peers:  # read: the peers may write the next trip's blocks
         handle.put_signal(q, _FREE, _TIMEOUT_MS)
     return out
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, real: tuple | None, rows: int, which: int, q: int):
+    """One block's bytes ``src`` (``rows`` rows) into ``dst``: whole (the copy engine), or with
+    ``real`` its first ``real[which][q]`` rows by a kernel that reads that count on the device."""
+    if real is None:
+        dst.copy_(src)
+    elif rows:
+        from mega.parallel.expert.peer_rows_kernel import copy_first_rows
+
+        copy_first_rows(dst.view(rows, -1), src.view(rows, -1), real[which][q:])
 
 
 @torch.library.custom_op("mega::copy_engine_exchange", mutates_args=())
@@ -160,7 +171,8 @@ def peer_rows_exchange(
     sends those back)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _trip(x, _resolve_process_group(group_name), send_rows.to(torch.int64).contiguous())
+    real = (send_rows.to(torch.int64).contiguous(), recv_rows.to(torch.int64).contiguous())
+    return _trip(x, _resolve_process_group(group_name), real)
 
 
 @peer_rows_exchange.register_fake
