@@ -43,8 +43,6 @@ FLEX = "--moe-token-dispatcher-type=flex"
 # NVSHMEM's exact splits (f"{FLEX}@MEGA_FLEX_TRANSPORT=split", 0.793-0.831x DP2) and the pipelined
 # overlap (f"{FLEX} --overlap-moe-expert-parallel-comm@MEGA_FLEX_OVERLAP_ON_GPUS=1", 0.868x)
 FLEX_COPY_ENGINE = f"{FLEX}@MEGA_FLEX_TRANSPORT=copy-engine"
-# only the padded blocks' real rows, written into the peers' symmetric memory by a kernel
-FLEX_PEER_ROWS = f"{FLEX}@MEGA_FLEX_TRANSPORT=peer-rows"
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
@@ -77,7 +75,7 @@ LAYOUTS = {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp"], ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8"]],
         "ep": [
             ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
-             f"ep2dp2:{FLEX_PEER_ROWS}", f"ep2dp2:{PADDED}"]
+             f"ep2dp2:{PADDED}"]
         ],
         # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
         # takes about 300 s with it (2026-11-30 ran out at 265 s before it)
@@ -91,7 +89,7 @@ LAYOUTS = {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8"]],
         "ep": [
             ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
-             f"ep4dp4:{FLEX_PEER_ROWS}", f"ep4dp4:{PADDED}"]
+             f"ep4dp4:{PADDED}"]
         ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",

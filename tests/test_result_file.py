@@ -137,6 +137,25 @@ def test_a_trace_summary_splits_the_span_into_compute_nccl_both_and_idle(monkeyp
     )
 
 
+def test_compute_kernels_rank_the_non_nccl_kernels_and_copies_by_time(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_summary
+
+    def event(cat: str, name: str, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": 0, "dur": dur, "tid": 7}
+
+    # two steps: per step two GEMMs of 100 us, a copy of 300 us, an NCCL kernel (left out)
+    events = [event("kernel", "gemm", 100), event("kernel", "gemm", 100)]
+    events += [event("gpu_memcpy", "Memcpy DtoD", 300), event("kernel", "ncclDevKernel_x", 900)]
+    events += [event("cpu_op", "aten::mm", 50)]  # host ops are not kernels
+    kernels = trace_summary.compute_kernels({"traceEvents": events * 2}, steps=2, top=5)
+    assert list(kernels) == ["Memcpy DtoD", "gemm"]
+    assert kernels["gemm"] == {"per_step": 2, "ms": pytest.approx(0.2)}
+    assert trace_summary.compute_kernels({"traceEvents": events}, steps=1, top=1) == {
+        "Memcpy DtoD": {"per_step": 1, "ms": pytest.approx(0.3)}
+    }
+
+
 def test_host_ops_split_an_op_into_its_callees_and_its_own_time(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import trace_summary

@@ -26,15 +26,6 @@ H200.
 Backward: an all-to-all of equal blocks is its own reverse (block ``q`` of the gradient goes
 back to rank ``q``), so the gradient takes the same trip. A custom op, so a compiled MoE layer
 stays one graph with the trip opaque in it.
-
-``MEGA_FLEX_TRANSPORT=peer-rows`` (:func:`peer_rows_exchange`): the same trips and tokens, but
-each block's real rows only (they come first in a padded block; their number per peer is on the
-device, from the routing) written into the peer's inbox by a kernel
-(:mod:`.peer_rows_kernel`) instead of the whole block by the copy engine: the padding never
-crosses (EP2 sends half the bytes of the padded trips). The rows past the real ones in what
-arrives are whatever the inbox held: the padded maps never read them (a row that carries no
-slot reads a zero row, ``padded_exchange._take``). Its gradient takes the same trip with the
-counts swapped (what arrived from ``q`` goes back to ``q``).
 """
 
 from __future__ import annotations
@@ -47,8 +38,7 @@ from mega.parallel.distributed import SIGNAL_TIMEOUT_MS as _TIMEOUT_MS
 from mega.parallel.distributed import peer_copies_possible
 from mega.parallel.expert.validate import flex_transport
 
-COPY_ENGINE = "copy-engine"  # MEGA_FLEX_TRANSPORT's values
-PEER_ROWS = "peer-rows"
+COPY_ENGINE = "copy-engine"  # MEGA_FLEX_TRANSPORT's value
 _READY, _FREE = 0, 1  # signal channels
 
 
@@ -91,49 +81,30 @@ def _inbox(group: Any, nbytes: int, device: torch.device) -> _Inbox:
     return inbox
 
 
-def _trip(
-    x: torch.Tensor, group: Any, real: tuple[torch.Tensor, torch.Tensor] | None = None
-) -> torch.Tensor:
+def _trip(x: torch.Tensor, group: Any) -> torch.Tensor:
     """Block ``q`` of ``x`` (its rows cut in ``group``'s size equal blocks) to rank ``q``; the
-    blocks every rank sent here, in rank order. With ``real`` (``send_rows, recv_rows``, each
-    ``[group size]`` on the device) only the first ``send_rows[q]`` rows of block ``q`` cross,
-    by a kernel, and only the first ``recv_rows[q]`` of what arrived from ``q`` are copied out
-    (the rest of the result is left unwritten)."""
+    blocks every rank sent here, in rank order."""
     flat = x.contiguous().view(-1).view(torch.uint8)
     inbox = _inbox(group, flat.numel(), x.device)
     handle, me = inbox.handle, inbox.handle.rank
     size = flat.numel() // handle.world_size
-    rows = x.shape[0] // handle.world_size
 
     def block(q: int) -> slice:
         return slice(q * size, (q + 1) * size)
 
     for q in inbox.peers:
         handle.wait_signal(q, _FREE, _TIMEOUT_MS)
-        _copy(
-            handle.get_buffer(q, (size,), torch.uint8, me * size), flat[block(q)], real, rows, 0, q
-        )
+        handle.get_buffer(q, (size,), torch.uint8, me * size).copy_(flat[block(q)])
         handle.put_signal(q, _READY, _TIMEOUT_MS)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, as the fake says
     raw = out.view(-1).view(torch.uint8)
-    _copy(raw[block(me)], flat[block(me)], real, rows, 0, me)
+    raw[block(me)].copy_(flat[block(me)])
     for q in inbox.peers:
         handle.wait_signal(q, _READY, _TIMEOUT_MS)
-        _copy(raw[block(q)], inbox.buffer[block(q)], real, rows, 1, q)
+        raw[block(q)].copy_(inbox.buffer[block(q)])
     for q in inbox.peers:  # read: the peers may write the next trip's blocks
         handle.put_signal(q, _FREE, _TIMEOUT_MS)
     return out
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, real: tuple | None, rows: int, which: int, q: int):
-    """One block's bytes ``src`` (``rows`` rows) into ``dst``: whole (the copy engine), or with
-    ``real`` its first ``real[which][q]`` rows by a kernel that reads that count on the device."""
-    if real is None:
-        dst.copy_(src)
-    elif rows:
-        from mega.parallel.expert.peer_rows_kernel import copy_first_rows
-
-        copy_first_rows(dst.view(rows, -1), src.view(rows, -1), real[which][q:])
 
 
 @torch.library.custom_op("mega::copy_engine_exchange", mutates_args=())
@@ -161,47 +132,8 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 copy_engine_exchange.register_autograd(_backward, setup_context=_setup)
 
 
-@torch.library.custom_op("mega::peer_rows_exchange", mutates_args=())
-def peer_rows_exchange(
-    x: torch.Tensor, send_rows: torch.Tensor, recv_rows: torch.Tensor, group_name: str
-) -> torch.Tensor:
-    """:func:`copy_engine_exchange` where block ``q`` of ``x`` holds ``send_rows[q]`` real rows
-    first, and only those cross (``MEGA_FLEX_TRANSPORT=peer-rows``, module docstring);
-    ``recv_rows[q]``: the real rows of the block that arrives from ``q`` (its gradient's trip
-    sends those back)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    real = (send_rows.to(torch.int64).contiguous(), recv_rows.to(torch.int64).contiguous())
-    return _trip(x, _resolve_process_group(group_name), real)
-
-
-@peer_rows_exchange.register_fake
-def _(x: torch.Tensor, send_rows: torch.Tensor, recv_rows: torch.Tensor, group_name: str):
-    return x.new_empty(x.shape)
-
-
-def _setup_rows(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    ctx.save_for_backward(inputs[1], inputs[2])
-    ctx.group_name = inputs[3]
-
-
-def _backward_rows(ctx: Any, grad: torch.Tensor) -> tuple:
-    send_rows, recv_rows = ctx.saved_tensors
-    back = peer_rows_exchange(grad.contiguous(), recv_rows, send_rows, ctx.group_name)
-    return back, None, None, None
-
-
-peer_rows_exchange.register_autograd(_backward_rows, setup_context=_setup_rows)
-
-
 def copy_engine_usable(group: Any, like: torch.Tensor) -> bool:
     """Whether the copy engine carries trips of tensors like ``like`` in ``group``: asked for, on
     CUDA GPUs of one host (NCCL's group). Elsewhere the padded trips go by the group's all-to-all
     (CPU ranks run ``copy-engine`` as ``padded``)."""
     return flex_transport() == COPY_ENGINE and peer_copies_possible(group, like)
-
-
-def peer_rows_usable(group: Any, like: torch.Tensor) -> bool:
-    """Whether ``peer-rows`` carries trips of tensors like ``like`` in ``group`` (as
-    :func:`copy_engine_usable`; CPU ranks run it as ``padded``)."""
-    return flex_transport() == PEER_ROWS and peer_copies_possible(group, like)
