@@ -388,6 +388,19 @@ def test_the_rank_profile_plugin_stops_a_profiler_the_run_ended_inside(capsys):
     assert capsys.readouterr().err.count("nothing written") == 1
 
 
+def test_the_rank_profile_plugin_writes_rank_0s_trace_or_every_ranks():
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "plugins" / "rank_profile.py"
+    spec = importlib.util.spec_from_file_location("rank_profile_traces", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    wanted = module.trace_wanted
+    assert [wanted("1", r) for r in (0, 1)] == [True, False]
+    assert [wanted("all", r) for r in (0, 1)] == [True, True]
+    assert [wanted(s, 0) for s in (None, "0", "")] == [False, False, False]
+
+
 def test_overlap_contention_times_gemms_beside_each_collective_on_the_cpu(tmp_path: Path):
     """benchmarks/overlap_contention.py on 2 gloo ranks at toy size: a row per collective with
     the GEMMs alone, the collective alone, the GEMMs beside it, and their ratios."""

@@ -8,7 +8,8 @@ optimizer, communication: NCCL's kernels, on their own streams, so their time ov
 where it is hidden; other), the busy time of the compute stream(s) against the step's span, and
 the most expensive kernels (``gpt_throughput.kernel_table``). With ``MEGA_RANK_PROFILE_TRACE=1``
 rank 0 also writes a Chrome trace, ``trace_rank0.json``, with the host's side (where the GPU
-waits for the host).
+waits for the host); with ``MEGA_RANK_PROFILE_TRACE=all`` every rank writes its
+``trace_rank<R>.json`` (whose trips wait for whom: the ranks side by side).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from typing import Any
 from mega import hookimpl
 
 STEPS = 2
+
+
+def trace_wanted(setting: str | None, rank: int) -> bool:
+    """Whether this rank writes its Chrome trace: ``1`` rank 0's, ``all`` every rank's."""
+    return setting == "all" or (setting == "1" and rank == 0)
 
 
 class _RankProfile:
@@ -61,8 +67,8 @@ class _RankProfile:
             table = kernel_table(self.profiler, STEPS)
             head = f"rank {rank}: {wall_ms:.1f} ms per step (host clock, profiled)\n"
             Path(out, f"kernels_rank{rank}.txt").write_text(head + table + "\n")
-            if rank == 0 and os.environ.get("MEGA_RANK_PROFILE_TRACE") == "1":
-                self.profiler.export_chrome_trace(str(Path(out, "trace_rank0.json")))
+            if trace_wanted(os.environ.get("MEGA_RANK_PROFILE_TRACE"), rank):
+                self.profiler.export_chrome_trace(str(Path(out, f"trace_rank{rank}.json")))
             self.profiler = None
 
     def shutdown(self) -> None:
