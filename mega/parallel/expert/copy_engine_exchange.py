@@ -9,7 +9,10 @@ GEMMs), and reads what arrived in its own.
 Why: on 2 H200 an in-order flex EP2 step spent 71 ms of ~230 in its padded trips (2026-11-30,
 c1c71fd): each carried twice the real rows at NCCL's point-to-point rate (~100 GB/s a
 direction), where the copy engine moved 32-64 MiB rank to rank in a ring of 4 H200 at 203-257
-GB/s (``collectives_ring_4gpu_h200_2026-11-28.json``, the CP ring's copy lane).
+GB/s (``collectives_ring_4gpu_h200_2026-11-28.json``, the CP ring's copy lane). Measured since
+(2 H200, 2026-11-30, session 50): right, and no faster than NCCL's trips (EP2 0.883x DP2
+against 0.875x): after the communicator fix a trip mostly waits for the other rank, so ``auto``
+keeps NCCL (docs/moe.md).
 
 Each trip, on the current stream (in order with the layer's kernels; nothing read on the host):
 for every peer ``q``, wait for ``q``'s *free* token (its inbox's block from this rank has been
