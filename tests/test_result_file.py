@@ -156,6 +156,37 @@ def test_compute_kernels_rank_the_non_nccl_kernels_and_copies_by_time(monkeypatc
     }
 
 
+def test_trace_skew_names_the_late_rank_and_splits_its_lateness_into_gpu_work_and_host(
+    monkeypatch,
+):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_skew
+
+    def kernel(name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+    trip = "ncclDevKernel_SendRecv(x)"
+    # rank 0: compute to 100, its trip starts at 100 (and spins); later it is the late one,
+    # idle (its host behind) from 300 to 330 before its second trip
+    rank0 = [kernel("gemm", 0, 100), kernel(trip, 100, 60), kernel("gemm", 200, 100)]
+    rank0 += [kernel(trip, 330, 10)]
+    # rank 1 (its clock base 1 ms later, so its ts are 1000 us smaller): compute to 140, idle
+    # to 150, its trip at 150; its second trip at 300, right after its compute
+    rank1 = [kernel("gemm", -1000, 140), kernel(trip, -850, 10), kernel("gemm", -800, 100)]
+    rank1 += [kernel(trip, -700, 40)]
+    traces = [
+        {"traceEvents": rank0, "baseTimeNanoseconds": 0},
+        {"traceEvents": rank1, "baseTimeNanoseconds": 1_000_000},
+    ]
+    row = trace_skew.skew(traces, steps=1)["ncclDevKernel_SendRecv"]
+    assert row["matched"] == 2 and row["unmatched"] == 0
+    assert row["last_count"] == [1, 1]
+    assert row["waited_ms"] == [pytest.approx(0.05), pytest.approx(0.03)]
+    # late by 50 (rank 1: 40 busy, 10 idle) then by 30 (rank 0: idle)
+    assert row["late_gpu_busy_ms"] == pytest.approx(0.04)
+    assert row["late_gpu_idle_ms"] == pytest.approx(0.04)
+
+
 def test_host_ops_split_an_op_into_its_callees_and_its_own_time(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import trace_summary
