@@ -21,52 +21,29 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 from pathlib import Path
 from typing import Any
 
-Interval = tuple[float, float]
-
-
-def load(path: Path) -> dict[str, Any]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        return json.load(f)
+from trace_summary import Interval, gpu_events, is_nccl_kernel, load, overlap, union
 
 
 def _kernels(trace: dict[str, Any]) -> tuple[dict[str, list[Interval]], list[Interval]]:
-    """A rank's NCCL kernels by name (in time order) and its other kernels' intervals, in
-    microseconds on the host's clock (Kineto's ``baseTimeNanoseconds`` added, so that traces
-    of several processes line up)."""
+    """A rank's NCCL kernels by name (in time order) and its other kernels' busy intervals
+    (merged), in microseconds on the host's clock (Kineto's ``baseTimeNanoseconds`` added, so
+    that traces of several processes line up)."""
     base = trace.get("baseTimeNanoseconds", 0) / 1e3
-    nccl: dict[str, list[Interval]] = collections.defaultdict(list)
+    collectives: dict[str, list[Interval]] = collections.defaultdict(list)
     compute: list[Interval] = []
-    for e in trace["traceEvents"]:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
+    for e in gpu_events(trace):
         interval = (base + e["ts"], base + e["ts"] + e["dur"])
-        if "nccl" in e["name"].lower():
-            nccl[e["name"].split("(")[0]].append(interval)
+        if is_nccl_kernel(e):
+            collectives[e["name"].split("(")[0]].append(interval)
         else:
             compute.append(interval)
-    for intervals in nccl.values():
+    for intervals in collectives.values():
         intervals.sort()
-    compute.sort()
-    return nccl, compute
-
-
-def _busy(intervals: list[Interval], start: float, end: float) -> float:
-    """How long, within ``[start, end]``, some interval runs (intervals sorted by start)."""
-    busy, reach = 0.0, start
-    for a, b in intervals:
-        if a >= end:
-            break
-        a, b = max(a, reach), min(b, end)
-        if b > a:
-            busy += b - a
-            reach = b
-    return busy
+    return collectives, union(compute)
 
 
 def skew(traces: list[dict[str, Any]], steps: int) -> dict[str, Any]:
@@ -74,11 +51,11 @@ def skew(traces: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     and how often it came last, and of the last ranks' lateness how much their compute stream
     was busy (GPU work) against idle (the host behind)."""
     ranks = [_kernels(t) for t in traces]
-    names = sorted(set.intersection(*(set(nccl) for nccl, _ in ranks)))
+    names = sorted(set.intersection(*(set(collectives) for collectives, _ in ranks)))
     out: dict[str, Any] = {}
     ms = 1e-3 / steps
     for name in names:
-        lists = [nccl[name] for nccl, _ in ranks]
+        lists = [collectives[name] for collectives, _ in ranks]
         matched = min(map(len, lists))
         waited = [0.0] * len(ranks)
         last = [0] * len(ranks)
@@ -90,7 +67,7 @@ def skew(traces: list[dict[str, Any]], steps: int) -> dict[str, Any]:
             last[latest] += 1
             for r, s in enumerate(starts):
                 waited[r] += starts[latest] - s
-            busy = _busy(ranks[latest][1], first, starts[latest])
+            busy = overlap(ranks[latest][1], [(first, starts[latest])])
             late_busy += busy
             late_idle += starts[latest] - first - busy
         out[name] = {

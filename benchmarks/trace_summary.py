@@ -9,8 +9,9 @@ and busy time; the NCCL kernels by name. On 4 H100 it showed a compiled TP2 + SP
 half its span (docs/performance.md, "Why TP was slow at micro-batch 4"). With ``--host-ops N``
 also the host's N costliest ops per step, inclusive and self (``host_ops``): where the time of a
 host-bound step goes (a CP4 rank's ring calls, ``cp4_fake_16k_2026-11-29``); with ``--callers OP``
-the host ops around each call of OP (``callers``: which graph or node calls ``aten::item``); with ``--kernels N``
-the N costliest compute kernels per step (``kernels``: what one layout adds over another).
+the host ops around each call of OP (``callers``: which graph or node calls ``aten::item``);
+with ``--kernels N`` the N costliest compute kernels per step (``kernels``: what one layout adds
+over another).
 """
 
 from __future__ import annotations
@@ -54,16 +55,29 @@ def overlap(x: list[Interval], y: list[Interval]) -> float:
     return shared
 
 
+def load(path: Path) -> dict[str, Any]:
+    """A Chrome trace, gzipped or not."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def gpu_events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+    """The trace's GPU kernels, copies and fills."""
+    categories = ("kernel", "gpu_memcpy", "gpu_memset")
+    return [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") in categories]
+
+
+def is_nccl_kernel(event: dict[str, Any]) -> bool:
+    return "nccl" in event["name"].lower()
+
+
 def summarize(trace: dict[str, Any], steps: int) -> dict[str, Any]:
     """Milliseconds per step (see the module docstring)."""
-    kernels = [
-        e
-        for e in trace["traceEvents"]
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    ]
+    kernels = gpu_events(trace)
     if not kernels:
         raise SystemExit("no GPU kernels in this trace (a CPU run, or CUDA activity not recorded)")
-    is_nccl = [("nccl" in e["name"].lower()) for e in kernels]
+    is_nccl = [is_nccl_kernel(e) for e in kernels]
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in kernels]
     span = max(end for _, end in spans) - min(start for start, _ in spans)
     compute = union([iv for iv, n in zip(spans, is_nccl, strict=True) if not n])
@@ -165,12 +179,10 @@ def compute_kernels(trace: dict[str, Any], steps: int, top: int = 20) -> dict[st
     adds (padding, copies, a slower GEMM) show here."""
     calls: collections.Counter = collections.Counter()
     time: collections.Counter = collections.Counter()
-    for e in trace["traceEvents"]:
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            if "nccl" not in e["name"].lower():
-                name = e["name"][:90]
-                calls[name] += 1
-                time[name] += e["dur"]
+    for e in gpu_events(trace):
+        if not is_nccl_kernel(e):
+            calls[e["name"][:90]] += 1
+            time[e["name"][:90]] += e["dur"]
     return {
         name: {"per_step": calls[name] / steps, "ms": t * 1e-3 / steps}
         for name, t in time.most_common(top)
@@ -191,9 +203,7 @@ def main() -> None:
         "--kernels", type=int, default=0, metavar="N", help="also the N costliest compute kernels"
     )
     args = parser.parse_args()
-    opener = gzip.open if args.trace.suffix == ".gz" else open
-    with opener(args.trace, "rt") as f:
-        trace = json.load(f)
+    trace = load(args.trace)
     summary = summarize(trace, args.steps)
     if args.host_ops:
         summary["host_ops"] = host_ops(trace, args.steps, args.host_ops)
