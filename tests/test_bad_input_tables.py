@@ -106,6 +106,9 @@ TRAIN = [
       "--tokenizer-type", "ByteTokenizer"], "--valid-data-path {big} holds token id 50256"),
     (["--tp-comm-overlap"], "--tp-comm-overlap needs --tensor-model-parallel-size > 1"),
     (["--high-priority-stream-groups", "tp", "xp"], "--high-priority-stream-groups: no group xp"),
+    (["--cuda-graph-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0"],
+     "--cuda-graph-impl local needs CUDA GPUs"),
+    (["--cuda-graph-impl", "transformer_engine"], "--cuda-graph-impl"),
 ]  # fmt: skip
 
 

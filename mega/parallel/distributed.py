@@ -144,13 +144,19 @@ def finish_job() -> None:
     (the flex MoE dispatcher's NVSHMEM buffers, :mod:`mega.parallel.expert.split_exchange`),
     while every rank is still here, and the CUDA graphs that captured NCCL kernels (the CP ring's,
     :func:`mega.parallel.context.graphed.release_graphs`), which the process group's destroy
-    would wait for. Not after an error: a collective free would wait for ranks that left, and a
+    would wait for, and likewise the compiled layers' graphs (``--cuda-graph-impl local``,
+    inductor's graph trees: a TP2 run on 2 H200 trained and then hung at exit until they were
+    destroyed here). Not after an error: a collective free would wait for ranks that left, and a
     replay may wait for one (after an error the launcher stops the ranks)."""
     import sys
 
     graphed = sys.modules.get("mega.parallel.context.graphed")
     if graphed is not None:  # NCCL's destroy (leave_job) waits for the graphs holding its kernels
         graphed.release_graphs()
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is not None and sys.modules["torch"].cuda.is_initialized():
+        sys.modules["torch"].cuda.synchronize()  # no replay still running on what is destroyed
+        trees.reset_cudagraph_trees()
     exchange = sys.modules.get("mega.parallel.expert.split_exchange")
     if exchange is not None and exchange.holds_buffers():
         exchange.release_buffers()

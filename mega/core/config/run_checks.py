@@ -12,10 +12,16 @@ from typing import Any
 
 def run_problems(config: Any, plugins: Any, this_machine: bool = True) -> list[str]:
     """Every problem below, one line each; this machine's devices only if ``this_machine``."""
+    from mega.core.config.cuda_graph_checks import cuda_graph_problems
+
+    device = config.training.device
+    graphs = config.training.cuda_graph_impl != "none"
+    on_cpu = graphs and (device == "cpu" or (this_machine and runs_on_cpu(device)))
     return [
         *(machine_problems(config) if this_machine else ()),
         *batch_key_problems(config, plugins),
         *no_op_problems(config),
+        *cuda_graph_problems(config, on_cpu),
     ]
 
 

@@ -65,6 +65,15 @@ class TrainingConfig:
         "torch.compile each transformer layer and the output head (fuses norms, element-wise "
         "ops and the loss). Default: on with CUDA (every parallel layout), off on the CPU.",
     )
+    cuda_graph_impl: str = option(
+        "none",
+        "local: replay each compiled transformer layer and the output head as CUDA graphs "
+        "(inductor's CUDA graph trees), so that a host-bound step (tensor parallelism at small "
+        "micro-batches) launches a layer at once. Needs --compile on GPUs; dense layers with "
+        "tensor, sequence and data parallelism, no dropout. Megatron's other choices "
+        "(transformer_engine, full_iteration) are not built.",
+        choices=("none", "local"),
+    )
     gradient_accumulation_fusion: bool = option(
         True,
         "Accumulate linear weight gradients into the fp32 gradient buffer inside the weight-"

@@ -156,7 +156,7 @@ def build_parts(
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     fp8_scaling = delayed_fp8_scaling(model, config.precision, topology, device)
     if compiles_layers(t.compile, device) and device.type != "meta":
-        compile_model(model, plan, chunks)
+        compile_model(model, plan, chunks, cuda_graphs=t.cuda_graph_impl == "local")
     p = config.parallel
     pipelined = layout.pp > 1
     buffer = ParamAndGradBuffer.build(
@@ -166,6 +166,7 @@ def build_parts(
         overlap=p.overlap_grad_reduce,
         distributed=p.use_distributed_optimizer,
         tied=tied_weights(model, plan, topology.pp_rank, layout.pp) if pipelined else [],
+        graph_safe=t.cuda_graph_impl == "local",
     )
     if t.gradient_accumulation_fusion:
         for param in buffer.params:  # honoured by mega.parallel.linear's linear layers

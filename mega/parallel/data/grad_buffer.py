@@ -11,6 +11,12 @@ a step is copied rather than added, so the buffer is never zeroed between steps.
 under gradient accumulation fusion (:mod:`mega.parallel.weight_grad`) write ``main_grad`` themselves, inside
 their weight-gradient GEMM, and the hook only counts them.
 
+Under CUDA graphs (``graph_safe``, ``--cuda-graph-impl local``) a replayed backward runs the
+weight-gradient GEMM as captured and none of the Python around it: it cannot choose between
+overwriting and adding per micro-batch, nor set the flag that tells the hook the gradient is
+written. So the buffer zeroes ``main_grad`` at the start of each step (one memset), every GEMM
+adds, and the flag set at capture stays set (Megatron zeroes its buffers every step too).
+
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
 PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
 the reduced slice it owns (``shard``). Dense buckets are reduced over ``dpcp``, the data-parallel
@@ -99,6 +105,8 @@ class ParamAndGradBuffer:
     main_grad: torch.Tensor
     distributed: bool  # reduce-scatter (distributed optimizer) instead of all-reduce
     overlap: bool
+    # CUDA graphs replay the fused weight-gradient GEMMs: zero at each step, always add (above)
+    graph_safe: bool = False
     bucket_of: dict[torch.nn.Parameter, Bucket] = field(default_factory=dict)
     _expected: int = 1
     _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
@@ -114,8 +122,10 @@ class ParamAndGradBuffer:
         overlap: bool = False,
         distributed: bool = False,
         tied: list[torch.nn.Parameter] | None = None,
+        graph_safe: bool = False,
     ) -> ParamAndGradBuffer:
-        """``tied``: parameters whose gradients are summed over the ``embd`` group first."""
+        """``tied``: parameters whose gradients are summed over the ``embd`` group first;
+        ``graph_safe``: the step's backward may be CUDA-graph replays (module docstring)."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters")
@@ -172,6 +182,7 @@ class ParamAndGradBuffer:
             main_grad=main_grad,
             distributed=distributed,
             overlap=overlap,
+            graph_safe=graph_safe,
         )
         with torch.no_grad():
             for param, (lo, hi) in ranges.items():
@@ -198,8 +209,10 @@ class ParamAndGradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
-        for param in self.params:  # its first gradient this step overwrites main_grad
-            param.main_grad_fresh = True
+        if self.graph_safe:  # every gradient adds, the captured GEMMs' way (module docstring)
+            self.main_grad.zero_()
+        for param in self.params:  # else its first gradient this step overwrites main_grad
+            param.main_grad_fresh = not self.graph_safe
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if getattr(param, "wgrad_deferred", False):
@@ -211,8 +224,8 @@ class ParamAndGradBuffer:
         added = getattr(param, "grad_added_to_main_grad", False)
         if param.grad is None and not added:  # autograd gave no gradient: nothing to count
             return
-        if added:  # the fused wgrad GEMM wrote it
-            param.grad_added_to_main_grad = False
+        if added:  # the fused wgrad GEMM wrote it; a replay would not set the flag again
+            param.grad_added_to_main_grad = self.graph_safe
         elif getattr(param, "main_grad_fresh", False):
             param.main_grad.copy_(param.grad)  # first micro-batch: fp32 <- model dtype
         else:

@@ -1,0 +1,70 @@
+"""``--cuda-graph-impl local`` refuses what a CUDA graph replay would get wrong or was never
+measured with, one line each (mega.core.config.cuda_graph_checks). Checked as the launcher
+checks a run for a GPU machine (``on_cpu=False``): this machine has no GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from mega.core.config.cuda_graph_checks import cuda_graph_problems
+from mega.core.config.resolve import resolve_config
+from mega.testing import TINY_GPT
+from mega.testing.commands import make_test_plugins
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def graphs_config(*args: str) -> object:
+    """The run of ``args`` for a GPU machine (as ``mega plan`` resolves one), then asking for
+    graphs (resolving with the flag would raise on the problems this checks)."""
+    config = resolve_config([*args, "--device", "cuda"], make_test_plugins(), this_machine=False)
+    config.training.cuda_graph_impl = "local"
+    return config
+
+
+def problems(*args: str, on_cpu: bool = False) -> list[str]:
+    return cuda_graph_problems(graphs_config(*TINY_GPT, *args), on_cpu=on_cpu)
+
+
+def test_a_dense_tensor_parallel_run_without_dropout_may_use_graphs():
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--nproc-per-node", "2"]
+    assert problems(*NO_DROPOUT, *tp2) == []
+
+
+def test_none_asks_nothing():
+    config = resolve_config(
+        [*TINY_GPT, "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"],
+        make_test_plugins(),
+    )
+    assert cuda_graph_problems(config, on_cpu=True) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "--hidden-dropout 0.1 and --attention-dropout 0.1 given"),
+        ([*NO_DROPOUT, "--no-compile"], "replays the compiled layers: drop --no-compile"),
+        ([*NO_DROPOUT, "--pipeline-model-parallel-size", "2", "--nproc-per-node", "2"], "--pipeline-model-parallel-size"),
+        ([*NO_DROPOUT, "--context-parallel-size", "2", "--nproc-per-node", "2"], "--context-parallel-size"),
+        ([*NO_DROPOUT, "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+         "--recompute-granularity full"),
+    ],
+)  # fmt: skip
+def test_each_refusal_names_its_flag(args, fragment):
+    found = problems(*args)
+    assert len(found) == 1 and fragment in found[0], found
+
+
+def test_moe_is_refused():
+    config = graphs_config(
+        "--model", "moe", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+        "2", "--num-experts", "4", "--seq-length", "32", *NO_DROPOUT,
+    )  # fmt: skip
+    found = cuda_graph_problems(config, on_cpu=False)
+    assert len(found) == 1 and "an MoE model" in found[0], found
+
+
+def test_the_cpu_is_refused():
+    assert problems(*NO_DROPOUT, on_cpu=True) == [
+        "--cuda-graph-impl local needs CUDA GPUs (the run is on the CPU)"
+    ]

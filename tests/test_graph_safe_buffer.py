@@ -1,0 +1,70 @@
+"""The gradient buffer under CUDA graph replays (``graph_safe``, ``--cuda-graph-impl local``).
+
+A replayed backward runs each fused weight-gradient GEMM as it was captured (overwrite or add,
+chosen once) and none of the Python around it: no flag is set again. Here a replay is imitated on
+the CPU by letting each weight's first fused GEMM run as usual (the capture) and every later one
+run only the GEMM with the captured choice. Over two steps of two micro-batches the graph-safe
+buffer must give the gradients of the plain run, and the default buffer must not (its first
+micro-batch overwrites, its hook relies on a flag the replay never sets again): the imitation
+is faithful enough to catch what a real replay broke."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mega.parallel import weight_grad
+from mega.parallel.data.grad_buffer import ParamAndGradBuffer
+from mega.parallel.topology import Topology
+
+
+def _layer_and_buffer(graph_safe: bool) -> tuple[nn.Module, ParamAndGradBuffer]:
+    from mega.plugins.models.common.config import GPTConfig
+    from mega.plugins.models.common.layers import TransformerLayer
+
+    cfg = GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4)
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg)
+    buffer = ParamAndGradBuffer.build(layer, Topology(), graph_safe=graph_safe)
+    for param in buffer.params:
+        param.fuse_wgrad = True
+    return layer, buffer
+
+
+def _steps(layer: nn.Module, buffer: ParamAndGradBuffer) -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    grads = []
+    for _ in range(2):
+        buffer.start_step(2)
+        for _ in range(2):
+            layer(torch.randn(2, 8, 32)).square().sum().backward()
+        buffer.finish_grad_sync()
+        grads.append(buffer.main_grad.clone())
+    return grads
+
+
+def _replaying(monkeypatch: pytest.MonkeyPatch) -> None:
+    captured: dict[int, bool] = {}  # weight -> the overwrite choice its capture made
+    capture = weight_grad._accumulate_into
+
+    def replay(weight, gemm, operands):  # noqa: ANN001, ANN202
+        if id(weight) not in captured:
+            captured[id(weight)] = getattr(weight, "main_grad_fresh", False)
+            capture(weight, gemm, operands)
+        else:  # the GEMM alone, as captured: no flag read or written
+            gemm(weight.main_grad, *operands, overwrite=captured[id(weight)])
+
+    monkeypatch.setattr(weight_grad, "_accumulate_into", replay)
+
+
+def test_graph_safe_gradients_survive_replays_that_the_default_buffer_gets_wrong(monkeypatch):
+    reference = _steps(*_layer_and_buffer(graph_safe=False))
+    assert all(g.abs().sum() > 0 for g in reference)
+    _replaying(monkeypatch)
+    safe = _steps(*_layer_and_buffer(graph_safe=True))
+    for got, want in zip(safe, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    default = _steps(*_layer_and_buffer(graph_safe=False))
+    assert not all(torch.allclose(g, w) for g, w in zip(default, reference, strict=True))
