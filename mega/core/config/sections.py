@@ -67,7 +67,7 @@ class TrainingConfig:
     )
     cuda_graph_impl: str = option(
         "none",
-        "local: replay each compiled transformer layer and the output head as CUDA graphs "
+        "Experimental. local: replay each compiled transformer layer and the output head as CUDA graphs "
         "(inductor's CUDA graph trees), so that a host-bound step (tensor parallelism at small "
         "micro-batches) launches a layer at once. Needs --compile on GPUs; dense layers with "
         "tensor, sequence and data parallelism, no dropout. Megatron's other choices "
