@@ -35,6 +35,7 @@ from mega.parallel.tensor.mappings import (
     reduce_scatter_to_sequence,
 )
 from mega.parallel.tensor.overlapped import column_parallel_linear
+from mega.parallel.tensor.split_overlap import row_split_linear, split_chosen
 
 
 def shard_parameter(full: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
@@ -62,6 +63,8 @@ class _ParallelLinear(nn.Module):
         # resolved here, not in forward: traced code gets the name as a constant
         self.group_name = None if group is None else group_name(group)
         self.group_size = group_size(group)
+        # forward's sequence-parallel collectives split by token block (experimental, opt-in)
+        self.split_overlap = sequence_parallel and group is not None and split_chosen()
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -96,11 +99,18 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, out/tp]
-        overlapped = self.comm_overlap and self.group_name is not None
+        # the split forward (split_overlap) lives in the overlapped layer's function
+        overlapped = (self.comm_overlap or self.split_overlap) and self.group_name is not None
         if overlapped and getattr(self.weight, "fp8_format", None) is None:
             # the backward's collective hidden behind the weight-gradient GEMM
             return column_parallel_linear(
-                x, self.weight, self.bias, self.group_name, self.group_size, self.sequence_parallel
+                x,
+                self.weight,
+                self.bias,
+                self.group_name,
+                self.group_size,
+                self.sequence_parallel,
+                self.split_overlap,
             )
         return linear_ops.linear(self.gather_input(x), self.weight, self.bias, sites_of(self))
 
@@ -128,6 +138,11 @@ class RowParallelLinear(_ParallelLinear):
         return cls(weight, linear.bias, group, sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_overlap and getattr(self.weight, "fp8_format", None) is None:
+            # [b, s/tp, out]: the GEMM and its reduce-scatter by token blocks
+            fused = linear_ops.fuses_wgrad(self.weight)
+            out = row_split_linear(x, self.weight, self.group_name, self.group_size, fused)
+            return out if self.bias is None else out + self.bias
         # [b, s, out], this rank's share of the sum
         return self.reduce_output(linear_ops.linear(x, self.weight, None, sites_of(self)))
 

@@ -35,6 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.parallel.comm import all_gather_into, reduce_scatter_into
 from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
+from mega.parallel.tensor.split_overlap import column_split_forward
 from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
 
 
@@ -91,14 +92,38 @@ def _(grad_out, x, weight, name, size, sequence_parallel, fused):  # noqa: ANN00
     return torch.empty_like(x), torch.empty_like(weight)
 
 
+def _forward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    name: str,
+    size: int,
+    sequence_parallel: bool,
+    split: bool,
+) -> torch.Tensor:
+    if sequence_parallel and split:  # the gather hidden behind the own block's rows
+        return column_split_forward(x, weight, bias, name, size)
+    full = _gathered(x, size, name) if sequence_parallel else x
+    return F.linear(full, weight, bias)
+
+
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, name: str, size: int, sequence_parallel: bool, fused: bool):  # noqa: ANN001
-        full = _gathered(x, size, name) if sequence_parallel else x
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        name: str,
+        size: int,
+        sequence_parallel: bool,
+        fused: bool,
+        split: bool,
+    ):  # noqa: ANN001
         ctx.save_for_backward(x, weight)
         ctx.args = (name, size, sequence_parallel, fused)
         ctx.has_bias = bias is not None
-        return F.linear(full, weight, bias)
+        return _forward(x, weight, bias, name, size, sequence_parallel, split)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
@@ -107,7 +132,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         grad_bias = None
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, grad_weight, grad_bias, None, None, None, None
+        return grad_x, grad_weight, grad_bias, None, None, None, None, None
 
 
 def column_parallel_linear(
@@ -117,12 +142,13 @@ def column_parallel_linear(
     name: str,
     size: int,
     sequence_parallel: bool,
+    split: bool = False,
 ) -> torch.Tensor:
     """``[b, s, out/tp]`` of the column-parallel GEMM on ``x`` (``[b, s, in]`` replicated, or
     this rank's ``[b, s/tp, in]`` token block under sequence parallelism) over the group
-    ``name`` of ``size`` ranks, its backward overlapped as the module docstring says."""
+    ``name`` of ``size`` ranks, its backward overlapped as the module docstring says;
+    ``split``: forward's gather too, by token blocks (:mod:`.split_overlap`)."""
     if not torch.is_grad_enabled():  # no backward to overlap: the forward alone
-        full = _gathered(x, size, name) if sequence_parallel else x
-        return F.linear(full, weight, bias)
+        return _forward(x, weight, bias, name, size, sequence_parallel, split)
     fused = fuses_wgrad(weight)
-    return _ColumnParallelLinear.apply(x, weight, bias, name, size, sequence_parallel, fused)
+    return _ColumnParallelLinear.apply(x, weight, bias, name, size, sequence_parallel, fused, split)

@@ -1,0 +1,129 @@
+"""Sequence parallelism's collectives split by token block (``MEGA_TP_SPLIT_OVERLAP=1``,
+``mega.parallel.tensor.split_overlap``) on 2 and 3 gloo ranks: the column- and row-parallel
+layers' outputs and gradients (plain and fused into ``main_grad``) equal the unsplit layers',
+eager and compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
+from mega.parallel.weight_grad import register_fused_weight
+from mega.testing.ranks import run_ranks
+
+BATCH, TOKENS, IN, OUT = 2, 12, 24, 18  # tokens, features and outputs split over 2 and 3 ranks
+
+
+def _join() -> None:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+def _fuse(weight: torch.nn.Parameter) -> None:
+    weight.main_grad = torch.zeros_like(weight)
+    weight.main_grad_fresh = True
+    weight.fuse_wgrad = True
+    register_fused_weight(weight)
+
+
+def _layers(kind: str, rank: int, world: int, split: bool, fused: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    full = torch.nn.Linear(IN, OUT)
+    if kind == "column":
+        layer = ColumnParallelLinear.from_linear(
+            full, dist.group.WORLD, rank, world, sequence_parallel=True, comm_overlap=True
+        )
+    else:
+        layer = RowParallelLinear.from_linear(
+            full, dist.group.WORLD, rank, world, sequence_parallel=True
+        )
+    layer.split_overlap = split
+    if fused:
+        _fuse(layer.weight)
+    return layer
+
+
+def _run_rank(rank: int, world: int, kind: str, fused: bool, compiled: bool) -> dict:
+    _join()
+    torch.manual_seed(1 + rank)
+    # column: this rank's token block of the input; row: every token, this rank's input columns
+    shape = (BATCH, TOKENS // world, IN) if kind == "column" else (BATCH, TOKENS, IN // world)
+    x = torch.randn(shape)
+    out = {}
+    for split in (True, False):
+        layer = _layers(kind, rank, world, split, fused)
+        xi = x.clone().requires_grad_(True)
+        run = torch.compile(layer) if compiled and split else layer
+        y = run(xi)
+        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+        grad_w = layer.weight.main_grad if fused else layer.weight.grad
+        bias_grad = layer.bias.grad.clone() if layer.bias.grad is not None else None
+        out[split] = (y.detach(), xi.grad.clone(), grad_w.clone(), bias_grad)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize(
+    ("world", "fused", "compiled"), [(2, False, False), (3, False, False), (2, True, False), (2, False, True), (3, True, True)]
+)  # fmt: skip
+def test_split_layers_equal_the_unsplit_ones(kind: str, world: int, fused: bool, compiled: bool):
+    for result in run_ranks(_run_rank, world, kind, fused, compiled):
+        for got, want in zip(result[True], result[False], strict=True):
+            if want is None:
+                assert got is None
+                continue
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_split_is_opt_in(monkeypatch):
+    from mega.parallel.tensor.split_overlap import SPLIT_ENV, split_chosen
+
+    monkeypatch.delenv(SPLIT_ENV, raising=False)
+    assert not split_chosen()
+    monkeypatch.setenv(SPLIT_ENV, "1")
+    assert split_chosen()
+
+
+def _split_gpt_rank(rank: int, world_size: int, tp: int, cases: list) -> dict:
+    """test_tensor_parallel's equivalence rank with the split on, counting each split op."""
+    import os
+
+    from test_tensor_parallel import _equivalence_rank
+
+    from mega.parallel.tensor import split_overlap
+
+    os.environ[split_overlap.SPLIT_ENV] = "1"  # read when the layers are built
+    calls = {"column": 0, "row": 0, "row_backward": 0}
+    for name, op in (("column", "_column_forward"), ("row", "_row_forward"),
+                     ("row_backward", "_row_backward")):  # fmt: skip
+        opaque = getattr(split_overlap, op)
+
+        def counted(*args, body=opaque.body, name=name):  # noqa: ANN001, ANN002, ANN202
+            calls[name] += 1
+            return body(*args)
+
+        opaque.body = counted
+    return {"results": _equivalence_rank(rank, world_size, tp, cases), "calls": calls}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_sequence_parallel_gpt_with_the_split_equals_one_process(tp: int):
+    """The GPT's attention and MLP layers all take the split path (two column- and two
+    row-parallel layers per transformer layer, forward and backward) and the model's loss and
+    gradients equal the single process's (test_tensor_parallel's check)."""
+    from test_tensor_parallel import check_equivalence
+
+    cases = (
+        [("default", True, False)] if tp == 4 else [("default", True, False), ("full", True, True)]
+    )
+    ranks = run_ranks(_split_gpt_rank, tp, tp, cases)
+    check_equivalence([r["results"] for r in ranks], cases, tp)
+    layers = 2 * len(cases)  # tiny(): 2 layers per case
+    for r in ranks:
+        assert r["calls"] == {
+            "column": 2 * layers,
+            "row": 2 * layers,
+            "row_backward": 2 * layers,
+        }, r
