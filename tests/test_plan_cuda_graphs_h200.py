@@ -1,0 +1,51 @@
+"""The planner against the 1.3B GPT's layouts with ``--cuda-graph-impl local`` on 2 H200
+(2026-11-30, bded4f8, micro-batch 4 and 8), and the graph-free DP2 rows of the same runs, at
+issue 46's bounds with the built-in H200 rates: tokens/s within 15%, peak memory within 10%.
+
+Why these hold where the graph-free TP rows at micro-batch 4 do not (tests/test_plan_tp_h100.py's
+known miss): the plan's step is the GPU's (its host model counts a launch per op at one eager
+op's cost), and a graph-free TP step at micro-batch 4 is bound by its host at about 6 ms a layer
+and micro-batch. Replayed as graphs, the step is the GPU's again. Planned when written: TP2 + SP
+at micro-batch 4 0.93x of the measured tokens/s, TP2 0.98x, DP2 1.05x; at micro-batch 8
+0.96x, 0.98x, 1.03x; peak memory 1.02-1.07x.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_plan_tp_h100 import GIB, RESULTS, layout_argv
+
+from mega.core.config.resolve import resolve_config
+from mega.core.plan.calibration import BUILT_IN
+from mega.core.plan.estimate import plan_run
+from mega.core.plugins.manager import make_plugins
+
+FILES = (
+    "layouts_1p3b_2gpu_h200_cudagraphs_mb4_2026-11-30.json",
+    "layouts_1p3b_2gpu_h200_cudagraphs_mb8_2026-11-30.json",
+)
+
+
+def _runs() -> list:
+    params = []
+    for name in FILES:
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            graphs = "cuda-graph" in run["layout"]
+            base = run["layout"].startswith("tp1dp2") and not graphs
+            if (graphs and run["layout"].startswith("tp1dp2")) or not (graphs or base):
+                continue  # DP2 with graphs is DP2's step; graph-free TP is the known miss
+            micro = name.split("_")[5]
+            params.append(pytest.param(run, id=f"{micro}-{run['layout'].split(':')[0]}"))
+    return params
+
+
+@pytest.mark.parametrize("run", _runs())
+def test_graphed_layouts_within_15_percent_speed_and_10_percent_memory(run):
+    argv = layout_argv(run["command"], run["world_size"], overlap_default=True)
+    plugins = make_plugins()
+    plan = plan_run(resolve_config(argv, plugins, this_machine=False), plugins, BUILT_IN["h200"])
+    peak = max(stage.profile.peak_bytes for stage in plan.stages) / GIB
+    assert peak == pytest.approx(max(run["peak_memory_gib_by_rank"]), rel=0.10)
+    assert plan.tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)
