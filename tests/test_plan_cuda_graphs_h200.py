@@ -15,12 +15,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_plan_tp_h100 import GIB, RESULTS, layout_argv
-
-from mega.core.config.resolve import resolve_config
-from mega.core.plan.calibration import BUILT_IN
-from mega.core.plan.estimate import plan_run
-from mega.core.plugins.manager import make_plugins
+from test_plan_tp_h100 import RESULTS
+from test_plan_tp_h200 import check_h200_plan
 
 FILES = (
     "layouts_1p3b_2gpu_h200_cudagraphs_mb4_2026-11-30.json",
@@ -43,9 +39,4 @@ def _runs() -> list:
 
 @pytest.mark.parametrize("run", _runs())
 def test_graphed_layouts_within_15_percent_speed_and_10_percent_memory(run):
-    argv = layout_argv(run["command"], run["world_size"], overlap_default=True)
-    plugins = make_plugins()
-    plan = plan_run(resolve_config(argv, plugins, this_machine=False), plugins, BUILT_IN["h200"])
-    peak = max(stage.profile.peak_bytes for stage in plan.stages) / GIB
-    assert peak == pytest.approx(max(run["peak_memory_gib_by_rank"]), rel=0.10)
-    assert plan.tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)
+    check_h200_plan(run)
