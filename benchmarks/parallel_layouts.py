@@ -168,6 +168,9 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     if not records:
         return row
     row["lm_loss"] = [r["lm_loss"] for r in records]
+    # each step's gradient norm: a layout whose losses part from the base's shows whether its
+    # gradients did first (the norm is on the step's line, before the update)
+    row["grad_norm"] = [r.get("grad_norm") for r in records]
     row.update(speed_and_memory(records, args.warmup, world))
     if timing.is_dir():
         row["pipeline"] = pipeline_bubbles(timing, flags, args)
@@ -271,7 +274,7 @@ def main() -> None:
         rows.append(run_layout(name, args, out))
         path = write_result(rows, args, out)  # after each layout: a cut-off run keeps the rest
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "command")}))
+        print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "grad_norm", "command")}))
     print(f"wrote {path}")
 
 
