@@ -86,6 +86,18 @@ def test_split_is_opt_in(monkeypatch):
     assert split_chosen()
 
 
+def test_a_bad_value_is_one_error_line(monkeypatch):
+    from mega.core.config.resolve import resolve_config
+    from mega.errors import MegaUsageError
+    from mega.testing import TINY_GPT
+    from mega.testing.commands import make_test_plugins
+
+    monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", "yes")
+    args = [*TINY_GPT, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    with pytest.raises(MegaUsageError, match="MEGA_TP_SPLIT_OVERLAP='yes': must be 0 or 1"):
+        resolve_config([*args, "--nproc-per-node", "2"], make_test_plugins())
+
+
 def _split_gpt_rank(rank: int, world_size: int, tp: int, cases: list) -> dict:
     """test_tensor_parallel's equivalence rank with the split on, counting each split op."""
     import os

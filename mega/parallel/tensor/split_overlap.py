@@ -43,6 +43,12 @@ def split_chosen() -> bool:
     return os.environ.get(SPLIT_ENV, "0") == "1"
 
 
+def split_problem() -> str | None:
+    """One line if the environment's value is neither 0 nor 1 (checked before launch)."""
+    value = os.environ.get(SPLIT_ENV, "0")
+    return None if value in ("0", "1") else f"{SPLIT_ENV}={value!r}: must be 0 or 1"
+
+
 def _rows(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor
 ) -> None:
@@ -109,7 +115,9 @@ def _row_forward_body(
     sending = dist.all_to_all_single(received, send, splits, splits, group=group, async_op=True)
     own = x_2d[rank * n : (rank + 1) * n].mm(weight.t())  # while the others' rows travel
     sending.wait()
-    return own + received.view(size - 1, n, -1).sum(0) if size > 2 else own + received
+    if size == 2:  # one addition of the same two values as the reduce-scatter's
+        return own + received
+    return own + received.view(size - 1, n, -1).sum(0)
 
 
 _row_forward = OpaqueWhenTraced("mega::row_split_forward", _row_forward_body)
