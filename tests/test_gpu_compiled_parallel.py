@@ -131,7 +131,13 @@ def test_compiled_cp4_ring_matches_one_gpu(tmp_path: Path, one_gpu: dict, transp
 
 
 # the split collectives (mega.parallel.tensor.split_overlap) are meant for graphs: checked there
-GRAPHED = {"tp2": {}, "tp2-sp": {}, "tp2-sp-split": {"MEGA_TP_SPLIT_OVERLAP": "1"}}
+# (and their copy-engine carriers, mega.parallel.tensor.copy_engine_split)
+GRAPHED = {
+    "tp2": {},
+    "tp2-sp": {},
+    "tp2-sp-split": {"MEGA_TP_SPLIT_OVERLAP": "1"},
+    "tp2-sp-split-copy": {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"},
+}
 
 
 @pytest.mark.parametrize("case", GRAPHED)
@@ -139,7 +145,7 @@ def test_cuda_graphed_layers_match_the_compiled_run_and_exit(tmp_path: Path, cas
     """``--cuda-graph-impl local``: the compiled layers replayed as CUDA graphs (NCCL's collectives
     captured in them) train as the graph-free compiled run and one GPU do, and the run exits (it
     hung at exit on 2 H200 until mega destroyed the graphs before the process group)."""
-    model, flags = LAYOUTS[case.removesuffix("-split")]
+    model, flags = LAYOUTS[case.split("-split")[0]]
     args = [*model, *flags, "--nproc-per-node", "2", "--compile"]
     graphed = curves(tmp_path, "graphed", [*args, "--cuda-graph-impl", "local"], GRAPHED[case])
     plain = curves(tmp_path, "plain", args)

@@ -84,6 +84,16 @@ def test_split_is_opt_in(monkeypatch):
     assert not split_chosen()
     monkeypatch.setenv(SPLIT_ENV, "1")
     assert split_chosen()
+    monkeypatch.setenv(SPLIT_ENV, "copy-engine")
+    assert split_chosen()
+
+
+def test_copy_engine_falls_back_to_the_nccl_split_off_gpus(monkeypatch):
+    """``copy-engine`` needs CUDA GPUs of one host; CPU tensors take the collectives' split."""
+    from mega.parallel.tensor.split_overlap import SPLIT_ENV, _by_copy_engine
+
+    monkeypatch.setenv(SPLIT_ENV, "copy-engine")
+    assert not _by_copy_engine(None, torch.zeros(1))
 
 
 def test_a_bad_value_is_one_error_line(monkeypatch):
@@ -94,7 +104,9 @@ def test_a_bad_value_is_one_error_line(monkeypatch):
 
     monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", "yes")
     args = [*TINY_GPT, "--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    with pytest.raises(MegaUsageError, match="MEGA_TP_SPLIT_OVERLAP='yes': must be 0 or 1"):
+    with pytest.raises(
+        MegaUsageError, match="MEGA_TP_SPLIT_OVERLAP='yes': must be one of 0, 1, copy-engine"
+    ):
         resolve_config([*args, "--nproc-per-node", "2"], make_test_plugins())
 
 

@@ -33,20 +33,35 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from mega.parallel.comm import all_gather_into
+from mega.parallel.distributed import peer_copies_possible
+from mega.parallel.tensor import copy_engine_split
 from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
 
 SPLIT_ENV = "MEGA_TP_SPLIT_OVERLAP"
 
 
+COPY_ENGINE = "copy-engine"  # the forward's blocks by the copy engine (:mod:`.copy_engine_split`)
+SPLIT_VALUES = ("0", "1", COPY_ENGINE)
+
+
 def split_chosen() -> bool:
     """Whether the environment asks for the split collectives (read when the layers are built)."""
-    return os.environ.get(SPLIT_ENV, "0") == "1"
+    return os.environ.get(SPLIT_ENV, "0") in ("1", COPY_ENGINE)
 
 
 def split_problem() -> str | None:
-    """One line if the environment's value is neither 0 nor 1 (checked before launch)."""
+    """One line if the environment's value is not one of :data:`SPLIT_VALUES` (checked before
+    launch)."""
     value = os.environ.get(SPLIT_ENV, "0")
-    return None if value in ("0", "1") else f"{SPLIT_ENV}={value!r}: must be 0 or 1"
+    if value in SPLIT_VALUES:
+        return None
+    return f"{SPLIT_ENV}={value!r}: must be one of {', '.join(SPLIT_VALUES)}"
+
+
+def _by_copy_engine(group: object, like: torch.Tensor) -> bool:
+    """``copy-engine`` asked for and possible (CUDA GPUs of one host, NCCL); elsewhere (CPU ranks,
+    several hosts) the NCCL split runs."""
+    return os.environ.get(SPLIT_ENV) == COPY_ENGINE and peer_copies_possible(group, like)
 
 
 def _rows(
@@ -70,6 +85,8 @@ def _column_forward_body(
 ) -> torch.Tensor:
     """``[n*size, out/tp]``: every rank's token block through this rank's columns."""
     group = _resolve_process_group(name)
+    if _by_copy_engine(group, x_2d):
+        return copy_engine_split.column_forward(x_2d, weight, bias, group, _rows)
     rank, n = dist.get_rank(group), x_2d.shape[0]
     gathered = x_2d.new_empty(n * size, x_2d.shape[1])
     gathering = all_gather_into(gathered, x_2d, group, async_op=True)
@@ -104,6 +121,8 @@ def _row_forward_body(
 ) -> torch.Tensor:
     """``[N/size, out]``: this rank's token block of ``sum over ranks of x_2d weight^T``."""
     group = _resolve_process_group(name)
+    if _by_copy_engine(group, x_2d):
+        return copy_engine_split.row_forward(x_2d, weight, group)
     rank, n = dist.get_rank(group), x_2d.shape[0] // size
     send = x_2d.new_empty((size - 1) * n, weight.shape[0])
     start = 0

@@ -1,0 +1,152 @@
+"""Sequence parallelism's forward collectives by the copy engine, split by token block:
+``MEGA_TP_SPLIT_OVERLAP=copy-engine`` (experimental, opt-in; GPUs of one host).
+
+:mod:`.split_overlap` hides the forward all-gather and reduce-scatter behind the own token
+block's GEMM rows with NCCL's collectives. Measured under CUDA graphs (2 H200, 1.3B GPT, TP2 +
+SP, micro-batch 4, 2026-11-30, session 52) that bought nothing (0.780x DP2 against 0.777x): NCCL's
+kernels need SMs, which the own block's GEMM holds (the gathers ran 91 -> 115 us beside it and
+were still exposed after it), and the own block's GEMM (68-90 us) is shorter than the gather it
+should hide. The copy engine takes no SM: each rank copies its block straight into every peer's
+inbox in symmetric memory (peer-mapped), on a side stream, while its SMs compute.
+
+The two bodies, each one pass of a rank (``q`` runs over the other ranks of the group):
+
+- column forward (``Y = gather(X) W^T``): side stream: wait for ``q``'s *free* token, copy this
+  rank's block into slot ``me`` of ``q``'s inbox, put a *ready* token to ``q``. Current stream:
+  the own block's rows, then for each ``q``: wait for its *ready* token, the rows of its block
+  read from this rank's inbox slot ``q``, put a *free* token back to ``q`` (read: it may write
+  there again). The side stream joins the current one before the op returns.
+- row forward (``Y = reduce_scatter(X W^T)``): the rows of ``q``'s block first (partial sums),
+  copied into slot ``me`` of ``q``'s inbox on the side stream as above while the own block's
+  rows are computed, then the arrived partial sums are added to them in rank order.
+
+Tokens are symmetric memory's signals (a put waits for the flag to be clear, a wait clears it),
+so every pass ends with the tokens where it began and a CUDA graph replays it as captured. The
+inboxes (one per group and direction, as large as the largest block seen) are made by a
+rendezvous of the group, which cannot happen inside a graph's capture: the warm-up run that
+precedes every capture makes them. For two ranks the row forward's sum is the reduce-scatter's
+(one addition of the same two values); for more, the additions run in rank order.
+
+The backward keeps the NCCL paths (:mod:`.overlapped`, :mod:`.split_overlap`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mega.parallel.distributed import SIGNAL_TIMEOUT_MS as _TIMEOUT_MS
+
+_READY, _FREE = 0, 1  # signal channels
+
+
+class _Inbox:
+    """One rank's symmetric buffer for one direction of a group: a slot per sending rank, each of
+    ``block_bytes``; with the side stream its copies run on."""
+
+    def __init__(self, group: Any, block_bytes: int, device: torch.device) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        if torch.cuda.is_current_stream_capturing():  # a rendezvous is a host collective
+            raise RuntimeError(
+                "MEGA_TP_SPLIT_OVERLAP=copy-engine: the inbox cannot be made inside a CUDA graph's"
+                " capture (a warm-up run makes it)"
+            )
+        size = torch.distributed.get_world_size(group)
+        self.block_bytes = block_bytes
+        self.buffer = symm_mem.empty(size * block_bytes, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.side = torch.cuda.Stream(device)
+        me = self.handle.rank
+        # from the next rank on: the ranks do not all copy into the same peer first
+        self.peers = [(me + k) % size for k in range(1, size)]
+        for q in self.peers:  # every peer may write its first block here
+            self.handle.put_signal(q, _FREE, _TIMEOUT_MS)
+
+    def slot(self, owner: int, sender: int, like: torch.Tensor) -> torch.Tensor:
+        """Slot ``sender`` of ``owner``'s inbox, viewed as a tensor shaped like ``like``."""
+        nbytes = like.numel() * like.element_size()
+        if owner == self.handle.rank:
+            raw = self.buffer[sender * self.block_bytes : sender * self.block_bytes + nbytes]
+        else:
+            raw = self.handle.get_buffer(owner, (nbytes,), torch.uint8, sender * self.block_bytes)
+        return raw.view(like.dtype).view(like.shape)
+
+
+# per (group, direction); an inbox a larger block replaced stays alive (the GPU may still read it)
+_INBOXES: dict[tuple[str, str], _Inbox] = {}
+_RETIRED: list[_Inbox] = []
+
+
+def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
+    key, nbytes = (group.group_name, direction), like.numel() * like.element_size()
+    inbox = _INBOXES.get(key)
+    if inbox is None or inbox.block_bytes < nbytes:  # every rank grows at the same pass
+        if inbox is not None:
+            inbox.side.synchronize()
+            _RETIRED.append(inbox)
+        inbox = _INBOXES[key] = _Inbox(group, nbytes, like.device)
+    return inbox
+
+
+def _send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
+    """On the side stream, after what the current stream has queued: ``blocks[q]`` into slot
+    ``me`` of ``q``'s inbox once ``q`` has read the last one there, then ``q``'s ready token."""
+    handle, me = inbox.handle, inbox.handle.rank
+    inbox.side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(inbox.side):
+        for q in inbox.peers:
+            handle.wait_signal(q, _FREE, _TIMEOUT_MS)
+            inbox.slot(q, me, blocks[q]).copy_(blocks[q])
+            handle.put_signal(q, _READY, _TIMEOUT_MS)
+
+
+def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
+    """For each peer ``q`` in rank order: wait for its block, ``use(q, block)`` on the current
+    stream, then give its slot back."""
+    handle = inbox.handle
+    for q in sorted(inbox.peers):
+        handle.wait_signal(q, _READY, _TIMEOUT_MS)
+        use(q, inbox.slot(handle.rank, q, like))
+        handle.put_signal(q, _FREE, _TIMEOUT_MS)
+    torch.cuda.current_stream().wait_stream(inbox.side)  # joined: the blocks sent are read
+
+
+def column_forward(
+    x_2d: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: Any,
+    rows: Any,
+) -> torch.Tensor:
+    """``[n*size, out/tp]``: every rank's token block ``x_2d`` (``[n, in]``) through this rank's
+    columns; ``rows(x, weight, bias, out)`` writes one block's rows."""
+    inbox = _inbox(group, "column", x_2d)
+    me, size, n = inbox.handle.rank, inbox.handle.world_size, x_2d.shape[0]
+    x_2d = x_2d.contiguous()
+    _send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
+    out = x_2d.new_empty(n * size, weight.shape[0])
+    rows(x_2d, weight, bias, out[me * n : (me + 1) * n])  # while the block travels
+
+    def use(q: int, block: torch.Tensor) -> None:
+        rows(block, weight, bias, out[q * n : (q + 1) * n])
+
+    _receive(inbox, x_2d, use)
+    return out
+
+
+def row_forward(x_2d: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:
+    """``[N/size, out]``: this rank's token block of ``sum over ranks of x_2d weight^T``."""
+    size = torch.distributed.get_world_size(group)
+    me, n = torch.distributed.get_rank(group), x_2d.shape[0] // size
+    partial = {q: x_2d[q * n : (q + 1) * n].mm(weight.t()) for q in range(size) if q != me}
+    inbox = _inbox(group, "row", next(iter(partial.values())))
+    _send_blocks(inbox, partial)
+    own = x_2d[me * n : (me + 1) * n].mm(weight.t())  # while the others' rows travel
+
+    def use(q: int, block: torch.Tensor) -> None:
+        own.add_(block)
+
+    _receive(inbox, own, use)
+    return own
