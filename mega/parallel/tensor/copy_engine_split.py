@@ -27,7 +27,12 @@ rendezvous of the group, which cannot happen inside a graph's capture: the warm-
 precedes every capture makes them. For two ranks the row forward's sum is the reduce-scatter's
 (one addition of the same two values); for more, the additions run in rank order.
 
-The backward keeps the NCCL paths (:mod:`.overlapped`, :mod:`.split_overlap`).
+- row backward (``dX = gather(dY) W``; the weight gradient on the gathered dY): as the column
+  forward, each block's dX rows as the block arrives, the block copied out of the inbox for the
+  weight gradient before its slot is given back.
+
+The column-parallel backward keeps its NCCL path (:mod:`.overlapped`: its reduce-scatter already
+runs beside the weight-gradient GEMM).
 """
 
 from __future__ import annotations
@@ -113,6 +118,15 @@ def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
     torch.cuda.current_stream().wait_stream(inbox.side)  # joined: the blocks sent are read
 
 
+def _gather_then(group: Any, direction: str, x_2d: torch.Tensor, use: Any) -> None:
+    """``use(q, block)`` for every rank's token block of the group, this rank's own first (while
+    the own block travels to the others), then the others' as they arrive, in rank order."""
+    inbox = _inbox(group, direction, x_2d)
+    _send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
+    use(inbox.handle.rank, x_2d)
+    _receive(inbox, x_2d, use)
+
+
 def column_forward(
     x_2d: torch.Tensor,
     weight: torch.Tensor,
@@ -122,18 +136,31 @@ def column_forward(
 ) -> torch.Tensor:
     """``[n*size, out/tp]``: every rank's token block ``x_2d`` (``[n, in]``) through this rank's
     columns; ``rows(x, weight, bias, out)`` writes one block's rows."""
-    inbox = _inbox(group, "column", x_2d)
-    me, size, n = inbox.handle.rank, inbox.handle.world_size, x_2d.shape[0]
-    x_2d = x_2d.contiguous()
-    _send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
-    out = x_2d.new_empty(n * size, weight.shape[0])
-    rows(x_2d, weight, bias, out[me * n : (me + 1) * n])  # while the block travels
+    x_2d, n = x_2d.contiguous(), x_2d.shape[0]
+    out = x_2d.new_empty(n * torch.distributed.get_world_size(group), weight.shape[0])
 
     def use(q: int, block: torch.Tensor) -> None:
         rows(block, weight, bias, out[q * n : (q + 1) * n])
 
-    _receive(inbox, x_2d, use)
+    _gather_then(group, "column", x_2d, use)
     return out
+
+
+def row_backward_gather(
+    grad_out: torch.Tensor, x_2d: torch.Tensor, weight: torch.Tensor, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-parallel backward's gather of dY by blocks: (dX ``[N, in/tp]``, the gathered dY
+    ``[N, out]`` for the weight gradient), each block's dX rows computed as it arrives."""
+    grad_out, n = grad_out.contiguous(), grad_out.shape[0]
+    gathered = grad_out.new_empty(x_2d.shape[0], grad_out.shape[1])
+    grad_x = x_2d.new_empty(x_2d.shape)
+
+    def use(q: int, block: torch.Tensor) -> None:
+        torch.mm(block, weight, out=grad_x[q * n : (q + 1) * n])
+        gathered[q * n : (q + 1) * n].copy_(block)  # out of the inbox before it is given back
+
+    _gather_then(group, "row-backward", grad_out, use)
+    return grad_x, gathered
 
 
 def row_forward(x_2d: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.Tensor:

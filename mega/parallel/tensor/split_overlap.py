@@ -157,6 +157,21 @@ def _row_backward_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX ``[N, in/tp]``, dW or the fused placeholder) from this rank's block of dY."""
     group = _resolve_process_group(name)
+    if _by_copy_engine(group, grad_out):
+        grad_x, gathered = copy_engine_split.row_backward_gather(grad_out, x_2d, weight, group)
+    else:
+        grad_x, gathered = _row_backward_gather(grad_out, x_2d, weight, group, size)
+    if fused:
+        grad_weight = fused_weight_grad(weight, accumulate_wgrad, (gathered, x_2d))
+    else:
+        grad_weight = gathered.t().mm(x_2d)
+    return grad_x, grad_weight
+
+
+def _row_backward_gather(
+    grad_out: torch.Tensor, x_2d: torch.Tensor, weight: torch.Tensor, group: object, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, the gathered dY) by NCCL: the own block's dX rows while dY travels."""
     rank, n = dist.get_rank(group), grad_out.shape[0]
     gathered = grad_out.new_empty(n * size, grad_out.shape[1])
     gathering = all_gather_into(gathered, grad_out, group, async_op=True)
@@ -165,11 +180,7 @@ def _row_backward_body(
     gathering.wait()
     for rows, block in _others(gathered, rank, n):
         torch.mm(block, weight, out=grad_x[rows])
-    if fused:
-        grad_weight = fused_weight_grad(weight, accumulate_wgrad, (gathered, x_2d))
-    else:
-        grad_weight = gathered.t().mm(x_2d)
-    return grad_x, grad_weight
+    return grad_x, gathered
 
 
 _row_backward = OpaqueWhenTraced("mega::row_split_backward", _row_backward_body)
