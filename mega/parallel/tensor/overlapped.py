@@ -92,21 +92,6 @@ def _(grad_out, x, weight, name, size, sequence_parallel, fused):  # noqa: ANN00
     return torch.empty_like(x), torch.empty_like(weight)
 
 
-def _forward(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    name: str,
-    size: int,
-    sequence_parallel: bool,
-    split: bool,
-) -> torch.Tensor:
-    if sequence_parallel and split:  # the gather hidden behind the own block's rows
-        return column_split_forward(x, weight, bias, name, size)
-    full = _gathered(x, size, name) if sequence_parallel else x
-    return F.linear(full, weight, bias)
-
-
 class _ColumnParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -123,7 +108,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.args = (name, size, sequence_parallel, fused)
         ctx.has_bias = bias is not None
-        return _forward(x, weight, bias, name, size, sequence_parallel, split)
+        return column_parallel_linear(x, weight, bias, name, size, sequence_parallel, split)
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
@@ -148,7 +133,12 @@ def column_parallel_linear(
     this rank's ``[b, s/tp, in]`` token block under sequence parallelism) over the group
     ``name`` of ``size`` ranks, its backward overlapped as the module docstring says;
     ``split``: forward's gather too, by token blocks (:mod:`.split_overlap`)."""
-    if not torch.is_grad_enabled():  # no backward to overlap: the forward alone
-        return _forward(x, weight, bias, name, size, sequence_parallel, split)
-    fused = fuses_wgrad(weight)
-    return _ColumnParallelLinear.apply(x, weight, bias, name, size, sequence_parallel, fused, split)
+    if torch.is_grad_enabled():
+        fused = fuses_wgrad(weight)
+        args = (x, weight, bias, name, size, sequence_parallel, fused, split)
+        return _ColumnParallelLinear.apply(*args)
+    # no backward to overlap (or inside the function's forward, where grad is off): the forward
+    if sequence_parallel and split:  # the gather hidden behind the own block's rows
+        return column_split_forward(x, weight, bias, name, size)
+    full = _gathered(x, size, name) if sequence_parallel else x
+    return F.linear(full, weight, bias)
