@@ -91,7 +91,15 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
         if inbox is not None:
             inbox.side.synchronize()
             _RETIRED.append(inbox)
-        inbox = _INBOXES[key] = _Inbox(group, nbytes, like.device)
+        # made on a stream of its own: the rendezvous allocates the peers' pointer tables from
+        # the caching allocator, which inductor's graph trees route into their pool on the
+        # current stream while they warm up ("tensors in the cudagraph pool not tracked as
+        # outputs"); the inboxes outlive every graph, so they stay out of it
+        making = torch.cuda.Stream(like.device)
+        making.wait_stream(torch.cuda.current_stream(like.device))
+        with torch.cuda.stream(making):
+            inbox = _INBOXES[key] = _Inbox(group, nbytes, like.device)
+        torch.cuda.current_stream(like.device).wait_stream(making)
     return inbox
 
 
