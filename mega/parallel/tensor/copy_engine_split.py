@@ -37,6 +37,7 @@ runs beside the weight-gradient GEMM).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -91,15 +92,23 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
         if inbox is not None:
             inbox.side.synchronize()
             _RETIRED.append(inbox)
-        # made on a stream of its own: the rendezvous allocates the peers' pointer tables from
-        # the caching allocator, which inductor's graph trees route into their pool on the
-        # current stream while they warm up ("tensors in the cudagraph pool not tracked as
-        # outputs"); the inboxes outlive every graph, so they stay out of it
-        making = torch.cuda.Stream(like.device)
-        making.wait_stream(torch.cuda.current_stream(like.device))
-        with torch.cuda.stream(making):
-            inbox = _INBOXES[key] = _Inbox(group, nbytes, like.device)
-        torch.cuda.current_stream(like.device).wait_stream(making)
+        # made on a thread of its own: the rendezvous allocates the peers' pointer tables from
+        # the caching allocator, which inductor's graph trees route into their pool for the
+        # thread that warms them up ("tensors in the cudagraph pool not tracked as outputs");
+        # the inboxes outlive every graph, so they stay out of it
+        made: list = []
+
+        def make() -> None:
+            torch.cuda.set_device(like.device)
+            made.append(_Inbox(group, nbytes, like.device))
+            torch.cuda.synchronize(like.device)
+
+        maker = threading.Thread(target=make)
+        maker.start()
+        maker.join()
+        if not made:
+            raise RuntimeError("MEGA_TP_SPLIT_OVERLAP=copy-engine: the inbox was not made")
+        inbox = _INBOXES[key] = made[0]
     return inbox
 
 
