@@ -99,15 +99,18 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
         made: list = []
 
         def make() -> None:
-            torch.cuda.set_device(like.device)
-            made.append(_Inbox(group, nbytes, like.device))
-            torch.cuda.synchronize(like.device)
+            try:
+                torch.cuda.set_device(like.device)
+                made.append(_Inbox(group, nbytes, like.device))
+                torch.cuda.synchronize(like.device)
+            except BaseException as error:  # raised again on the caller's thread
+                made.append(error)
 
-        maker = threading.Thread(target=make)
+        maker = threading.Thread(target=make, name="mega-tp-inbox")
         maker.start()
         maker.join()
-        if not made:
-            raise RuntimeError("MEGA_TP_SPLIT_OVERLAP=copy-engine: the inbox was not made")
+        if isinstance(made[0], BaseException):
+            raise made[0]
         inbox = _INBOXES[key] = made[0]
     return inbox
 
