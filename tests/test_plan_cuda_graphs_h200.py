@@ -21,6 +21,11 @@ from test_plan_tp_h200 import check_h200_plan
 FILES = (
     "layouts_1p3b_2gpu_h200_cudagraphs_mb4_2026-11-30.json",
     "layouts_1p3b_2gpu_h200_cudagraphs_mb8_2026-11-30.json",
+    # session 52: the NCCL split under graphs (and DP2 beside it), and the copy-engine split
+    # (its row alone; mega.core.plan.copy_engine: each block's transfer beyond the own block's
+    # GEMM beside it; counted as the NCCL split, whole, it was planned 17% slow)
+    "layouts_1p3b_2gpu_h200_split_graphs_2026-11-30.json",
+    "layouts_1p3b_2gpu_h200_copy_engine_graphs_only_2026-11-30.json",
 )
 
 
@@ -32,8 +37,9 @@ def _runs() -> list:
             base = run["layout"].startswith("tp1dp2") and not graphs
             if (graphs and run["layout"].startswith("tp1dp2")) or not (graphs or base):
                 continue  # DP2 with graphs is DP2's step; graph-free TP is the known miss
-            micro = name.split("_")[5]
-            params.append(pytest.param(run, id=f"{micro}-{run['layout'].split(':')[0]}"))
+            micro = name.removeprefix("layouts_1p3b_2gpu_h200_").rsplit("_", 1)[0]
+            env = "".join(f"-{value}" for value in run.get("env", {}).values())
+            params.append(pytest.param(run, id=f"{micro}-{run['layout'].split(':')[0]}{env}"))
     return params
 
 

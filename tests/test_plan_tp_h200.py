@@ -11,6 +11,8 @@ arise.
 from __future__ import annotations
 
 import json
+import os
+from unittest import mock
 
 import pytest
 from test_plan_tp_h100 import GIB, RESULTS, layout_argv
@@ -33,7 +35,9 @@ def check_h200_plan(run: dict) -> None:
     here) planned with the built-in H200 rates: tokens/s within 15%, peak memory within 10%."""
     argv = layout_argv(run["command"], run["world_size"], overlap_default=True)
     plugins = make_plugins()
-    plan = plan_run(resolve_config(argv, plugins, this_machine=False), plugins, BUILT_IN["h200"])
+    with mock.patch.dict(os.environ, run.get("env", {})):  # the row's switches (the TP split)
+        config = resolve_config(argv, plugins, this_machine=False)
+        plan = plan_run(config, plugins, BUILT_IN["h200"])
     peak = max(stage.profile.peak_bytes for stage in plan.stages) / GIB
     assert peak == pytest.approx(max(run["peak_memory_gib_by_rank"]), rel=0.10)
     assert plan.tokens_per_second == pytest.approx(run["tokens_per_s"], rel=0.15)

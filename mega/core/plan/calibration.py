@@ -52,11 +52,27 @@ class Rates:
     # one NCCL point-to-point send/recv's bytes per second (beside the collective latency): the
     # context-parallel ring's transfers; 0: not measured, the all-reduce bus rate stands in
     p2p_bytes: float = 0.0
+    # a block copied by the copy engine into a peer's symmetric memory with its ready and free
+    # signals (the CP ring's copy lane, the TP copy-engine split): bytes per second and the
+    # fixed cost per copy; 0: not measured, the point-to-point rate and latency stand in
+    copy_engine_bytes: float = 0.0
+    copy_engine_latency_seconds: float = 0.0
 
     def without_communication(self) -> Rates:
         """These rates with every collective free: what one rank alone over torch's fake
         process group runs (``benchmarks/fake_rank.py``), its compute and its host's launches."""
-        return dataclasses.replace(self, allreduce_bus_bytes=0.0, p2p_bytes=0.0)
+        return dataclasses.replace(
+            self, allreduce_bus_bytes=0.0, p2p_bytes=0.0, copy_engine_bytes=0.0
+        )
+
+    def copy_engine_seconds(self, nbytes: float) -> float:
+        """One copy-engine transfer of ``nbytes`` (see :attr:`copy_engine_bytes`); 0 when
+        communication is free (:meth:`without_communication`)."""
+        if not self.allreduce_bus_bytes:
+            return 0.0
+        if self.copy_engine_bytes:
+            return self.copy_engine_latency_seconds + nbytes / self.copy_engine_bytes
+        return self.collective_latency_seconds + nbytes / self.p2p_rate
 
     @property
     def p2p_rate(self) -> float:
@@ -131,13 +147,15 @@ def _measured(
     fp8: tuple[str, float],
     long: tuple[str, tuple[tuple[int, float, float], ...]] = ("", ()),
     p2p: tuple[str, float] = ("", 0.0),
+    copy_engine: tuple[float, float] = (0.0, 0.0),
 ) -> Rates:
     """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
     mega first planned FP8 runs. That file's other rates are not taken: the recorded checks were
     made with the first (they differ by up to 13% on the H200: run to run, or machine to
     machine). ``long``: the file of the attention's length factors and the factors, measured
     later still (a ratio of two rates of one run, so taken against the first file's rates).
-    ``p2p``: the file of the point-to-point rate and the rate, measured on several GPUs."""
+    ``p2p``: the file of the point-to-point rate and the rate, measured on several GPUs;
+    ``copy_engine``: the copy engine's rate and fixed cost, measured in the same file."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -154,6 +172,8 @@ def _measured(
         collective_latency_seconds=_NVLINK4_COLLECTIVE_LATENCY,
         attention_length_factors=long[1],
         p2p_bytes=p2p[1],
+        copy_engine_bytes=copy_engine[0],
+        copy_engine_latency_seconds=copy_engine[1],
     )
 
 
@@ -180,6 +200,11 @@ BUILT_IN: dict[str, Rates] = {
         # 168.4 GB/s, and with the collective latency (84 us) the model gives both sizes within
         # 3% (0.283 and 0.482 ms). The all-reduce bus rate planned them at 0.093 and 0.186 ms.
         ("collectives_ring_4gpu_h200_2026-11-28.json", 168.4e9),
+        # the same ring, each block copied by the copy engine into the next GPU's symmetric
+        # memory with its signals (the CP ring's copy lane): 32 MiB in 0.1655 ms, 64 MiB in
+        # 0.2613 ms; the 32 MiB more took 0.0958 ms (350.3 GB/s), the rest of a copy is fixed:
+        # 0.1655 - 0.0958 = 0.0697 ms
+        copy_engine=(350.3e9, 69.7e-6),
     ),
 }  # fmt: skip
 
@@ -362,6 +387,8 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         collective_latency_seconds=known.collective_latency_seconds if known else 0.0,
         attention_length_factors=length_factors,
         p2p_bytes=known.p2p_bytes if known else 0.0,  # as the latency: the built-in one's
+        copy_engine_bytes=known.copy_engine_bytes if known else 0.0,
+        copy_engine_latency_seconds=known.copy_engine_latency_seconds if known else 0.0,
     )
 
 

@@ -4,7 +4,8 @@ Each pipeline stage is one rank position (``profile_rank``: the ranks of one sta
 which data and which shard they hold). Its time per micro-batch is the larger of what the GPU
 takes (matmul FLOPs, attention FLOPs at the rates of the run's sequence length, bytes moved by
 the other ops, each at its calibrated rate, plus the tensor/context/expert-parallel collectives,
-which sit between the ops that need them) and what the host takes to launch its ops. Across
+which sit between the ops that need them, and the part of the copy-engine split's transfers that
+outlasts the GEMM beside them) and what the host takes to launch its ops. Across
 stages the schedule's table runs in the pipeline simulator with the slowest stage's chunk costs,
 which gives the pipeline's time with its bubble. Then, once per global batch: the data-parallel
 gradient reduction (of which the part longer than the last micro-batch's backward is exposed
@@ -114,6 +115,16 @@ def ring_seconds(work: Work, rates: Rates) -> float:
     return sent / rates.p2p_rate + launches * rates.collective_latency_seconds
 
 
+def beside_seconds(work: Work, rates: Rates) -> float:
+    """What ``work``'s transfers beside GEMMs (``Work.beside``) add to its GPU time: each pass's
+    copy-engine transfer beyond the GEMM that ran beside it (:meth:`Rates.copy_engine_seconds`)."""
+    total = 0.0
+    for (sent, flops), passes in work.beside.items():
+        shown = rates.copy_engine_seconds(sent) - flops / rates.matmul_flops
+        total += passes * max(0.0, shown)
+    return total
+
+
 def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
     """A stretch of ops: GPU time (compute, memory, in-layer collectives) or host launch time,
     whichever is longer."""
@@ -123,6 +134,7 @@ def work_seconds(work: Work, rates: Rates, attention_rate: float) -> float:
         + max(work.attention_flops / attention_rate, ring_seconds(work, rates))
         + work.memory_bytes / rates.memory_bytes
         + collective_seconds(work, rates, _LAYER_DIMS)
+        + beside_seconds(work, rates)
     )
     return max(gpu, work.ops * rates.host_op_seconds)
 

@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from mega.core.config.sections import RunConfig
 from mega.core.plan.compiled import stand_in_compiled
+from mega.core.plan.copy_engine import planned_copy_engine
 from mega.core.plan.tracking import (
     StepTracker,
     Work,
@@ -123,7 +124,8 @@ def planning_patches() -> Iterator[None]:
     """Attention that keeps what a fused kernel keeps (SDPA and context parallelism's blocks);
     the ring's merge as the GPU's one pass; point-to-point transfers that send nothing (the
     ring's counted); opaque custom ops' bodies counted as unfused (``StepTracker.opaque``); the
-    MoE auxiliary losses' scale of the planner's own."""
+    MoE auxiliary losses' scale of the planner's own; the TP copy-engine split's transfers
+    beside their GEMMs (:mod:`mega.core.plan.copy_engine`)."""
     sdpa, exchange, merge = F.scaled_dot_product_attention, comm.exchange, ring.merge_into
     opaque_call = OpaqueWhenTraced.__call__
     blocks = [(module, module.block_forward, module.block_backward) for module in (ring, gather)]
@@ -173,7 +175,7 @@ def planning_patches() -> Iterator[None]:
     for module, _, _ in blocks:
         module.block_forward, module.block_backward = block_forward, block_backward
     try:
-        with private_scale():
+        with private_scale(), planned_copy_engine():
             yield
     finally:
         F.scaled_dot_product_attention, comm.exchange = sdpa, exchange

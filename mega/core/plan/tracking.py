@@ -80,6 +80,10 @@ class Work:
     # an op as it is, so a compiled unit keeps these beside its fused graph's bytes and kernels
     unfused_bytes: float = 0.0
     unfused_ops: float = 0
+    # transfers beside a GEMM that does not wait for them (the copy-engine split's blocks,
+    # mega.parallel.tensor.copy_engine_split): (bytes one pass sends, FLOPs of the GEMM beside
+    # it) -> passes; a pass shows the part of its transfer longer than that GEMM
+    beside: dict[tuple[float, float], float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, other: Work, factor: float = 1.0) -> None:
         """Add ``factor`` times ``other``."""
@@ -94,6 +98,8 @@ class Work:
             self.collectives[key] += factor * value
         for key, value in other.launches.items():
             self.launches[key] += factor * value
+        for key, value in other.beside.items():
+            self.beside[key] += factor * value
 
     def collective(self, key: tuple[str, str, int], payload: float) -> None:
         """One collective launch moving ``payload`` bytes of full-size tensors."""

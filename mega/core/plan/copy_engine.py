@@ -1,0 +1,90 @@
+"""The copy-engine split (``MEGA_TP_SPLIT_OVERLAP=copy-engine``,
+:mod:`mega.parallel.tensor.copy_engine_split`) as the planner counts it.
+
+On the meta device no inbox, stream or signal exists, and the split's bodies would take the NCCL
+split (its collectives counted whole, as if nothing ran beside them). While planning, the split
+runs its copy-engine bodies with the transport replaced: each pass records the bytes it sends
+and the FLOPs of the GEMM that runs beside them, the own token block's rows (``Work.beside``);
+the time model shows only the transfer's part longer than that GEMM. The blocks that arrive are
+meta tensors of the block's shape. The plan takes the copy engine as asked: a run whose tensor-
+parallel ranks span hosts (or a CPU run) takes the NCCL split instead, which this does not see.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from mega.core.plan.tracking import StepTracker, Work, nbytes
+from mega.parallel.tensor import copy_engine_split, split_overlap
+
+
+class _PlannedInbox:
+    """A group's inbox while planning: its ranks, what the pass sent and when."""
+
+    def __init__(self, group: Any) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.handle = SimpleNamespace(rank=rank, world_size=size)
+        self.peers = [(rank + k) % size for k in range(1, size)]
+        self.sent, self.flops_at_send = 0, 0.0
+
+
+def _work() -> Work:
+    """The planner's current count; a throwaway one where no step is being counted (a unit
+    traced on meta to measure its compiled memory)."""
+    mode = _get_current_dispatch_mode()
+    return mode.work if isinstance(mode, StepTracker) else Work()
+
+
+def _inbox(group: Any, direction: str, like: torch.Tensor) -> _PlannedInbox:
+    return _PlannedInbox(group)
+
+
+def _send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor]) -> None:
+    inbox.sent = sum(nbytes(block) for block in blocks.values())
+    inbox.flops_at_send = _work().matmul_flops
+
+
+def _receive(inbox: _PlannedInbox, like: torch.Tensor, use: Any) -> None:
+    work = _work()
+    work.beside[inbox.sent, work.matmul_flops - inbox.flops_at_send] += 1
+    for q in sorted(inbox.peers):
+        use(q, torch.empty_like(like))
+
+
+def _by_copy_engine(group: Any, like: torch.Tensor) -> bool:
+    return os.environ.get(split_overlap.SPLIT_ENV) == split_overlap.COPY_ENGINE
+
+
+@contextlib.contextmanager
+def planned_copy_engine() -> Iterator[None]:
+    """Inside, the copy-engine split counts as the module docstring says."""
+    saved = [(module, name, getattr(module, name)) for module, name in _PATCHED]
+    for module, name in _PATCHED:
+        setattr(module, name, _STAND_INS[name])
+    try:
+        yield
+    finally:
+        for module, name, original in saved:
+            setattr(module, name, original)
+
+
+_STAND_INS = {
+    "_inbox": _inbox,
+    "_send_blocks": _send_blocks,
+    "_receive": _receive,
+    "_by_copy_engine": _by_copy_engine,
+}
+_PATCHED = [
+    (copy_engine_split, "_inbox"),
+    (copy_engine_split, "_send_blocks"),
+    (copy_engine_split, "_receive"),
+    (split_overlap, "_by_copy_engine"),
+]
