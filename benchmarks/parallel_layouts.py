@@ -274,7 +274,11 @@ def main() -> None:
         rows.append(run_layout(name, args, out))
         path = write_result(rows, args, out)  # after each layout: a cut-off run keeps the rest
     for row in rows:
-        print(json.dumps({k: v for k, v in row.items() if k not in ("lm_loss", "grad_norm", "command")}))
+        print(
+            json.dumps(
+                {k: v for k, v in row.items() if k not in ("lm_loss", "grad_norm", "command")}
+            )
+        )
     print(f"wrote {path}")
 
 
