@@ -229,7 +229,7 @@ def test_padding_changes_no_real_position():
     """A batch without padding loses its mask on the host (the plugin's prepare_microbatch) and
     runs unmasked (flash/cuDNN kernels on a GPU); one more position of padding, masked, leaves
     every real position's loss and the binary logits unchanged."""
-    from mega.plugins.models.bert import without_full_mask
+    from mega.plugins.models.common.batches import without_full_mask
 
     model = _mega_bert(True)
     batch = {key: value[:, : SEQ - 1] for key, value in _bert_batch().items()}
