@@ -46,6 +46,8 @@ FLEX_COPY_ENGINE = f"{FLEX}@MEGA_FLEX_TRANSPORT=copy-engine"
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 GRAPHS = "--cuda-graph-impl=local"  # the compiled layers replayed as CUDA graphs
+# and SP's split collectives carried by the copy engine (TP2 + SP 0.86x DP2 on 2 H200, 2026-11-30)
+COPY_SPLIT = f"{GRAPHS}@MEGA_TP_SPLIT_OVERLAP=copy-engine"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
 BIG = "--num-layers 32 --hidden-size 4096 --num-attention-heads 32"  # issue 46's 6.7B GPT
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -74,9 +76,10 @@ def _torchrun(gpus: int, port: int, script: str, *args: str) -> list:
 LAYOUTS = {
     2: {
         # with and without CUDA graphs (host-bound at micro-batch 4: 0.51x -> 0.77x on 2 H200,
-        # 2026-11-30); at micro-batch 8 the graph rows check the loss divergence seen there
-        "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp", f"tp2dp1:{GRAPHS}", f"tp2dp1-sp:{GRAPHS}"],
-               ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8", f"tp2dp1-sp-mb8:{GRAPHS}"]],
+        # 2026-11-30), and with the copy-engine split (0.86x); at micro-batch 8 one graph row
+        "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp", f"tp2dp1:{GRAPHS}", f"tp2dp1-sp:{GRAPHS}",
+                f"tp2dp1-sp:{COPY_SPLIT}"],
+               ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8", f"tp2dp1-sp-mb8:{COPY_SPLIT}"]],
         "ep": [
             ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
              f"ep2dp2:{PADDED}"]
@@ -91,7 +94,8 @@ LAYOUTS = {
     },
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8",
-                f"tp2dp2-sp-mb8:{GRAPHS}", f"tp4-sp-mb16:{GRAPHS}"]],
+                f"tp2dp2-sp-mb8:{GRAPHS}", f"tp4-sp-mb16:{GRAPHS}", f"tp2dp2-sp-mb8:{COPY_SPLIT}",
+                f"tp4-sp-mb16:{COPY_SPLIT}"]],
         "ep": [
             ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
              f"ep4dp4:{PADDED}"]
