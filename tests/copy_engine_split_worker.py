@@ -1,5 +1,5 @@
 """One rank of tests/test_gpu_copy_engine_split.py (run under torchrun, one GPU per rank, NCCL):
-the copy-engine split's three passes (column forward, row forward, row backward's gather;
+the copy-engine split's passes (column forward and backward, row forward, row backward's gather;
 mega.parallel.tensor.copy_engine_split) against the NCCL split's bodies on the same inputs,
 eager over three calls, then captured once in a CUDA graph and replayed with three new inputs
 (the signals must end each pass where they began). Prints one line per rank when they agree."""
@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.tensor import copy_engine_split, split_overlap
+from mega.parallel.tensor import copy_engine_split, overlapped, split_overlap
 
 ROWS, IN, OUT = 256, 128, 96  # a rank's token block, features, outputs
 
@@ -22,37 +22,43 @@ def _inputs(step: int, rank: int, size: int, device: torch.device) -> tuple:
     column = torch.randn(ROWS, IN, generator=gen)
     row = torch.randn(ROWS * size, IN, generator=gen)
     grad = torch.randn(ROWS, OUT, generator=gen)
-    return tuple(t.to(device, torch.bfloat16) for t in (column, row, grad))
+    column_grad = torch.randn(ROWS * size, OUT, generator=gen)  # dY of the column layer
+    return tuple(t.to(device, torch.bfloat16) for t in (column, row, grad, column_grad))
+
+
+def _wgrad(grad_2d: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    return grad_2d.t().mm(inputs)
 
 
 def _copy_engine(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group) -> list:  # noqa: ANN001
-    column, row, grad = inputs
+    column, row, grad, column_grad = inputs
     out = copy_engine_split.column_forward(column, w, b, group, split_overlap._rows)
     reduced = copy_engine_split.row_forward(row, w, group)
     grad_x, gathered = copy_engine_split.row_backward_gather(grad, row, w, group)
-    return [out, reduced, grad_x, gathered]
+    column_dx, column_dw = copy_engine_split.column_backward(column_grad, column, w, group, _wgrad)
+    return [out, reduced, grad_x, gathered, column_dx, column_dw]
 
 
 def _nccl(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group, size: int) -> list:  # noqa: ANN001
-    column, row, grad = inputs
+    column, row, grad, column_grad = inputs
     name = group.group_name
     os.environ[split_overlap.SPLIT_ENV] = "1"  # the bodies' NCCL branch
     try:
         out = split_overlap._column_forward_body(column, w, b, name, size)
         reduced = split_overlap._row_forward_body(row, w, name, size)
-        grad_x, gathered = split_overlap._row_backward_gather(
-            grad, row, w.t().contiguous(), group, size
+        column_dx, column_dw = overlapped._column_parallel_backward_body(
+            column_grad, column, w, name, size, True, False
         )
+        grad_x, gathered = split_overlap._row_backward_gather(grad, row, w, group, size)
     finally:
         os.environ[split_overlap.SPLIT_ENV] = "copy-engine"
-    return [out, reduced, grad_x, gathered]
+    return [out, reduced, grad_x, gathered, column_dx, column_dw]
 
 
 def _agree(got: list, want: list, what: str) -> None:
     # the same products of the same bf16 operands; the GEMMs may tile the blocks differently
-    for name, g, w in zip(
-        ("column", "row", "row-backward dX", "gathered dY"), got, want, strict=True
-    ):
+    names = ("column", "row", "row-backward dX", "gathered dY", "column-backward dX", "dW")
+    for name, g, w in zip(names, got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2, msg=f"{what}: {name}")
 
 

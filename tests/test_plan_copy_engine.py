@@ -44,9 +44,19 @@ def test_only_the_transfer_beyond_its_gemm_shows():
 def test_the_split_passes_are_counted_beside_their_gemms(monkeypatch):
     nccl, copy = _plan(monkeypatch, "1"), _plan(monkeypatch, "copy-engine")
     forward, backward = copy.stages[0].profile.forward, copy.stages[0].profile.backward
-    # per layer: two column- and two row-parallel forward passes, two row-parallel backward ones
+    # per layer: two column- and two row-parallel forward passes; in backward each row-parallel
+    # layer's gather of dY and each column-parallel layer's gather of X and reduce of dX
     assert sum(forward.beside.values()) == 4 * LAYERS
-    assert sum(backward.beside.values()) == 2 * LAYERS
+    assert sum(backward.beside.values()) == (2 + 2 * 2) * LAYERS
+    # per layer, NCCL's six [b, s, h] collectives in backward leave the count (the embedding's
+    # and the output head's stay)
+    full = 2 * 256 * 256 * 2  # micro-batch x sequence x hidden, bf16
+
+    def tp_bytes(work: Work) -> float:
+        return sum(v for (dim, *_), v in work.collectives.items() if dim == "tp")
+
+    nccl_backward = tp_bytes(nccl.stages[0].profile.backward)
+    assert nccl_backward - tp_bytes(backward) == 6 * LAYERS * full
     assert not nccl.stages[0].profile.forward.beside
     # the split's gathers and reduce-scatters leave NCCL's count: the forward's tp collectives
     # are the embedding's and the loss's alone

@@ -23,7 +23,10 @@ FILES = (
     "layouts_1p3b_2gpu_h200_cudagraphs_mb8_2026-11-30.json",
     # session 52: the NCCL split under graphs (and DP2 beside it), and the copy-engine split
     # (its row alone; mega.core.plan.copy_engine: each block's transfer beyond the own block's
-    # GEMM beside it; counted as the NCCL split, whole, it was planned 17% slow)
+    # GEMM beside it; counted as the NCCL split, whole, it was planned 17% slow). That row ran
+    # before the column-parallel backward went by the copy engine too: the plan of the code
+    # that ran was 0.93x of it, of today's code 1.05x (its column backward's NCCL collectives,
+    # counted whole before, now beside the GEMMs); the next 2-GPU session measures today's
     "layouts_1p3b_2gpu_h200_split_graphs_2026-11-30.json",
     "layouts_1p3b_2gpu_h200_copy_engine_graphs_only_2026-11-30.json",
 )

@@ -5,6 +5,8 @@ eager and compiled."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,14 +47,55 @@ def _layers(kind: str, rank: int, world: int, split: bool, fused: bool) -> torch
     return layer
 
 
-def _run_rank(rank: int, world: int, kind: str, fused: bool, compiled: bool) -> dict:
+class _EmulatedInbox:
+    """mega.parallel.tensor.copy_engine_split's inbox on CPU ranks: what a pass sends is held
+    until its receive, then exchanged by gloo's all-to-all (the copy engine's algebra, not its
+    transport: ordering and signals are tests/test_gpu_copy_engine_split.py's)."""
+
+    def __init__(self, group) -> None:  # noqa: ANN001
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.group, self.handle = group, SimpleNamespace(rank=rank, world_size=size)
+        self.peers = [(rank + k) % size for k in range(1, size)]
+        self.blocks: dict = {}
+
+
+def _send_blocks(inbox: _EmulatedInbox, blocks: dict) -> None:
+    inbox.blocks = {q: block.clone() for q, block in blocks.items()}
+
+
+def _receive(inbox: _EmulatedInbox, like: torch.Tensor, use) -> None:  # noqa: ANN001
+    size = inbox.handle.world_size
+    sent = torch.cat([inbox.blocks.get(q, torch.zeros_like(like)) for q in range(size)])
+    arrived = torch.empty_like(sent)
+    dist.all_to_all_single(arrived, sent, group=inbox.group)
+    for q in sorted(inbox.peers):
+        use(q, arrived[q * like.shape[0] : (q + 1) * like.shape[0]].view_as(like))
+
+
+def _emulate_copy_engine(monkeypatch: pytest.MonkeyPatch, on: list) -> None:
+    """The copy-engine bodies on CPU ranks while ``on[0]`` (the split layers' turn)."""
+    from mega.parallel.tensor import copy_engine_split, split_overlap
+
+    monkeypatch.setattr(copy_engine_split, "_inbox", lambda group, *_: _EmulatedInbox(group))
+    monkeypatch.setattr(copy_engine_split, "_send_blocks", _send_blocks)
+    monkeypatch.setattr(copy_engine_split, "_receive", _receive)
+    monkeypatch.setattr(split_overlap, "by_copy_engine", lambda *_: on[0])
+
+
+def _run_rank(
+    rank: int, world: int, kind: str, fused: bool, compiled: bool, copy_engine: bool = False
+) -> dict:
     _join()
+    on = [False]
+    if copy_engine:
+        _emulate_copy_engine(pytest.MonkeyPatch(), on)
     torch.manual_seed(1 + rank)
     # column: this rank's token block of the input; row: every token, this rank's input columns
     shape = (BATCH, TOKENS // world, IN) if kind == "column" else (BATCH, TOKENS, IN // world)
     x = torch.randn(shape)
     out = {}
     for split in (True, False):
+        on[0] = split
         layer = _layers(kind, rank, world, split, fused)
         xi = x.clone().requires_grad_(True)
         run = torch.compile(layer) if compiled and split else layer
@@ -77,6 +120,19 @@ def test_split_layers_equal_the_unsplit_ones(kind: str, world: int, fused: bool,
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize(("world", "fused"), [(2, False), (3, True)])
+def test_copy_engine_bodies_equal_the_unsplit_layers(kind: str, world: int, fused: bool):
+    """``copy-engine``'s column forward and backward, row forward and row backward's gather
+    (their transport emulated by gloo) give the unsplit layers' outputs and gradients."""
+    for result in run_ranks(_run_rank, world, kind, fused, False, True):
+        for got, want in zip(result[True], result[False], strict=True):
+            if want is None:
+                assert got is None
+                continue
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_split_is_opt_in(monkeypatch):
     from mega.parallel.tensor.split_overlap import SPLIT_ENV, split_chosen
 
@@ -90,10 +146,10 @@ def test_split_is_opt_in(monkeypatch):
 
 def test_copy_engine_falls_back_to_the_nccl_split_off_gpus(monkeypatch):
     """``copy-engine`` needs CUDA GPUs of one host; CPU tensors take the collectives' split."""
-    from mega.parallel.tensor.split_overlap import SPLIT_ENV, _by_copy_engine
+    from mega.parallel.tensor.split_overlap import SPLIT_ENV, by_copy_engine
 
     monkeypatch.setenv(SPLIT_ENV, "copy-engine")
-    assert not _by_copy_engine(None, torch.zeros(1))
+    assert not by_copy_engine(None, torch.zeros(1))
 
 
 def test_a_bad_value_is_one_error_line(monkeypatch):

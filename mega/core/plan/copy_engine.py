@@ -59,7 +59,7 @@ def _receive(inbox: _PlannedInbox, like: torch.Tensor, use: Any) -> None:
         use(q, torch.empty_like(like))
 
 
-def _by_copy_engine(group: Any, like: torch.Tensor) -> bool:
+def by_copy_engine(group: Any, like: torch.Tensor) -> bool:
     return os.environ.get(split_overlap.SPLIT_ENV) == split_overlap.COPY_ENGINE
 
 
@@ -80,11 +80,11 @@ _STAND_INS = {
     "_inbox": _inbox,
     "_send_blocks": _send_blocks,
     "_receive": _receive,
-    "_by_copy_engine": _by_copy_engine,
+    "by_copy_engine": by_copy_engine,
 }
 _PATCHED = [
     (copy_engine_split, "_inbox"),
     (copy_engine_split, "_send_blocks"),
     (copy_engine_split, "_receive"),
-    (split_overlap, "_by_copy_engine"),
+    (split_overlap, "by_copy_engine"),
 ]

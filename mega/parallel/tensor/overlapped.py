@@ -27,6 +27,8 @@ deferred under the zero-bubble schedules as before.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -35,6 +37,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.parallel.comm import all_gather_into, reduce_scatter_into
 from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
+from mega.parallel.tensor import copy_engine_split, split_overlap
 from mega.parallel.tensor.split_overlap import column_split_forward
 from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
 
@@ -44,6 +47,15 @@ def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     tokens from rank ``r``: ``mega.parallel.tensor.mappings``' layout)."""
     flat = wait(start_all_gather(x.reshape(-1, x.shape[-1]), size, name))
     return flat.view(x.shape[0], -1, x.shape[-1])
+
+
+def _weight_grad(weight: torch.Tensor, fused: bool) -> Any:
+    """``(dY, X) -> dW``: into ``main_grad`` (the fused placeholder returned) or plain."""
+    if fused:
+        return lambda grad_2d, inputs: fused_weight_grad(
+            weight, accumulate_wgrad, (grad_2d, inputs)
+        )
+    return lambda grad_2d, inputs: grad_2d.t().mm(inputs)
 
 
 def _column_parallel_backward_body(
@@ -59,12 +71,16 @@ def _column_parallel_backward_body(
     docstring says. Declared pure for the reason ``mega::weight_grad`` is."""
     group = _resolve_process_group(name)
     x_2d = x.reshape(-1, x.shape[-1]).contiguous()
+    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
+    if sequence_parallel and split_overlap.by_copy_engine(group, x_2d):
+        wgrad = _weight_grad(weight, fused)
+        grad_x, grad_weight = copy_engine_split.column_backward(grad_2d, x_2d, weight, group, wgrad)
+        return grad_x.view(x.shape), grad_weight
     gathering = None
     inputs = x_2d
     if sequence_parallel:  # X travels while dX is computed
         inputs = x_2d.new_empty(x_2d.shape[0] * size, x_2d.shape[1])
         gathering = all_gather_into(inputs, x_2d, group, async_op=True)
-    grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
     grad_in = grad_2d.mm(weight)  # [tokens, in], this rank's share
     if sequence_parallel:
         grad_x = grad_in.new_empty(x_2d.shape)
@@ -74,10 +90,7 @@ def _column_parallel_backward_body(
         reducing = dist.all_reduce(grad_x, group=group, async_op=True)
     if gathering is not None:
         gathering.wait()
-    if fused:  # while dX travels
-        grad_weight = fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs))
-    else:
-        grad_weight = grad_2d.t().mm(inputs)
+    grad_weight = _weight_grad(weight, fused)(grad_2d, inputs)  # while dX travels
     reducing.wait()
     return grad_x.view(x.shape), grad_weight
 

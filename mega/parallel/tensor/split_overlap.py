@@ -58,7 +58,7 @@ def split_problem() -> str | None:
     return f"{SPLIT_ENV}={value!r}: must be one of {', '.join(SPLIT_VALUES)}"
 
 
-def _by_copy_engine(group: object, like: torch.Tensor) -> bool:
+def by_copy_engine(group: object, like: torch.Tensor) -> bool:
     """``copy-engine`` asked for and possible (CUDA GPUs of one host, NCCL); elsewhere (CPU ranks,
     several hosts) the NCCL split runs."""
     return os.environ.get(SPLIT_ENV) == COPY_ENGINE and peer_copies_possible(group, like)
@@ -85,7 +85,7 @@ def _column_forward_body(
 ) -> torch.Tensor:
     """``[n*size, out/tp]``: every rank's token block through this rank's columns."""
     group = _resolve_process_group(name)
-    if _by_copy_engine(group, x_2d):
+    if by_copy_engine(group, x_2d):
         return copy_engine_split.column_forward(x_2d, weight, bias, group, _rows)
     rank, n = dist.get_rank(group), x_2d.shape[0]
     gathered = x_2d.new_empty(n * size, x_2d.shape[1])
@@ -121,7 +121,7 @@ def _row_forward_body(
 ) -> torch.Tensor:
     """``[N/size, out]``: this rank's token block of ``sum over ranks of x_2d weight^T``."""
     group = _resolve_process_group(name)
-    if _by_copy_engine(group, x_2d):
+    if by_copy_engine(group, x_2d):
         return copy_engine_split.row_forward(x_2d, weight, group)
     rank, n = dist.get_rank(group), x_2d.shape[0] // size
     send = x_2d.new_empty((size - 1) * n, weight.shape[0])
@@ -157,7 +157,7 @@ def _row_backward_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dX ``[N, in/tp]``, dW or the fused placeholder) from this rank's block of dY."""
     group = _resolve_process_group(name)
-    if _by_copy_engine(group, grad_out):
+    if by_copy_engine(group, grad_out):
         grad_x, gathered = copy_engine_split.row_backward_gather(grad_out, x_2d, weight, group)
     else:
         grad_x, gathered = _row_backward_gather(grad_out, x_2d, weight, group, size)
