@@ -55,11 +55,18 @@ def _nccl(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group, size: int) -> 
     return [out, reduced, grad_x, gathered, column_dx, column_dw]
 
 
-def _agree(got: list, want: list, what: str) -> None:
-    # the same products of the same bf16 operands; the GEMMs may tile the blocks differently
+SUMMED = ("row", "column-backward dX")  # sums over the ranks: other orders than NCCL's beyond 2
+
+
+def _agree(got: list, want: list, what: str, size: int) -> None:
+    # the same products of the same bf16 operands (the GEMMs may tile the blocks differently:
+    # 1e-2); beyond two ranks the sums add in another order than NCCL's, each addition rounded
+    # to bf16 (8 bits): up to size - 1 half-ulps of sums of magnitude ~8 (0.03 seen in a CPU
+    # simulation of these shapes at 4 ranks)
     names = ("column", "row", "row-backward dX", "gathered dY", "column-backward dX", "dW")
     for name, g, w in zip(names, got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2, msg=f"{what}: {name}")
+        bound = 5e-2 if name in SUMMED and size > 2 else 1e-2
+        torch.testing.assert_close(g, w, rtol=bound, atol=bound, msg=f"{what}: {name}")
 
 
 def main() -> None:
@@ -73,7 +80,8 @@ def main() -> None:
     b = torch.randn(OUT, device=device, dtype=torch.bfloat16)
     for step in range(3):
         inputs = _inputs(step, rank, size, device)
-        _agree(_copy_engine(inputs, w, b, group), _nccl(inputs, w, b, group, size), f"eager {step}")
+        want = _nccl(inputs, w, b, group, size)
+        _agree(_copy_engine(inputs, w, b, group), want, f"eager {step}", size)
     static = [t.clone() for t in _inputs(0, rank, size, device)]
     torch.cuda.synchronize()
     dist.barrier()
@@ -85,7 +93,7 @@ def main() -> None:
         for s, t in zip(static, inputs, strict=True):
             s.copy_(t)
         graph.replay()
-        _agree(captured, _nccl(inputs, w, b, group, size), f"replay {step}")
+        _agree(captured, _nccl(inputs, w, b, group, size), f"replay {step}", size)
     torch.cuda.synchronize()
     print(f"rank {rank}: copy-engine and nccl splits agree", flush=True)
     dist.barrier()

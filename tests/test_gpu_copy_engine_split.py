@@ -6,6 +6,7 @@ tests/test_gpu_compiled_parallel.py's ``tp2-sp-split-copy``. Skipped without 2 C
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,17 @@ def test_copy_engine_split_matches_the_nccl_split(gpus: int) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus)]
     command += ["--master-port", str(29870 + gpus), str(WORKER)]
     env = {**os.environ, "MEGA_TP_SPLIT_OVERLAP": "copy-engine"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.stdout.count("splits agree") == gpus, result.stdout[-2000:]
+    # its own process group: a hang (a signal never put) is killed whole, workers included,
+    # which would otherwise spin on the GPUs until the signals' 600 s timeout
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        stdout, stderr = run.communicate()
+        pytest.fail(f"hung: {stdout[-2000:]}{stderr[-2000:]}")
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert stdout.count("splits agree") == gpus, stdout[-2000:]

@@ -35,10 +35,16 @@ def test_only_the_transfer_beyond_its_gemm_shows():
     transfer = rates.copy_engine_seconds(sent)
     short_gemm, long_gemm = 0.25 * transfer * rates.matmul_flops, 2 * transfer * rates.matmul_flops
     work = Work()
-    work.beside[sent, short_gemm] += 3
-    work.beside[sent, long_gemm] += 5
+    work.beside[sent, 1, short_gemm] += 3
+    work.beside[sent, 1, long_gemm] += 5
     assert beside_seconds(work, rates) == pytest.approx(3 * 0.75 * transfer)
     assert beside_seconds(work, rates.without_communication()) == 0.0
+    # three peers: three copies' fixed costs, one after another
+    three = Work()
+    three.beside[sent, 3, 0.0] += 1
+    assert beside_seconds(three, rates) == pytest.approx(
+        transfer + 2 * rates.copy_engine_latency_seconds
+    )
 
 
 def test_the_split_passes_are_counted_beside_their_gemms(monkeypatch):

@@ -65,14 +65,14 @@ class Rates:
             self, allreduce_bus_bytes=0.0, p2p_bytes=0.0, copy_engine_bytes=0.0
         )
 
-    def copy_engine_seconds(self, nbytes: float) -> float:
-        """One copy-engine transfer of ``nbytes`` (see :attr:`copy_engine_bytes`); 0 when
-        communication is free (:meth:`without_communication`)."""
+    def copy_engine_seconds(self, nbytes: float, copies: float = 1) -> float:
+        """``copies`` copy-engine transfers of ``nbytes`` in all, one after another (see
+        :attr:`copy_engine_bytes`); 0 when communication is free (:meth:`without_communication`)."""
         if not self.allreduce_bus_bytes:
             return 0.0
         if self.copy_engine_bytes:
-            return self.copy_engine_latency_seconds + nbytes / self.copy_engine_bytes
-        return self.collective_latency_seconds + nbytes / self.p2p_rate
+            return copies * self.copy_engine_latency_seconds + nbytes / self.copy_engine_bytes
+        return copies * self.collective_latency_seconds + nbytes / self.p2p_rate
 
     @property
     def p2p_rate(self) -> float:

@@ -3,10 +3,12 @@
 
 On the meta device no inbox, stream or signal exists, and the split's bodies would take the NCCL
 split (its collectives counted whole, as if nothing ran beside them). While planning, the split
-runs its copy-engine bodies with the transport replaced: each pass records the bytes it sends
-and the FLOPs of the GEMM that runs beside them, the own token block's rows (``Work.beside``);
-the time model shows only the transfer's part longer than that GEMM. The blocks that arrive are
-meta tensors of the block's shape. The plan takes the copy engine as asked: a run whose tensor-
+runs its copy-engine bodies with the transport replaced: each pass records the bytes it sends,
+its copies (one per peer, each with the copy's fixed cost) and the FLOPs of the GEMMs that run
+beside them (``Work.beside``); the time model shows only the transfer's part longer than those
+GEMMs. The blocks that arrive are meta tensors of the block's shape. Not counted: the inboxes'
+memory (five per group, a slot per rank: ~160 MiB a GPU for the 1.3B GPT at TP2, micro-batch 4)
+and the signal kernels' launches. The plan takes the copy engine as asked: a run whose tensor-
 parallel ranks span hosts (or a CPU run) takes the NCCL split instead, which this does not see.
 """
 
@@ -33,7 +35,7 @@ class _PlannedInbox:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         self.handle = SimpleNamespace(rank=rank, world_size=size)
         self.peers = [(rank + k) % size for k in range(1, size)]
-        self.sent, self.flops_at_send = 0, 0.0
+        self.sent, self.copies, self.flops_at_send = 0, 0, 0.0
 
 
 def _work() -> Work:
@@ -48,14 +50,14 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _PlannedInbox:
 
 
 def _send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor]) -> None:
-    inbox.sent = sum(nbytes(block) for block in blocks.values())
+    inbox.sent, inbox.copies = sum(nbytes(block) for block in blocks.values()), len(blocks)
     inbox.flops_at_send = _work().matmul_flops
 
 
 def _receive(inbox: _PlannedInbox, like: torch.Tensor, use: Any) -> None:
     work = _work()
-    work.beside[inbox.sent, work.matmul_flops - inbox.flops_at_send] += 1
-    for q in sorted(inbox.peers):
+    work.beside[inbox.sent, inbox.copies, work.matmul_flops - inbox.flops_at_send] += 1
+    for q in reversed(inbox.peers):
         use(q, torch.empty_like(like))
 
 

@@ -119,8 +119,8 @@ def beside_seconds(work: Work, rates: Rates) -> float:
     """What ``work``'s transfers beside GEMMs (``Work.beside``) add to its GPU time: each pass's
     copy-engine transfer beyond the GEMM that ran beside it (:meth:`Rates.copy_engine_seconds`)."""
     total = 0.0
-    for (sent, flops), passes in work.beside.items():
-        shown = rates.copy_engine_seconds(sent) - flops / rates.matmul_flops
+    for (sent, copies, flops), passes in work.beside.items():
+        shown = rates.copy_engine_seconds(sent, copies) - flops / rates.matmul_flops
         total += passes * max(0.0, shown)
     return total
 

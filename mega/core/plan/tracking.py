@@ -81,9 +81,11 @@ class Work:
     unfused_bytes: float = 0.0
     unfused_ops: float = 0
     # transfers beside a GEMM that does not wait for them (the copy-engine split's blocks,
-    # mega.parallel.tensor.copy_engine_split): (bytes one pass sends, FLOPs of the GEMM beside
-    # it) -> passes; a pass shows the part of its transfer longer than that GEMM
-    beside: dict[tuple[float, float], float] = field(default_factory=lambda: defaultdict(float))
+    # mega.parallel.tensor.copy_engine_split): (bytes one pass sends, its copies, FLOPs of the
+    # GEMMs beside it) -> passes; a pass shows the part of its transfer longer than those GEMMs
+    beside: dict[tuple[float, int, float], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
 
     def add(self, other: Work, factor: float = 1.0) -> None:
         """Add ``factor`` times ``other``."""

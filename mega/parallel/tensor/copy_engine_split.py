@@ -18,14 +18,15 @@ The two bodies, each one pass of a rank (``q`` runs over the other ranks of the 
   there again). The side stream joins the current one before the op returns.
 - row forward (``Y = reduce_scatter(X W^T)``): the rows of ``q``'s block first (partial sums),
   copied into slot ``me`` of ``q``'s inbox on the side stream as above while the own block's
-  rows are computed, then the arrived partial sums are added to them in rank order.
+  rows are computed, then the arrived partial sums are added to them as they arrive.
 
 Tokens are symmetric memory's signals (a put waits for the flag to be clear, a wait clears it),
 so every pass ends with the tokens where it began and a CUDA graph replays it as captured. The
 inboxes (one per group and direction, as large as the largest block seen) are made by a
 rendezvous of the group, which cannot happen inside a graph's capture: the warm-up run that
 precedes every capture makes them. For two ranks the row forward's sum is the reduce-scatter's
-(one addition of the same two values); for more, the additions run in rank order.
+(one addition of the same two values); for more, the additions run in the order the blocks
+arrive (the previous rank's first), not NCCL's.
 
 - row backward (``dX = gather(dY) W``; the weight gradient on the gathered dY): as the column
   forward, each block's dX rows as the block arrives, the block copied out of the inbox for the
@@ -48,6 +49,7 @@ import torch
 from mega.parallel.distributed import SIGNAL_TIMEOUT_MS as _TIMEOUT_MS
 
 _READY, _FREE = 0, 1  # signal channels
+_ALIGN = 512  # bytes: slots start aligned (a GEMM reads a block straight from its slot)
 
 
 class _Inbox:
@@ -57,14 +59,10 @@ class _Inbox:
     def __init__(self, group: Any, block_bytes: int, device: torch.device) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
-        if torch.cuda.is_current_stream_capturing():  # a rendezvous is a host collective
-            raise RuntimeError(
-                "MEGA_TP_SPLIT_OVERLAP=copy-engine: the inbox cannot be made inside a CUDA graph's"
-                " capture (a warm-up run makes it)"
-            )
         size = torch.distributed.get_world_size(group)
-        self.block_bytes = block_bytes
-        self.buffer = symm_mem.empty(size * block_bytes, dtype=torch.uint8, device=device)
+        self.block_bytes = -(-block_bytes // _ALIGN) * _ALIGN  # every slot aligned for any view
+        self.buffer = symm_mem.empty(size * self.block_bytes, dtype=torch.uint8, device=device)
+        torch.cuda.synchronize(device)  # the signal pad's clearing done before a peer puts
         self.handle = symm_mem.rendezvous(self.buffer, group)
         self.side = torch.cuda.Stream(device)
         me = self.handle.rank
@@ -92,6 +90,11 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
     key, nbytes = (group.group_name, direction), like.numel() * like.element_size()
     inbox = _INBOXES.get(key)
     if inbox is None or inbox.block_bytes < nbytes:  # every rank grows at the same pass
+        if torch.cuda.is_current_stream_capturing():  # a rendezvous is a host collective
+            raise RuntimeError(
+                "MEGA_TP_SPLIT_OVERLAP=copy-engine: the inbox cannot be made inside a CUDA graph's"
+                " capture (a warm-up run makes it)"
+            )
         if inbox is not None:
             inbox.side.synchronize()
             _RETIRED.append(inbox)
@@ -104,8 +107,9 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
         def make() -> None:
             try:
                 torch.cuda.set_device(like.device)
-                made.append(_Inbox(group, nbytes, like.device))
+                inbox = _Inbox(group, nbytes, like.device)
                 torch.cuda.synchronize(like.device)
+                made.append(inbox)
             except BaseException as error:  # raised again on the caller's thread
                 made.append(error)
 
@@ -131,10 +135,11 @@ def _send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
 
 
 def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
-    """For each peer ``q`` in rank order: wait for its block, ``use(q, block)`` on the current
-    stream, then give its slot back."""
+    """For each peer ``q``, in the order their blocks are sent here (the previous rank's first:
+    each rank sends to the next ranks first): wait for its block, ``use(q, block)`` on the
+    current stream, then give its slot back."""
     handle = inbox.handle
-    for q in sorted(inbox.peers):
+    for q in reversed(inbox.peers):
         handle.wait_signal(q, _READY, _TIMEOUT_MS)
         use(q, inbox.slot(handle.rank, q, like))
         handle.put_signal(q, _FREE, _TIMEOUT_MS)
@@ -143,7 +148,7 @@ def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
 
 def _gather_then(group: Any, direction: str, x_2d: torch.Tensor, use: Any) -> None:
     """``use(q, block)`` for every rank's token block of the group, this rank's own first (while
-    the own block travels to the others), then the others' as they arrive, in rank order."""
+    the own block travels to the others), then the others' as they arrive."""
     inbox = _inbox(group, direction, x_2d)
     _send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
     use(inbox.handle.rank, x_2d)
@@ -193,7 +198,7 @@ def column_backward(
     two collectives by the copy engine): this rank's token block of ``dX = dY W`` summed over
     the ranks, and ``wgrad(dY, X)`` on the gathered input. ``x_2d``'s block travels while dX's
     rows are computed (the others' blocks first: their partial sums travel beside the own rows
-    and the weight gradient); what arrived is added last, in rank order."""
+    and the weight gradient); what arrived is added last."""
     size = torch.distributed.get_world_size(group)
     me, n = torch.distributed.get_rank(group), x_2d.shape[0]
     x_2d = x_2d.contiguous()
