@@ -121,11 +121,14 @@ def test_split_layers_equal_the_unsplit_ones(kind: str, world: int, fused: bool,
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
-@pytest.mark.parametrize(("world", "fused"), [(2, False), (3, True)])
-def test_copy_engine_bodies_equal_the_unsplit_layers(kind: str, world: int, fused: bool):
+@pytest.mark.parametrize(("world", "fused", "compiled"), [(2, False, False), (3, True, False), (2, True, True)])  # fmt: skip
+def test_copy_engine_bodies_equal_the_unsplit_layers(
+    kind: str, world: int, fused: bool, compiled: bool
+):
     """``copy-engine``'s column forward and backward, row forward and row backward's gather
-    (their transport emulated by gloo) give the unsplit layers' outputs and gradients."""
-    for result in run_ranks(_run_rank, world, kind, fused, False, True):
+    (their transport emulated by gloo) give the unsplit layers' outputs and gradients, eager
+    and inside a compiled layer (the custom ops' shapes hold for the copy-engine bodies)."""
+    for result in run_ranks(_run_rank, world, kind, fused, compiled, True):
         for got, want in zip(result[True], result[False], strict=True):
             if want is None:
                 assert got is None
