@@ -137,7 +137,7 @@ def test_copy_engine_bodies_equal_the_unsplit_layers(
 
 
 def test_split_is_opt_in(monkeypatch):
-    from mega.parallel.tensor.split_overlap import SPLIT_ENV, split_chosen
+    from mega.parallel.tensor.split_choice import SPLIT_ENV, split_chosen
 
     monkeypatch.delenv(SPLIT_ENV, raising=False)
     assert not split_chosen()
@@ -167,6 +167,26 @@ def test_a_bad_value_is_one_error_line(monkeypatch):
         MegaUsageError, match="MEGA_TP_SPLIT_OVERLAP='yes': must be one of 0, 1, copy-engine"
     ):
         resolve_config([*args, "--nproc-per-node", "2"], make_test_plugins())
+
+
+@pytest.mark.parametrize("value", ["1", "copy-engine"])
+@pytest.mark.parametrize(
+    "flags", [[], ["--tensor-model-parallel-size", "2"]], ids=["no-tp", "tp-without-sp"]
+)
+def test_a_split_with_nothing_to_split_is_one_error_line(monkeypatch, value: str, flags: list):
+    """The split is sequence parallelism's: asked for where the run has none, it would do
+    nothing; refused before launch rather than silently ignored."""
+    from mega.core.config.resolve import resolve_config
+    from mega.errors import MegaUsageError
+    from mega.testing import TINY_GPT
+    from mega.testing.commands import make_test_plugins
+
+    monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", value)
+    args = [*TINY_GPT, *flags, "--nproc-per-node", "2"]
+    with pytest.raises(MegaUsageError, match="needs --tensor-model-parallel-size > 1 and --seq"):
+        resolve_config(args, make_test_plugins())
+    monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", "0")  # the default asks for nothing
+    resolve_config(args, make_test_plugins())
 
 
 def _split_gpt_rank(rank: int, world_size: int, tp: int, cases: list) -> dict:

@@ -17,11 +17,9 @@ def run_problems(config: Any, plugins: Any, this_machine: bool = True) -> list[s
     device = config.training.device
     graphs = config.training.cuda_graph_impl != "none"
     on_cpu = graphs and (device == "cpu" or (this_machine and runs_on_cpu(device)))
-    split = None
-    if config.parallel.sequence_parallel:  # torch imported only where the split could apply
-        from mega.parallel.tensor.split_overlap import split_problem
+    from mega.parallel.tensor.split_choice import split_problem
 
-        split = split_problem()
+    split = split_problem(config.parallel)
     return [
         *([split] if split else []),
         *(machine_problems(config) if this_machine else ()),

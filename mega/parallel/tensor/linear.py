@@ -35,7 +35,8 @@ from mega.parallel.tensor.mappings import (
     reduce_scatter_to_sequence,
 )
 from mega.parallel.tensor.overlapped import column_parallel_linear
-from mega.parallel.tensor.split_overlap import row_split_linear, split_chosen
+from mega.parallel.tensor.split_choice import split_chosen
+from mega.parallel.tensor.split_overlap import row_split_linear
 
 
 def shard_parameter(full: nn.Parameter, spec: ShardSpec) -> nn.Parameter:

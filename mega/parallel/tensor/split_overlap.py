@@ -35,27 +35,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.parallel.comm import all_gather_into
 from mega.parallel.distributed import peer_copies_possible
 from mega.parallel.tensor import copy_engine_split
+from mega.parallel.tensor.split_choice import COPY_ENGINE, SPLIT_ENV
 from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
-
-SPLIT_ENV = "MEGA_TP_SPLIT_OVERLAP"
-
-
-COPY_ENGINE = "copy-engine"  # the forward's blocks by the copy engine (:mod:`.copy_engine_split`)
-SPLIT_VALUES = ("0", "1", COPY_ENGINE)
-
-
-def split_chosen() -> bool:
-    """Whether the environment asks for the split collectives (read when the layers are built)."""
-    return os.environ.get(SPLIT_ENV, "0") in ("1", COPY_ENGINE)
-
-
-def split_problem() -> str | None:
-    """One line if the environment's value is not one of :data:`SPLIT_VALUES` (checked before
-    launch)."""
-    value = os.environ.get(SPLIT_ENV, "0")
-    if value in SPLIT_VALUES:
-        return None
-    return f"{SPLIT_ENV}={value!r}: must be one of {', '.join(SPLIT_VALUES)}"
 
 
 def by_copy_engine(group: object, like: torch.Tensor) -> bool:

@@ -1,0 +1,40 @@
+"""Whether sequence parallelism's collectives are split by token block, and how
+(``MEGA_TP_SPLIT_OVERLAP``: :mod:`.split_overlap`, :mod:`.copy_engine_split`). Torch-free, so the
+check before launch stays light."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+SPLIT_ENV = "MEGA_TP_SPLIT_OVERLAP"
+COPY_ENGINE = "copy-engine"  # the blocks by the copy engine (:mod:`.copy_engine_split`)
+SPLIT_VALUES = ("0", "1", COPY_ENGINE)  # the first is the default
+
+
+def split_value() -> str:
+    return os.environ.get(SPLIT_ENV, SPLIT_VALUES[0])
+
+
+def split_chosen() -> bool:
+    """Whether the environment asks for the split collectives (read when the layers are built)."""
+    return split_value() in ("1", COPY_ENGINE)
+
+
+def split_problem(parallel: Any | None = None) -> str | None:
+    """One line if the environment's value is not one of :data:`SPLIT_VALUES`, or asks for a
+    split that ``parallel`` (the run's parallel section) would not make: the split is sequence
+    parallelism's, so it needs ``--sequence-parallel`` with tensor parallelism (checked before
+    launch; nothing is silently left undone)."""
+    value = split_value()
+    if value not in SPLIT_VALUES:
+        return f"{SPLIT_ENV}={value!r}: must be one of {', '.join(SPLIT_VALUES)}"
+    if parallel is not None and split_chosen():
+        splits = parallel.tensor_model_parallel_size > 1 and parallel.sequence_parallel
+        if not splits:
+            return (
+                f"{SPLIT_ENV}={value}: splits sequence parallelism's collectives, and this run has"
+                " none (it needs --tensor-model-parallel-size > 1 and --sequence-parallel);"
+                " unset it or set it to 0"
+            )
+    return None
