@@ -147,6 +147,14 @@ def test_split_is_opt_in(monkeypatch):
     assert split_chosen()
 
 
+def test_the_moved_names_keep_their_old_path_with_a_warning():
+    from mega.parallel.tensor import split_choice, split_overlap
+
+    for name in ("split_chosen", "split_problem"):
+        with pytest.warns(DeprecationWarning, match=f"split_choice import {name}"):
+            assert getattr(split_overlap, name) is getattr(split_choice, name)
+
+
 def test_copy_engine_falls_back_to_the_nccl_split_off_gpus(monkeypatch):
     """``copy-engine`` needs CUDA GPUs of one host; CPU tensors take the collectives' split."""
     from mega.parallel.tensor.split_overlap import SPLIT_ENV, by_copy_engine

@@ -147,6 +147,16 @@ def fused_weight_grad(
 _owners: dict[int, weakref.ref] = {}
 
 
+def weight_gradient(
+    weight: torch.Tensor, grad_2d: torch.Tensor, inputs_2d: torch.Tensor, fused: bool
+) -> torch.Tensor:
+    """``dW = dY^T X`` of a linear inside an op that computes its own backward: into
+    ``main_grad`` when ``fused`` (the placeholder returned, or the GEMM queued), else plain."""
+    if fused:
+        return fused_weight_grad(weight, accumulate_wgrad, (grad_2d, inputs_2d))
+    return grad_2d.t().mm(inputs_2d)
+
+
 def register_fused_weight(param: torch.nn.Parameter) -> None:
     """Let the weight-gradient ops find ``param`` (its ``main_grad`` and flags) from its data.
     Inside a compiled graph an op is handed the weight's tensor, not the Parameter object that

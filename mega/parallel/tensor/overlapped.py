@@ -27,7 +27,7 @@ deferred under the zero-bubble schedules as before.
 
 from __future__ import annotations
 
-from typing import Any
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,7 @@ from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
 from mega.parallel.tensor import copy_engine_split, split_overlap
 from mega.parallel.tensor.split_overlap import column_split_forward
-from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
+from mega.parallel.weight_grad import OpaqueWhenTraced, weight_gradient
 
 
 def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
@@ -47,15 +47,6 @@ def _gathered(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
     tokens from rank ``r``: ``mega.parallel.tensor.mappings``' layout)."""
     flat = wait(start_all_gather(x.reshape(-1, x.shape[-1]), size, name))
     return flat.view(x.shape[0], -1, x.shape[-1])
-
-
-def _weight_grad(weight: torch.Tensor, fused: bool) -> Any:
-    """``(dY, X) -> dW``: into ``main_grad`` (the fused placeholder returned) or plain."""
-    if fused:
-        return lambda grad_2d, inputs: fused_weight_grad(
-            weight, accumulate_wgrad, (grad_2d, inputs)
-        )
-    return lambda grad_2d, inputs: grad_2d.t().mm(inputs)
 
 
 def _column_parallel_backward_body(
@@ -73,7 +64,7 @@ def _column_parallel_backward_body(
     x_2d = x.reshape(-1, x.shape[-1]).contiguous()
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
     if sequence_parallel and split_overlap.by_copy_engine(group, x_2d):
-        wgrad = _weight_grad(weight, fused)
+        wgrad = partial(weight_gradient, weight, fused=fused)
         grad_x, grad_weight = copy_engine_split.column_backward(grad_2d, x_2d, weight, group, wgrad)
         return grad_x.view(x.shape), grad_weight
     gathering = None
@@ -90,7 +81,7 @@ def _column_parallel_backward_body(
         reducing = dist.all_reduce(grad_x, group=group, async_op=True)
     if gathering is not None:
         gathering.wait()
-    grad_weight = _weight_grad(weight, fused)(grad_2d, inputs)  # while dX travels
+    grad_weight = weight_gradient(weight, grad_2d, inputs, fused)  # while dX travels
     reducing.wait()
     return grad_x.view(x.shape), grad_weight
 

@@ -36,7 +36,7 @@ from mega.parallel.comm import all_gather_into
 from mega.parallel.distributed import peer_copies_possible
 from mega.parallel.tensor import copy_engine_split
 from mega.parallel.tensor.split_choice import COPY_ENGINE, SPLIT_ENV
-from mega.parallel.weight_grad import OpaqueWhenTraced, accumulate_wgrad, fused_weight_grad
+from mega.parallel.weight_grad import OpaqueWhenTraced, weight_gradient
 
 
 def by_copy_engine(group: object, like: torch.Tensor) -> bool:
@@ -142,11 +142,7 @@ def _row_backward_body(
         grad_x, gathered = copy_engine_split.row_backward_gather(grad_out, x_2d, weight, group)
     else:
         grad_x, gathered = _row_backward_gather(grad_out, x_2d, weight, group, size)
-    if fused:
-        grad_weight = fused_weight_grad(weight, accumulate_wgrad, (gathered, x_2d))
-    else:
-        grad_weight = gathered.t().mm(x_2d)
-    return grad_x, grad_weight
+    return grad_x, weight_gradient(weight, gathered, x_2d, fused)
 
 
 def _row_backward_gather(
@@ -198,3 +194,21 @@ def row_split_linear(
     backward gathers dY beside the own block's dX rows. ``fused``: the weight gradient goes to
     ``main_grad`` (:mod:`mega.parallel.weight_grad`)."""
     return _RowParallelSplit.apply(x, weight, name, size, fused)
+
+
+def __getattr__(name: str) -> object:
+    """``split_chosen`` and ``split_problem`` moved to :mod:`.split_choice` (2026-11-30): the old
+    path works for a release, with a DeprecationWarning."""
+    if name in ("split_chosen", "split_problem"):
+        import warnings
+
+        from mega.parallel.tensor import split_choice
+
+        warnings.warn(
+            f"mega.parallel.tensor.split_overlap.{name} is deprecated since 2026-11-30: use"
+            f" 'from mega.parallel.tensor.split_choice import {name}'",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(split_choice, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
