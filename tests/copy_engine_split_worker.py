@@ -1,6 +1,8 @@
 """One rank of tests/test_gpu_copy_engine_split.py (run under torchrun, one GPU per rank, NCCL):
 the copy-engine split's passes (column forward and backward, row forward, row backward's gather;
-mega.parallel.tensor.copy_engine_split) against the NCCL split's bodies on the same inputs,
+mega.parallel.tensor.copy_engine_split) and the all-reduces without sequence parallelism (row
+forward, column backward; mega.parallel.tensor.copy_engine_reduce) against the NCCL bodies on the
+same inputs,
 eager over three calls, then captured once in a CUDA graph and replayed with three new inputs
 (the signals must end each pass where they began). Prints one line per rank when they agree."""
 
@@ -11,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from mega.parallel.tensor import copy_engine_split, overlapped, split_overlap
+from mega.parallel.tensor import copy_engine_reduce, copy_engine_split, overlapped, split_overlap
 
 ROWS, IN, OUT = 256, 128, 96  # a rank's token block, features, outputs
 
@@ -36,7 +38,19 @@ def _copy_engine(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group) -> list
     reduced = copy_engine_split.row_forward(row, w, group)
     grad_x, gathered = copy_engine_split.row_backward_gather(grad, row, w, group)
     column_dx, column_dw = copy_engine_split.column_backward(column_grad, column, w, group, _wgrad)
-    return [out, reduced, grad_x, gathered, column_dx, column_dw]
+    return [out, reduced, grad_x, gathered, column_dx, column_dw, *_without_sp(inputs, w, group)]
+
+
+def _without_sp(inputs: tuple, w: torch.Tensor, group) -> list:  # noqa: ANN001
+    """The row forward's all-reduce and the column backward's (every token on every rank): by
+    the copy engine or NCCL as the environment says (the bodies' own choice)."""
+    _, row, _, column_grad = inputs
+    name, size = group.group_name, dist.get_world_size(group)
+    reduced = copy_engine_reduce._row_forward_body(row, w, name)
+    dx, dw = overlapped._column_parallel_backward_body(
+        column_grad, row, w, name, size, False, False
+    )
+    return [reduced, dx, dw]
 
 
 def _nccl(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group, size: int) -> list:  # noqa: ANN001
@@ -50,12 +64,19 @@ def _nccl(inputs: tuple, w: torch.Tensor, b: torch.Tensor, group, size: int) -> 
             column_grad, column, w, name, size, True, False
         )
         grad_x, gathered = split_overlap._row_backward_gather(grad, row, w, group, size)
+        without_sp = _without_sp(inputs, w, group)
     finally:
         os.environ[split_overlap.SPLIT_ENV] = "copy-engine"
-    return [out, reduced, grad_x, gathered, column_dx, column_dw]
+    return [out, reduced, grad_x, gathered, column_dx, column_dw, *without_sp]
 
 
-SUMMED = ("row", "column-backward dX")  # sums over the ranks: other orders than NCCL's beyond 2
+# sums over the ranks: other orders than NCCL's beyond 2
+SUMMED = (
+    "row",
+    "column-backward dX",
+    "row all-reduce",
+    "column all-reduce dX",
+)  # sums over the ranks: other orders than NCCL's beyond 2
 
 
 def _agree(got: list, want: list, what: str, size: int) -> None:
@@ -64,6 +85,7 @@ def _agree(got: list, want: list, what: str, size: int) -> None:
     # to bf16 (8 bits): up to size - 1 half-ulps of sums of magnitude ~8 (0.03 seen in a CPU
     # simulation of these shapes at 4 ranks)
     names = ("column", "row", "row-backward dX", "gathered dY", "column-backward dX", "dW")
+    names += ("row all-reduce", "column all-reduce dX", "column all-reduce dW")
     for name, g, w in zip(names, got, want, strict=True):
         bound = 5e-2 if name in SUMMED and size > 2 else 1e-2
         torch.testing.assert_close(g, w, rtol=bound, atol=bound, msg=f"{what}: {name}")

@@ -137,6 +137,8 @@ GRAPHED = {
     "tp2-sp": {},
     "tp2-sp-split": {"MEGA_TP_SPLIT_OVERLAP": "1"},
     "tp2-sp-split-copy": {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"},
+    # without sequence parallelism: the all-reduces by the copy engine (copy_engine_reduce)
+    "tp2-split-copy": {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"},
 }
 
 

@@ -29,6 +29,9 @@ FILES = (
     # counted whole before, now beside the GEMMs); the next 2-GPU session measures today's
     "layouts_1p3b_2gpu_h200_split_graphs_2026-11-30.json",
     "layouts_1p3b_2gpu_h200_copy_engine_graphs_only_2026-11-30.json",
+    # session 53: DP2, TP2 and TP2 + SP with graphs, and TP2 + SP by the copy engine with its
+    # column backward too, in one run
+    "layouts_1p3b_2gpu_h200_copy_engine_one_run_2026-11-30.json",
 )
 
 

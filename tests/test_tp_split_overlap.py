@@ -59,16 +59,16 @@ class _EmulatedInbox:
         self.blocks: dict = {}
 
 
-def _send_blocks(inbox: _EmulatedInbox, blocks: dict) -> None:
+def _emulated_send(inbox: _EmulatedInbox, blocks: dict) -> None:
     inbox.blocks = {q: block.clone() for q, block in blocks.items()}
 
 
-def _receive(inbox: _EmulatedInbox, like: torch.Tensor, use) -> None:  # noqa: ANN001
+def _emulated_receive(inbox: _EmulatedInbox, like: torch.Tensor, use) -> None:  # noqa: ANN001
     size = inbox.handle.world_size
     sent = torch.cat([inbox.blocks.get(q, torch.zeros_like(like)) for q in range(size)])
     arrived = torch.empty_like(sent)
     dist.all_to_all_single(arrived, sent, group=inbox.group)
-    for q in reversed(inbox.peers):  # as copy_engine_split._receive
+    for q in reversed(inbox.peers):  # as copy_engine_split.receive
         use(q, arrived[q * like.shape[0] : (q + 1) * like.shape[0]].view_as(like))
 
 
@@ -76,9 +76,9 @@ def _emulate_copy_engine(monkeypatch: pytest.MonkeyPatch, on: list) -> None:
     """The copy-engine bodies on CPU ranks while ``on[0]`` (the split layers' turn)."""
     from mega.parallel.tensor import copy_engine_split, split_overlap
 
-    monkeypatch.setattr(copy_engine_split, "_inbox", lambda group, *_: _EmulatedInbox(group))
-    monkeypatch.setattr(copy_engine_split, "_send_blocks", _send_blocks)
-    monkeypatch.setattr(copy_engine_split, "_receive", _receive)
+    monkeypatch.setattr(copy_engine_split, "inbox_for", lambda group, *_: _EmulatedInbox(group))
+    monkeypatch.setattr(copy_engine_split, "send_blocks", _emulated_send)
+    monkeypatch.setattr(copy_engine_split, "receive", _emulated_receive)
     monkeypatch.setattr(split_overlap, "by_copy_engine", lambda *_: on[0])
 
 
@@ -177,13 +177,21 @@ def test_a_bad_value_is_one_error_line(monkeypatch):
         resolve_config([*args, "--nproc-per-node", "2"], make_test_plugins())
 
 
-@pytest.mark.parametrize("value", ["1", "copy-engine"])
 @pytest.mark.parametrize(
-    "flags", [[], ["--tensor-model-parallel-size", "2"]], ids=["no-tp", "tp-without-sp"]
-)
-def test_a_split_with_nothing_to_split_is_one_error_line(monkeypatch, value: str, flags: list):
-    """The split is sequence parallelism's: asked for where the run has none, it would do
-    nothing; refused before launch rather than silently ignored."""
+    ("value", "flags", "needs"),
+    [
+        ("1", [], "needs --tensor-model-parallel-size > 1 and --seq"),
+        ("1", ["--tensor-model-parallel-size", "2"], "needs --tensor-model-parallel-size > 1 and --seq"),
+        ("copy-engine", [], r"needs --tensor-model-parallel-size > 1\)"),
+    ],
+    ids=["split-no-tp", "split-tp-without-sp", "copy-engine-no-tp"],
+)  # fmt: skip
+def test_a_split_with_nothing_to_split_is_one_error_line(
+    monkeypatch, value: str, flags: list, needs: str
+):
+    """``1`` splits sequence parallelism's collectives and ``copy-engine`` carries tensor
+    parallelism's: asked for where the run has none, it would do nothing; refused before launch
+    rather than silently ignored."""
     from mega.core.config.resolve import resolve_config
     from mega.errors import MegaUsageError
     from mega.testing import TINY_GPT
@@ -191,9 +199,21 @@ def test_a_split_with_nothing_to_split_is_one_error_line(monkeypatch, value: str
 
     monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", value)
     args = [*TINY_GPT, *flags, "--nproc-per-node", "2"]
-    with pytest.raises(MegaUsageError, match="needs --tensor-model-parallel-size > 1 and --seq"):
+    with pytest.raises(MegaUsageError, match=needs):
         resolve_config(args, make_test_plugins())
     monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", "0")  # the default asks for nothing
+    resolve_config(args, make_test_plugins())
+
+
+def test_the_copy_engine_carries_tensor_parallelism_without_sp(monkeypatch):
+    """``copy-engine`` with TP and no sequence parallelism: accepted (the all-reduces,
+    ``mega.parallel.tensor.copy_engine_reduce``)."""
+    from mega.core.config.resolve import resolve_config
+    from mega.testing import TINY_GPT
+    from mega.testing.commands import make_test_plugins
+
+    monkeypatch.setenv("MEGA_TP_SPLIT_OVERLAP", "copy-engine")
+    args = [*TINY_GPT, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"]
     resolve_config(args, make_test_plugins())
 
 

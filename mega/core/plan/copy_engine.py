@@ -45,16 +45,16 @@ def _work() -> Work:
     return mode.work if isinstance(mode, StepTracker) else Work()
 
 
-def _inbox(group: Any, direction: str, like: torch.Tensor) -> _PlannedInbox:
+def inbox_for(group: Any, direction: str, like: torch.Tensor) -> _PlannedInbox:
     return _PlannedInbox(group)
 
 
-def _send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor]) -> None:
+def send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor]) -> None:
     inbox.sent, inbox.copies = sum(nbytes(block) for block in blocks.values()), len(blocks)
     inbox.flops_at_send = _work().matmul_flops
 
 
-def _receive(inbox: _PlannedInbox, like: torch.Tensor, use: Any) -> None:
+def receive(inbox: _PlannedInbox, like: torch.Tensor, use: Any) -> None:
     work = _work()
     work.beside[inbox.sent, inbox.copies, work.matmul_flops - inbox.flops_at_send] += 1
     for q in reversed(inbox.peers):
@@ -79,14 +79,14 @@ def planned_copy_engine() -> Iterator[None]:
 
 
 _STAND_INS = {
-    "_inbox": _inbox,
-    "_send_blocks": _send_blocks,
-    "_receive": _receive,
+    "inbox_for": inbox_for,
+    "send_blocks": send_blocks,
+    "receive": receive,
     "by_copy_engine": by_copy_engine,
 }
 _PATCHED = [
-    (copy_engine_split, "_inbox"),
-    (copy_engine_split, "_send_blocks"),
-    (copy_engine_split, "_receive"),
+    (copy_engine_split, "inbox_for"),
+    (copy_engine_split, "send_blocks"),
+    (copy_engine_split, "receive"),
     (split_overlap, "by_copy_engine"),
 ]

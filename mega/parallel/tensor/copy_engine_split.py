@@ -86,7 +86,7 @@ _INBOXES: dict[tuple[str, str], _Inbox] = {}
 _RETIRED: list[_Inbox] = []
 
 
-def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
+def inbox_for(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
     key, nbytes = (group.group_name, direction), like.numel() * like.element_size()
     inbox = _INBOXES.get(key)
     if inbox is None or inbox.block_bytes < nbytes:  # every rank grows at the same pass
@@ -122,7 +122,7 @@ def _inbox(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
     return inbox
 
 
-def _send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
+def send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
     """On the side stream, after what the current stream has queued: ``blocks[q]`` into slot
     ``me`` of ``q``'s inbox once ``q`` has read the last one there, then ``q``'s ready token."""
     handle, me = inbox.handle, inbox.handle.rank
@@ -134,7 +134,7 @@ def _send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
             handle.put_signal(q, _READY, _TIMEOUT_MS)
 
 
-def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
+def receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
     """For each peer ``q``, in the order their blocks are sent here (the previous rank's first:
     each rank sends to the next ranks first): wait for its block, ``use(q, block)`` on the
     current stream, then give its slot back."""
@@ -149,10 +149,10 @@ def _receive(inbox: _Inbox, like: torch.Tensor, use: Any) -> None:
 def _gather_then(group: Any, direction: str, x_2d: torch.Tensor, use: Any) -> None:
     """``use(q, block)`` for every rank's token block of the group, this rank's own first (while
     the own block travels to the others), then the others' as they arrive."""
-    inbox = _inbox(group, direction, x_2d)
-    _send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
+    inbox = inbox_for(group, direction, x_2d)
+    send_blocks(inbox, dict.fromkeys(inbox.peers, x_2d))
     use(inbox.handle.rank, x_2d)
-    _receive(inbox, x_2d, use)
+    receive(inbox, x_2d, use)
 
 
 def column_forward(
@@ -202,11 +202,11 @@ def column_backward(
     size = torch.distributed.get_world_size(group)
     me, n = torch.distributed.get_rank(group), x_2d.shape[0]
     x_2d = x_2d.contiguous()
-    gather = _inbox(group, "column-backward-x", x_2d)
-    _send_blocks(gather, dict.fromkeys(gather.peers, x_2d))
+    gather = inbox_for(group, "column-backward-x", x_2d)
+    send_blocks(gather, dict.fromkeys(gather.peers, x_2d))
     partial = {q: grad_2d[q * n : (q + 1) * n].mm(weight) for q in range(size) if q != me}
-    reduce = _inbox(group, "column-backward-dx", next(iter(partial.values())))
-    _send_blocks(reduce, partial)
+    reduce = inbox_for(group, "column-backward-dx", next(iter(partial.values())))
+    send_blocks(reduce, partial)
     own = grad_2d[me * n : (me + 1) * n].mm(weight)
     inputs = x_2d.new_empty(n * size, x_2d.shape[1])
     inputs[me * n : (me + 1) * n].copy_(x_2d)
@@ -214,13 +214,13 @@ def column_backward(
     def place(q: int, block: torch.Tensor) -> None:
         inputs[q * n : (q + 1) * n].copy_(block)  # out of the inbox before it is given back
 
-    _receive(gather, x_2d, place)
+    receive(gather, x_2d, place)
     grad_weight = wgrad(grad_2d, inputs)  # while dX's partial sums travel
 
     def add(q: int, block: torch.Tensor) -> None:
         own.add_(block)
 
-    _receive(reduce, own, add)
+    receive(reduce, own, add)
     return own, grad_weight
 
 
@@ -229,12 +229,12 @@ def row_forward(x_2d: torch.Tensor, weight: torch.Tensor, group: Any) -> torch.T
     size = torch.distributed.get_world_size(group)
     me, n = torch.distributed.get_rank(group), x_2d.shape[0] // size
     partial = {q: x_2d[q * n : (q + 1) * n].mm(weight.t()) for q in range(size) if q != me}
-    inbox = _inbox(group, "row", next(iter(partial.values())))
-    _send_blocks(inbox, partial)
+    inbox = inbox_for(group, "row", next(iter(partial.values())))
+    send_blocks(inbox, partial)
     own = x_2d[me * n : (me + 1) * n].mm(weight.t())  # while the others' rows travel
 
     def use(q: int, block: torch.Tensor) -> None:
         own.add_(block)
 
-    _receive(inbox, own, use)
+    receive(inbox, own, use)
     return own

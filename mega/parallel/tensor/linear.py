@@ -28,6 +28,7 @@ from mega.parallel.comm import group_size
 from mega.parallel.fp8.delayed import sites_of
 from mega.parallel.functional_comm import group_name
 from mega.parallel.shard import ShardSpec, local_shard
+from mega.parallel.tensor.copy_engine_reduce import row_reduce_linear
 from mega.parallel.tensor.mappings import (
     copy_to_tensor_parallel,
     gather_from_sequence,
@@ -35,7 +36,7 @@ from mega.parallel.tensor.mappings import (
     reduce_scatter_to_sequence,
 )
 from mega.parallel.tensor.overlapped import column_parallel_linear
-from mega.parallel.tensor.split_choice import split_chosen
+from mega.parallel.tensor.split_choice import COPY_ENGINE, split_chosen, split_value
 from mega.parallel.tensor.split_overlap import row_split_linear
 
 
@@ -66,6 +67,10 @@ class _ParallelLinear(nn.Module):
         self.group_size = group_size(group)
         # forward's sequence-parallel collectives split by token block (experimental, opt-in)
         self.split_overlap = sequence_parallel and group is not None and split_chosen()
+        # without sequence parallelism: the all-reduces by the copy engine (copy_engine_reduce)
+        self.reduce_by_copy_engine = (
+            not sequence_parallel and group is not None and split_value() == COPY_ENGINE
+        )
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -101,7 +106,8 @@ class ColumnParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # [b, s, out/tp]
         # the split forward (split_overlap) lives in the overlapped layer's function
-        overlapped = (self.comm_overlap or self.split_overlap) and self.group_name is not None
+        overlapped = self.comm_overlap or self.split_overlap or self.reduce_by_copy_engine
+        overlapped = overlapped and self.group_name is not None
         if overlapped and getattr(self.weight, "fp8_format", None) is None:
             # the backward's collective hidden behind the weight-gradient GEMM
             return column_parallel_linear(
@@ -143,6 +149,11 @@ class RowParallelLinear(_ParallelLinear):
             # [b, s/tp, out]: the GEMM and its reduce-scatter by token blocks
             fused = linear_ops.fuses_wgrad(self.weight)
             out = row_split_linear(x, self.weight, self.group_name, self.group_size, fused)
+            return out if self.bias is None else out + self.bias
+        if self.reduce_by_copy_engine and getattr(self.weight, "fp8_format", None) is None:
+            # [b, s, out]: summed chunk by chunk beside the GEMM (the copy engine's all-reduce)
+            fused = linear_ops.fuses_wgrad(self.weight)
+            out = row_reduce_linear(x, self.weight, self.group_name, fused)
             return out if self.bias is None else out + self.bias
         # [b, s, out], this rank's share of the sum
         return self.reduce_output(linear_ops.linear(x, self.weight, None, sites_of(self)))

@@ -10,6 +10,9 @@ soon as the input gradient exists and computes the weight gradient while it is i
 - sequence parallel: start the all-gather of the saved token block X_r -> ``dX = dY W`` -> start
   the reduce-scatter of dX -> wait for X -> ``dW = dY^T X`` -> wait for dX_r.
 
+With ``MEGA_TP_SPLIT_OVERLAP=copy-engine`` the copy engine carries them instead of NCCL
+(:mod:`.copy_engine_split` under sequence parallelism, :mod:`.copy_engine_reduce` without).
+
 Under sequence parallelism forward saves the rank's token block, not the gathered input: the
 gathered copy (``[b, s, h]`` per column-parallel layer) is not held from forward to backward,
 which is what makes sequence parallelism save memory; backward gathers it again, in the shadow
@@ -37,7 +40,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from mega.parallel.comm import all_gather_into, reduce_scatter_into
 from mega.parallel.functional_comm import start_all_gather, wait
 from mega.parallel.linear import fuses_wgrad
-from mega.parallel.tensor import copy_engine_split, split_overlap
+from mega.parallel.tensor import copy_engine_reduce, copy_engine_split, split_overlap
 from mega.parallel.tensor.split_overlap import column_split_forward
 from mega.parallel.weight_grad import OpaqueWhenTraced, weight_gradient
 
@@ -63,9 +66,10 @@ def _column_parallel_backward_body(
     group = _resolve_process_group(name)
     x_2d = x.reshape(-1, x.shape[-1]).contiguous()
     grad_2d = grad_out.reshape(-1, grad_out.shape[-1])  # [tokens, out]
-    if sequence_parallel and split_overlap.by_copy_engine(group, x_2d):
+    if split_overlap.by_copy_engine(group, x_2d):  # MEGA_TP_SPLIT_OVERLAP=copy-engine
         wgrad = partial(weight_gradient, weight, fused=fused)
-        grad_x, grad_weight = copy_engine_split.column_backward(grad_2d, x_2d, weight, group, wgrad)
+        carrier = copy_engine_split if sequence_parallel else copy_engine_reduce
+        grad_x, grad_weight = carrier.column_backward(grad_2d, x_2d, weight, group, wgrad)
         return grad_x.view(x.shape), grad_weight
     gathering = None
     inputs = x_2d

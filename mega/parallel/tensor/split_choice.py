@@ -1,5 +1,7 @@
-"""Whether sequence parallelism's collectives are split by token block, and how
-(``MEGA_TP_SPLIT_OVERLAP``: :mod:`.split_overlap`, :mod:`.copy_engine_split`). Torch-free, so the
+"""Whether tensor parallelism's collectives are split into blocks beside the GEMMs, and how
+(``MEGA_TP_SPLIT_OVERLAP``: ``1``, sequence parallelism's by NCCL, :mod:`.split_overlap`;
+``copy-engine``, by the copy engine, :mod:`.copy_engine_split` with sequence parallelism and
+:mod:`.copy_engine_reduce` without). Torch-free, so the
 check before launch stays light."""
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ import os
 from typing import Any
 
 SPLIT_ENV = "MEGA_TP_SPLIT_OVERLAP"
-COPY_ENGINE = "copy-engine"  # the blocks by the copy engine (:mod:`.copy_engine_split`)
+COPY_ENGINE = "copy-engine"  # the blocks by the copy engine
 SPLIT_VALUES = ("0", "1", COPY_ENGINE)  # the first is the default
 
 
@@ -22,19 +24,26 @@ def split_chosen() -> bool:
 
 
 def split_problem(parallel: Any | None = None) -> str | None:
-    """One line if the environment's value is not one of :data:`SPLIT_VALUES`, or asks for a
-    split that ``parallel`` (the run's parallel section) would not make: the split is sequence
-    parallelism's, so it needs ``--sequence-parallel`` with tensor parallelism (checked before
-    launch; nothing is silently left undone)."""
+    """One line if the environment's value is not one of :data:`SPLIT_VALUES`, or asks for what
+    ``parallel`` (the run's parallel section) would not do: ``1`` splits sequence parallelism's
+    collectives, so it needs ``--sequence-parallel`` with tensor parallelism; ``copy-engine``
+    carries tensor parallelism's (with or without sequence parallelism), so it needs
+    ``--tensor-model-parallel-size > 1`` (checked before launch; nothing is silently left undone)."""
     value = split_value()
     if value not in SPLIT_VALUES:
         return f"{SPLIT_ENV}={value!r}: must be one of {', '.join(SPLIT_VALUES)}"
-    if parallel is not None and split_chosen():
-        splits = parallel.tensor_model_parallel_size > 1 and parallel.sequence_parallel
-        if not splits:
-            return (
-                f"{SPLIT_ENV}={value}: splits sequence parallelism's collectives, and this run has"
-                " none (it needs --tensor-model-parallel-size > 1 and --sequence-parallel);"
-                " unset it or set it to 0"
-            )
+    if parallel is None or not split_chosen():
+        return None
+    tensor_parallel = parallel.tensor_model_parallel_size > 1
+    if value == COPY_ENGINE and not tensor_parallel:
+        return (
+            f"{SPLIT_ENV}={value}: carries tensor parallelism's collectives, and this run has none"
+            " (it needs --tensor-model-parallel-size > 1); unset it or set it to 0"
+        )
+    if value == "1" and not (tensor_parallel and parallel.sequence_parallel):
+        return (
+            f"{SPLIT_ENV}={value}: splits sequence parallelism's collectives, and this run has"
+            " none (it needs --tensor-model-parallel-size > 1 and --sequence-parallel);"
+            " unset it or set it to 0"
+        )
     return None
