@@ -78,7 +78,7 @@ LAYOUTS = {
         # with and without CUDA graphs (host-bound at micro-batch 4: 0.51x -> 0.77x on 2 H200,
         # 2026-11-30), and with the copy-engine split (0.86x); at micro-batch 8 one graph row
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp", f"tp2dp1:{GRAPHS}", f"tp2dp1-sp:{GRAPHS}",
-                f"tp2dp1-sp:{COPY_SPLIT}"],
+                f"tp2dp1:{COPY_SPLIT}", f"tp2dp1-sp:{COPY_SPLIT}"],
                ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8", f"tp2dp1-sp-mb8:{COPY_SPLIT}"]],
         "ep": [
             ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
@@ -90,7 +90,7 @@ LAYOUTS = {
                    "cp2@MEGA_CP_RING_GRAPHS=1"]],
         "cp32k": [["tp1dp2", "cp2"]],
         # the 6.7B GPT: DP2 fits an H200 (91 GB at micro-batch 2); on 80 GB GPUs use pp2-1f1b
-        "tp6p7b": [["tp1dp2-mb2", "tp2dp1-sp-mb4", "tp2dp1-mb4"]],
+        "tp6p7b": [["tp1dp2-mb2", "tp2dp1-sp-mb4", "tp2dp1-mb4", f"tp2dp1-sp-mb4:{COPY_SPLIT}"]],
     },
     4: {
         "tp": [["tp1dp4", "tp2dp2-sp-mb8", "tp4-sp-mb16", "tp2pp2v2-interleaved-sp-mb8",

@@ -32,6 +32,8 @@ FILES = (
     # session 53: DP2, TP2 and TP2 + SP with graphs, and TP2 + SP by the copy engine with its
     # column backward too, in one run
     "layouts_1p3b_2gpu_h200_copy_engine_one_run_2026-11-30.json",
+    # TP2 without SP, its all-reduces by the copy engine (copy_engine_reduce): planned 0.99x
+    "layouts_1p3b_2gpu_h200_tp2_copy_engine_2026-11-30.json",
 )
 
 

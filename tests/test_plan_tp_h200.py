@@ -22,12 +22,22 @@ from mega.core.plan.calibration import BUILT_IN
 from mega.core.plan.estimate import plan_run
 from mega.core.plugins.manager import make_plugins
 
-FILE = "layouts_6p7b_2gpu_h200_compiled_mb4_2026-11-28.json"
+FILES = (
+    "layouts_6p7b_2gpu_h200_compiled_mb4_2026-11-28.json",
+    # 2026-11-30 (session 53): TP2 and TP2 + SP with graphs, their collectives by the copy engine
+    "layouts_6p7b_2gpu_h200_copy_engine_2026-11-30.json",
+)
 
 
 def _runs() -> list:
-    runs = json.loads((RESULTS / FILE).read_text())["results"]
-    return [pytest.param(run, id=f"6p7b-2gpu-h200-{run['layout']}") for run in runs]
+    params = []
+    for name in FILES:
+        for run in json.loads((RESULTS / name).read_text())["results"]:
+            env = "".join(f"-{value}" for value in run.get("env", {}).values())
+            day = name.rsplit("_", 1)[1].removesuffix(".json")
+            layout = run["layout"].split(":")[0]
+            params.append(pytest.param(run, id=f"6p7b-2gpu-h200-{day}-{layout}{env}"))
+    return params
 
 
 def check_h200_plan(run: dict) -> None:
