@@ -55,13 +55,38 @@ def test_each_refusal_names_its_flag(args, fragment):
     assert len(found) == 1 and fragment in found[0], found
 
 
-def test_moe_is_refused():
-    config = graphs_config(
-        "--model", "moe", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
-        "2", "--num-experts", "4", "--seq-length", "32", *NO_DROPOUT,
-    )  # fmt: skip
+MOE = ["--model", "moe", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
+       "--num-experts", "4", "--seq-length", "32", *NO_DROPOUT]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--moe-token-dispatcher-type", "alltoall"],
+     ["--moe-token-dispatcher-type", "flex", "--overlap-moe-expert-parallel-comm",
+      "--expert-model-parallel-size", "2", "--nproc-per-node", "2"]],
+    ids=["allgather", "alltoall", "flex-overlapped"],
+)  # fmt: skip
+def test_moe_is_refused_unless_flex_in_order(args):
+    found = cuda_graph_problems(graphs_config(*MOE, *args), on_cpu=False)
+    assert len(found) == 1 and "an MoE model unless its tokens go by" in found[0], found
+
+
+@pytest.mark.parametrize("transport", ["split", "copy-engine"])
+def test_moe_flex_over_other_transports_is_refused(monkeypatch, transport):
+    config = graphs_config(*MOE, "--moe-token-dispatcher-type", "flex")
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
     found = cuda_graph_problems(config, on_cpu=False)
-    assert len(found) == 1 and "an MoE model" in found[0], found
+    assert len(found) == 1 and "MEGA_FLEX_TRANSPORT auto or padded" in found[0], found
+
+
+def test_moe_flex_over_the_padded_trips_may_use_graphs():
+    ep2 = ["--expert-model-parallel-size", "2", "--nproc-per-node", "2"]
+    assert (
+        cuda_graph_problems(
+            graphs_config(*MOE, "--moe-token-dispatcher-type", "flex", *ep2), on_cpu=False
+        )
+        == []
+    )
 
 
 def test_the_cpu_is_refused():

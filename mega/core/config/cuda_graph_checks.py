@@ -5,8 +5,10 @@ new shape. That rules out, for now, what the compiled layers do on the host per 
 never measured under graphs:
 
 - dropout: its random states (the tensor-parallel RNG tracker's forks) are switched in Python;
-- MoE layers: routing sets shapes on the host (the flex dispatcher's do not, but its transports
-  were never captured);
+- MoE layers, unless their tokens go by ``--moe-token-dispatcher-type flex`` over the padded
+  trips (fixed shapes, counts on the GPU, one all-to-all of fixed splits each way): the other
+  dispatchers set shapes on the host, NVSHMEM's and the copy engine's trips were never
+  captured, and the overlapped trips run on a side stream or break the graph;
 - pipeline schedules: several micro-batches' forwards wait for their backwards, which inductor's
   graph trees run outside their graphs (slower, not wrong; not measured);
 - context parallelism (its ring has graphs of its own, ``MEGA_CP_RING_GRAPHS``), full recompute
@@ -45,7 +47,7 @@ def cuda_graph_problems(config: Any, on_cpu: bool) -> list[str]:
         )
     p = config.parallel
     refused = {
-        "an MoE model (routing sets shapes on the host)": getattr(model, "num_experts", None),
+        _MOE: getattr(model, "num_experts", None) and not _flex_over_padded_trips(model),
         "--pipeline-model-parallel-size > 1": p.pipeline_model_parallel_size > 1,
         "--context-parallel-size > 1": p.context_parallel_size > 1,
         "--recompute-granularity full": p.recompute_granularity == "full",
@@ -53,3 +55,21 @@ def cuda_graph_problems(config: Any, on_cpu: bool) -> list[str]:
     }
     problems += [f"{FLAG} is not built for {what}" for what, given in refused.items() if given]
     return problems
+
+
+_MOE = (
+    "an MoE model unless its tokens go by --moe-token-dispatcher-type flex over the padded trips"
+    " (MEGA_FLEX_TRANSPORT auto or padded) in order (no --overlap-moe-expert-parallel-comm):"
+    " the other dispatchers set shapes on the host"
+)
+
+
+def _flex_over_padded_trips(model: Any) -> bool:
+    """Whether the MoE layers' tokens travel by flex's padded all-to-alls, in order."""
+    from mega.parallel.expert.validate import flex_transport
+
+    return (
+        getattr(model, "moe_token_dispatcher_type", None) == "flex"
+        and flex_transport() in ("auto", "padded")
+        and not getattr(model, "overlap_moe_expert_parallel_comm", False)
+    )

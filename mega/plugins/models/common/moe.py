@@ -71,7 +71,14 @@ class RouterStats:
     recompiling (a Python counter would be a new constant at every call); and every sum the
     router records exists from the start, at zero on the router's device, so that the dict a
     compiled forward adds to has the same keys at every call (one filling up was one recompile
-    of the layer per run)."""
+    of the layer per run).
+
+    The sums are added to in place and keep their storage for the run (``take`` hands out
+    copies and zeroes them): a layer replayed as a CUDA graph (``--cuda-graph-impl local``) adds
+    into the same memory at every replay. Rebinding each sum to a new tensor made it a graph's
+    output, which the next replay overwrites. On CUDA they are marked as static addresses, so
+    inductor's graph trees take their in-place update as a parameter's, not as a reason to run
+    the layer outside graphs."""
 
     # what every training forward records; the losses' sums exist where they are on
     RECORDED = ("calls", "tokens_per_expert", "dropped", "routed")
@@ -80,29 +87,45 @@ class RouterStats:
         self.num_experts = num_experts
         self.names = (*self.RECORDED, *losses)
         self.device = torch.device("cpu")
+        self.sums: dict[str, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
-        # on the meta device (mega plan) the sums appear at their first add, as a real run's
-        # first micro-batch made them before: the planner's counts stay those it was
-        # calibrated with, and a plan does not depend on the plans before it in the process
-        self.sums: dict[str, torch.Tensor] = {}
-        if self.device.type != "meta":
-            for name in self.names:
-                size = self.num_experts if name == "tokens_per_expert" else ()
-                self.sums[name] = torch.zeros(size, device=self.device)
+        """Every sum at zero, in its storage. On the meta device (mega plan) the sums appear at
+        their first add, as a real run's first micro-batch made them before: the planner's
+        counts stay those it was calibrated with, and a plan does not depend on the plans
+        before it in the process."""
+        if self.device.type == "meta":
+            self.sums = {}
+            return
+        if self.sums:
+            for total in self.sums.values():
+                total.zero_()
+            return
+        for name in self.names:
+            size = self.num_experts if name == "tokens_per_expert" else ()
+            self.sums[name] = torch.zeros(size, device=self.device)
+            if self.device.type == "cuda":
+                from torch._dynamo import mark_static_address  # here: CPU runs skip its 3 s
+
+                mark_static_address(self.sums[name])
 
     def move_to(self, device: torch.device) -> None:
         """The router's parameters moved: the sums start again there."""
         self.device = device
+        self.sums = {}
         self.reset()
 
     def add(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().float()
-        self.sums[name] = self.sums[name] + value if name in self.sums else value.clone()
+        if name in self.sums:
+            self.sums[name].add_(value)
+        else:  # meta: made at the first add
+            self.sums[name] = value.clone()
 
     def take(self) -> dict[str, torch.Tensor]:
-        sums = self.sums
+        """The sums since the last ``take`` (copies), then every sum at zero."""
+        sums = {name: total.clone() for name, total in self.sums.items()}
         self.reset()
         return sums
 
