@@ -70,7 +70,8 @@ class TrainingConfig:
         "Experimental. local: replay each compiled transformer layer and the output head as CUDA graphs "
         "(inductor's CUDA graph trees), so that a host-bound step (tensor parallelism at small "
         "micro-batches) launches a layer at once. Needs --compile on GPUs; dense layers with "
-        "tensor, sequence and data parallelism, no dropout. Megatron's other choices "
+        "tensor, sequence and data parallelism, or MoE layers over the flex dispatcher's padded "
+        "trips; no dropout. Megatron's other choices "
         "(transformer_engine, full_iteration) are not built.",
         choices=("none", "local"),
     )
