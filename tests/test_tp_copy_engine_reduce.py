@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_tp_split_overlap import _emulate_copy_engine, _fuse, _join
+from test_tp_split_overlap import _emulate_copy_engine, _fuse, _join, forward_backward
 
 from mega.parallel.tensor import copy_engine_reduce
 from mega.parallel.tensor.linear import ColumnParallelLinear, RowParallelLinear
@@ -45,12 +45,7 @@ def _run_rank(rank: int, world: int, kind: str, fused: bool, compiled: bool) -> 
     for by_copy_engine in (True, False):
         on[0] = by_copy_engine
         layer = _layer(kind, rank, world, by_copy_engine, fused)
-        xi = x.clone().requires_grad_(True)
-        run = torch.compile(layer) if compiled and by_copy_engine else layer
-        y = run(xi)
-        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
-        grad_w = layer.weight.main_grad if fused else layer.weight.grad
-        out[by_copy_engine] = (y.detach(), xi.grad.clone(), grad_w.clone(), layer.bias.grad.clone())
+        out[by_copy_engine] = forward_backward(layer, x, compiled and by_copy_engine, fused)
     return out
 
 

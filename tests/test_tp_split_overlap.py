@@ -97,14 +97,19 @@ def _run_rank(
     for split in (True, False):
         on[0] = split
         layer = _layers(kind, rank, world, split, fused)
-        xi = x.clone().requires_grad_(True)
-        run = torch.compile(layer) if compiled and split else layer
-        y = run(xi)
-        (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
-        grad_w = layer.weight.main_grad if fused else layer.weight.grad
-        bias_grad = layer.bias.grad.clone() if layer.bias.grad is not None else None
-        out[split] = (y.detach(), xi.grad.clone(), grad_w.clone(), bias_grad)
+        out[split] = forward_backward(layer, x, compiled and split, fused)
     return out
+
+
+def forward_backward(layer: torch.nn.Module, x: torch.Tensor, compiled: bool, fused: bool) -> tuple:
+    """(output, dX, dW (``main_grad`` when fused), the bias gradient or None) of one step of
+    ``layer`` on ``x`` under a loss that weighs every output element differently."""
+    xi = x.clone().requires_grad_(True)
+    y = (torch.compile(layer) if compiled else layer)(xi)
+    (y * torch.arange(y.numel()).view_as(y).sin()).sum().backward()
+    grad_w = layer.weight.main_grad if fused else layer.weight.grad
+    bias_grad = layer.bias.grad.clone() if layer.bias.grad is not None else None
+    return y.detach(), xi.grad.clone(), grad_w.clone(), bias_grad
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])

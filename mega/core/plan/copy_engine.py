@@ -1,5 +1,7 @@
 """The copy-engine split (``MEGA_TP_SPLIT_OVERLAP=copy-engine``,
-:mod:`mega.parallel.tensor.copy_engine_split`) as the planner counts it.
+:mod:`mega.parallel.tensor.copy_engine_split`, and without sequence parallelism its all-reduces,
+:mod:`mega.parallel.tensor.copy_engine_reduce`, which use the split's transport) as the planner
+counts it.
 
 On the meta device no inbox, stream or signal exists, and the split's bodies would take the NCCL
 split (its collectives counted whole, as if nothing ran beside them). While planning, the split
@@ -7,8 +9,8 @@ runs its copy-engine bodies with the transport replaced: each pass records the b
 its copies (one per peer, each with the copy's fixed cost) and the FLOPs of the GEMMs that run
 beside them (``Work.beside``); the time model shows only the transfer's part longer than those
 GEMMs. The blocks that arrive are meta tensors of the block's shape. Not counted: the inboxes'
-memory (five per group, a slot per rank: ~160 MiB a GPU for the 1.3B GPT at TP2, micro-batch 4)
-and the signal kernels' launches. The plan takes the copy engine as asked: a run whose tensor-
+memory (five per group with SP, a slot per rank: ~160 MiB a GPU for the 1.3B GPT at TP2,
+micro-batch 4; without SP two per chunk pair, ~128 MiB) and the signal kernels' launches. The plan takes the copy engine as asked: a run whose tensor-
 parallel ranks span hosts (or a CPU run) takes the NCCL split instead, which this does not see.
 """
 

@@ -72,13 +72,15 @@ def _sum_arrived(inbox: Any, own: torch.Tensor, out: torch.Tensor) -> None:
         out.add_(blocks[q])
 
 
-def all_reduced_rows(
-    partial: Any, rows: int, like: torch.Tensor, group: Any, direction: str, beside: Any = None
+def _all_reduced_rows(
+    partial: Any, like: torch.Tensor, features: int, group: Any, direction: str, beside: Any = None
 ) -> tuple[torch.Tensor, Any]:
-    """``[rows, features]`` summed over the group, where ``partial(chunk, out)`` writes this
-    rank's partial sum of a row range into ``out``; each chunk leaves as soon as it is written,
-    ``beside()`` runs (its result returned) while the last ones travel."""
-    own, out = like.new_empty(rows, like.shape[-1]), like.new_empty(rows, like.shape[-1])
+    """``[rows of like, features]`` summed over the group (``like``'s dtype and device), where
+    ``partial(chunk, out)`` writes this rank's partial sum of a row range into ``out``; each
+    chunk leaves as soon as it is written, ``beside()`` runs (its result returned) while the
+    last ones travel."""
+    rows = like.shape[0]
+    own, out = like.new_empty(rows, features), like.new_empty(rows, features)
     chunks = _chunks(rows)
     inboxes = []
     for c, chunk in enumerate(chunks):
@@ -101,8 +103,7 @@ def _row_forward_body(x_2d: torch.Tensor, weight: torch.Tensor, name: str) -> to
     def partial(chunk: slice, out: torch.Tensor) -> None:
         torch.mm(x_2d[chunk], weight.t(), out=out)
 
-    like = x_2d.new_empty(0, weight.shape[0])
-    return all_reduced_rows(partial, x_2d.shape[0], like, group, "row-reduce")[0]
+    return _all_reduced_rows(partial, x_2d, weight.shape[0], group, "row-reduce")[0]
 
 
 _row_forward = OpaqueWhenTraced("mega::row_reduce_forward", _row_forward_body)
@@ -162,9 +163,7 @@ def column_backward(
     def partial(chunk: slice, out: torch.Tensor) -> None:
         torch.mm(grad_2d[chunk], weight, out=out)
 
-    like = x_2d.new_empty(0, weight.shape[1])
-
     def beside() -> Any:
         return wgrad(grad_2d, x_2d)
 
-    return all_reduced_rows(partial, x_2d.shape[0], like, group, "column-reduce", beside)
+    return _all_reduced_rows(partial, x_2d, weight.shape[1], group, "column-reduce", beside)
