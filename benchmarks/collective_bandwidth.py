@@ -1,5 +1,5 @@
 """The NCCL collectives tensor parallelism runs, timed alone: all-reduce, all-gather and
-reduce-scatter of one TP activation (default ``[4, 2048, 2048]`` bf16, 32 MiB: the 1.3B GPT's
+reduce-scatter (and the all-to-all of equal blocks, the MoE's padded trip) of one TP activation (default ``[4, 2048, 2048]`` bf16, 32 MiB: the 1.3B GPT's
 micro-batch) on every GPU of this machine, or the first ``--gpus``.
 
     torchrun --nproc-per-node 2 benchmarks/collective_bandwidth.py
@@ -114,7 +114,11 @@ def main() -> None:
         full = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         part = full.chunk(world)[rank].contiguous()
         nbytes = full.numel() * full.element_size()
-        gathered, scattered = torch.empty_like(full), torch.empty_like(part)
+        gathered, scattered, exchanged = (
+            torch.empty_like(full),
+            torch.empty_like(part),
+            torch.empty_like(full),
+        )
         runs = {
             "all_reduce": (partial(dist.all_reduce, full), 2 * (world - 1) / world),
             "all_gather": (
@@ -123,6 +127,11 @@ def main() -> None:
             ),
             "reduce_scatter": (
                 partial(dist.reduce_scatter_tensor, scattered, full),
+                (world - 1) / world,
+            ),
+            # equal blocks, block q to rank q: the MoE's padded trip (each rank's routed rows)
+            "all_to_all": (
+                partial(dist.all_to_all_single, exchanged, full),
                 (world - 1) / world,
             ),
         }
