@@ -7,6 +7,11 @@ without asking anyone: ``dispatch_rows`` must bring, expert-major, each source's
 local expert, and say where each block lies; ``combine_rows`` of rows scaled by the expert
 rank's ``rank + 1`` must return each row scaled by its destination's; both gradients are the
 opposite trips. Prints one line per rank when all holds.
+
+``MEGA_FLEX_TRANSPORT=peer-rows`` on CPU ranks: the trip is gloo's all-to-all of the whole
+blocks with every row past a block's real ones made NaN on arrival (what a peer-rows trip leaves
+there is whatever its inbox held): the contract holds only if the real rows' counts are right
+and the padded maps never read past them.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mega.parallel.distributed import finish_job, leave_job
-from mega.parallel.expert import copy_engine_exchange
+from mega.parallel.expert import copy_engine_exchange, padded_exchange
 from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
 from mega.parallel.expert.split_exchange import (
     arrival_align,
@@ -25,6 +30,7 @@ from mega.parallel.expert.split_exchange import (
     dispatch_rows,
     expert_groups,
 )
+from mega.parallel.tensor import copy_engine_split
 
 ROWS, HIDDEN, LOCAL = 24, 16, int(os.environ.get("FLEX_LOCAL", "2"))
 
@@ -71,6 +77,24 @@ def expected_arrival(
     return [blocks[key] for key in order], [sizes[key] for key in order], firsts
 
 
+def _garbage_past_the_real_rows(x: torch.Tensor, group, real=None) -> torch.Tensor:  # noqa: ANN001
+    """A peer-rows trip on CPU ranks (module docstring): gloo carries the whole blocks, then
+    every row past the real ones of each arrived block is NaN; what the sender says it sends
+    must be what the receiver expects."""
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    if real is None:  # a trip of whole blocks (the counts)
+        return out
+    send_rows, recv_rows = real
+    sent_here = torch.empty_like(send_rows)
+    dist.all_to_all_single(sent_here, send_rows.contiguous(), group=group)
+    assert torch.equal(sent_here, recv_rows), (sent_here, recv_rows)
+    blocks = out.view(group.size(), x.shape[0] // group.size(), *x.shape[1:])
+    for q, rows in enumerate(recv_rows.tolist()):
+        blocks[q, rows:] = float("nan")
+    return out
+
+
 def main() -> None:
     cuda = torch.cuda.is_available() and os.environ.get("FLEX_DEVICE", "cpu") == "cuda"
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -79,8 +103,14 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     group = dist.group.WORLD
-    if cuda and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # not the fallback
+    transport = os.environ.get("MEGA_FLEX_TRANSPORT")
+    if cuda and transport == "copy-engine":  # not the fallback
         assert copy_engine_usable(group, torch.zeros(1, device=device))
+    if cuda and transport == "peer-rows":
+        assert copy_engine_exchange.peer_rows_usable(group, torch.zeros(1, device=device))
+    if not cuda and transport == "peer-rows":
+        padded_exchange.peer_rows_usable = lambda group, like: True
+        copy_engine_exchange._trip = _garbage_past_the_real_rows
     for call in range(3):
         rows, splits = made(rank, n, call, device)
         rows.requires_grad_(True)
@@ -111,8 +141,8 @@ def main() -> None:
         factor = (destination + 1).to(rows.dtype).unsqueeze(1)
         torch.testing.assert_close(returned, rows.detach() * factor, rtol=0, atol=0)
         torch.testing.assert_close(rows.grad, grad * factor, rtol=0, atol=0)
-    if cuda and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # the op ran
-        assert copy_engine_exchange._INBOXES, "no copy-engine trip ran"
+    if cuda and transport in ("copy-engine", "peer-rows"):  # the op ran
+        assert any(key[1] == "flex" for key in copy_engine_split._INBOXES), "no such trip ran"
     print(f"rank {rank}: flex trips hold their contract", flush=True)
     finish_job()  # the symmetric buffers freed on every rank at once (a collective free)
     leave_job()  # the group destroyed and collected: gloo's threads joined, not torn down at exit

@@ -25,11 +25,11 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 from mega.parallel.distributed import finish_job, leave_job
-from mega.parallel.expert import copy_engine_exchange
-from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
+from mega.parallel.expert.copy_engine_exchange import copy_engine_usable, peer_rows_usable
 from mega.parallel.expert.dispatchers import AllToAllDispatcher, DeviceSplitDispatcher
 from mega.parallel.expert.local import local_mixture
 from mega.parallel.expert.validate import padded_trips
+from mega.parallel.tensor import copy_engine_split
 from mega.plugins.models.common.moe import GroupedExperts, Routing
 
 GPU = os.environ.get("MOE_GPU") == "1"
@@ -123,11 +123,13 @@ def main() -> None:
         # frames compiled, graphs or not (a frame without ops, recompiled, counts here only)
         frames.append((counter.frame_count, counters["frames"]["total"]))
     assert frames == frames[:1] * 4, frames  # compiled once, whatever the routing
-    if GPU and os.environ.get("MEGA_FLEX_TRANSPORT") == "copy-engine":  # not the fallback
-        assert copy_engine_usable(dist.group.WORLD, torch.zeros(1, device=DEVICE))
-        assert copy_engine_exchange._INBOXES, "no copy-engine trip ran"
+    transport = os.environ.get("MEGA_FLEX_TRANSPORT")
+    if GPU and transport in ("copy-engine", "peer-rows"):  # not the fallback
+        usable = {"copy-engine": copy_engine_usable, "peer-rows": peer_rows_usable}[transport]
+        assert usable(dist.group.WORLD, torch.zeros(1, device=DEVICE))
+        assert any(key[1] == "flex" for key in copy_engine_split._INBOXES), "no such trip ran"
         assert counter.frame_count == 1, frames  # the trips opaque ops in one graph
-        print(f"rank {rank}: the copy engine carried the compiled layer's trips", flush=True)
+        print(f"rank {rank}: symmetric memory carried the compiled layer's trips", flush=True)
     if DISPATCHER == "flex-overlap" and padded_trips() and GPU:  # pipelined: traced whole
         assert counter.frame_count == 1, frames
         print(f"rank {rank}: the pipelined dispatch is one graph", flush=True)

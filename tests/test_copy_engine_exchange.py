@@ -13,8 +13,9 @@ from mega.testing.ranks import run_ranks
 ROWS, HIDDEN = 6, 5  # rows per block
 
 
-def _gloo_trip(x: torch.Tensor, group) -> torch.Tensor:  # noqa: ANN001
-    """What ``_trip`` does by the copy engine, by gloo: block ``q`` to rank ``q``."""
+def _gloo_trip(x: torch.Tensor, group, real=None) -> torch.Tensor:  # noqa: ANN001
+    """What ``_trip`` does by the copy engine, by gloo: block ``q`` to rank ``q`` (whole: the
+    tests give ``peer_rows_exchange`` every row as real)."""
     import torch.distributed as dist
 
     out = torch.empty_like(x)
@@ -39,13 +40,20 @@ def _wiring(rank: int, world_size: int) -> list[float]:
     def through_op(t: torch.Tensor) -> torch.Tensor:
         return ce.copy_engine_exchange(t * 2.0, group.group_name) * weight
 
+    every = torch.full((world_size,), ROWS)
+
+    def through_rows(t: torch.Tensor) -> torch.Tensor:
+        return ce.peer_rows_exchange(t * 2.0, every, every, group.group_name) * weight
+
     def through_c10d(t: torch.Tensor) -> torch.Tensor:
         return exchange_rows(t * 2.0, [ROWS] * world_size, [ROWS] * world_size, group) * weight
 
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(through_op, backend=counter, fullgraph=True)
+    rows_counter = CompileCounterWithBackend("aot_eager")
+    compiled_rows = torch.compile(through_rows, backend=rows_counter, fullgraph=True)
     results = []
-    for f in (through_c10d, through_op, compiled):
+    for f in (through_c10d, through_op, compiled, through_rows, compiled_rows):
         leaf = x.clone().requires_grad_(True)
         out = f(leaf)
         out.sum().backward()
@@ -56,6 +64,8 @@ def _wiring(rank: int, world_size: int) -> list[float]:
     # one graph, the trip an opaque op in it (not its Python body, which would not trace)
     (graph,) = counter.graphs
     assert "copy_engine_exchange" in graph.code, graph.code
+    (graph,) = rows_counter.graphs
+    assert "peer_rows_exchange" in graph.code, graph.code
     dist.destroy_process_group()
     return [float(results[0][0].sum())]
 
@@ -76,16 +86,30 @@ def test_the_fake_gives_the_shape_and_the_gradient_takes_the_same_trip():
     assert x.grad.shape == x.shape
 
 
+def test_the_peer_rows_fake_gives_the_shape_and_its_gradient_swaps_the_counts():
+    from mega.parallel.expert.copy_engine_exchange import peer_rows_exchange
+
+    x = torch.empty(8, 3, device="meta", requires_grad=True)
+    sent, arrived = torch.empty(2, dtype=torch.int64, device="meta"), torch.empty(2, device="meta")
+    y = peer_rows_exchange(x, sent, arrived, "no group: the fake runs")
+    assert y.shape == x.shape and y.device.type == "meta"
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
 def _usable(rank: int, world_size: int) -> bool:
     import torch.distributed as dist
 
-    from mega.parallel.expert.copy_engine_exchange import copy_engine_usable
+    from mega.parallel.expert.copy_engine_exchange import copy_engine_usable, peer_rows_usable
 
     dist.init_process_group("gloo")
-    usable = copy_engine_usable(dist.group.WORLD, torch.zeros(1))
+    usable = copy_engine_usable(dist.group.WORLD, torch.zeros(1)) or peer_rows_usable(
+        dist.group.WORLD, torch.zeros(1)
+    )
     dist.destroy_process_group()
     return usable
 
 
-def test_cpu_ranks_asking_for_the_copy_engine_take_the_group_all_to_all():
-    assert run_ranks(_usable, 2, env={"MEGA_FLEX_TRANSPORT": "copy-engine"}) == [False, False]
+@pytest.mark.parametrize("transport", ["copy-engine", "peer-rows"])
+def test_cpu_ranks_asking_for_symmetric_memory_take_the_group_all_to_all(transport: str):
+    assert run_ranks(_usable, 2, env={"MEGA_FLEX_TRANSPORT": transport}) == [False, False]

@@ -71,15 +71,19 @@ def test_moe_is_refused_unless_flex_in_order(args):
     assert len(found) == 1 and "an MoE model unless its tokens go by" in found[0], found
 
 
-@pytest.mark.parametrize("transport", ["split", "copy-engine"])
-def test_moe_flex_over_other_transports_is_refused(monkeypatch, transport):
+def test_moe_flex_over_nvshmem_is_refused(monkeypatch):
     config = graphs_config(*MOE, "--moe-token-dispatcher-type", "flex")
-    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "split")
     found = cuda_graph_problems(config, on_cpu=False)
-    assert len(found) == 1 and "MEGA_FLEX_TRANSPORT auto or padded" in found[0], found
+    assert (
+        len(found) == 1 and "MEGA_FLEX_TRANSPORT auto, padded, copy-engine or peer-rows" in found[0]
+    ), found
 
 
-def test_moe_flex_over_the_padded_trips_may_use_graphs():
+@pytest.mark.parametrize("transport", ["auto", "padded", "copy-engine", "peer-rows"])
+def test_moe_flex_over_the_padded_trips_may_use_graphs(monkeypatch, transport):
+    """Whatever carries the padded blocks: NCCL, or the inbox whose tokens end where they began."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
     ep2 = ["--expert-model-parallel-size", "2", "--nproc-per-node", "2"]
     assert (
         cuda_graph_problems(

@@ -23,11 +23,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine"])
+@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine", "peer-rows"])
 @pytest.mark.parametrize("local", [1, 4])
 def test_the_flex_trips_hold_their_contract_on_gpus_without_a_host_sync(local: int, transport: str):
     """Over NVSHMEM (``split``), over NCCL's all-to-all of fixed splits (``padded``) and the same
-    blocks by the copy engine (``copy-engine``; the worker checks it is not the fallback)."""
+    blocks by the copy engine (``copy-engine``) and their real rows by a kernel (``peer-rows``;
+    the worker checks neither is the fallback)."""
     env = {**NO_MULTICAST, "FLEX_DEVICE": "cuda", "FLEX_LOCAL": str(local)}
     env["MEGA_FLEX_TRANSPORT"] = transport
     stdout = run_workers("flex_exchange_worker.py", 2, env)
@@ -73,7 +74,7 @@ def test_every_flex_trip_reads_its_blocks_from_their_places_idle_busy_and_empty_
         assert f"race probe {mode}: 200 trips on 2 ranks, 0 wrong" in stdout, stdout
 
 
-@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine"])
+@pytest.mark.parametrize("transport", ["split", "padded", "copy-engine", "peer-rows"])
 def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm(transport: str):
     """The flex dispatcher with the grouped GEMM in bf16, compiled by Inductor, against itself
     eager and against every expert on one GPU, over four routings (tests/
@@ -85,8 +86,8 @@ def test_the_compiled_flex_layer_matches_eager_and_one_gpu_with_the_grouped_gemm
     }  # fmt: skip
     stdout = run_workers("moe_dispatch_compile_worker.py", 2, env)
     assert stdout.count("matches eager and one process") == 2, stdout[-2000:]
-    if transport == "copy-engine":
-        assert stdout.count("the copy engine carried the compiled layer's trips") == 2, stdout
+    if transport in ("copy-engine", "peer-rows"):
+        assert stdout.count("symmetric memory carried the compiled layer's trips") == 2, stdout
 
 
 def test_the_pipelined_flex_layer_is_one_graph_and_matches_eager_and_one_gpu():

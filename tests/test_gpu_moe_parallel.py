@@ -117,6 +117,18 @@ def test_flex_by_the_copy_engine_matches_one_gpu(
     _matches_one_gpu(tmp_path, "ep2-flex-copy-engine", flags, one_gpu)
 
 
+def test_flex_by_peer_rows_matches_one_gpu(
+    tmp_path: Path, one_gpu: tuple[list[float], list[float]], monkeypatch: pytest.MonkeyPatch
+):
+    """``MEGA_FLEX_TRANSPORT=peer-rows``: only the padded blocks' real rows written into the
+    peer's symmetric memory by a kernel (tests/test_gpu_moe_flex.py checks the kernel, not the
+    fallback, ran)."""
+    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "peer-rows")
+    monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the machines' rule
+    flags = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "flex"]
+    _matches_one_gpu(tmp_path, "ep2-flex-peer-rows", flags, one_gpu)
+
+
 def _matches_one_gpu(
     tmp_path: Path, name: str, flags: list[str], one_gpu: tuple[list[float], list[float]]
 ) -> None:

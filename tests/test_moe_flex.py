@@ -23,13 +23,16 @@ from conftest import run_mega, run_workers
         (2, 2, "padded"),
         (3, 3, "padded"),
         (2, 2, "copy-engine"),
+        (2, 2, "peer-rows"),
+        (3, 2, "peer-rows"),
     ],
 )
 def test_the_flex_trips_bring_each_block_to_its_expert_and_back(
     ranks: int, local: int, transport: str
 ):
     """c10d's exact splits (``split``; ``auto`` on CPU ranks) and the all-to-alls of fixed splits
-    (``padded``; ``copy-engine``, which CPU ranks carry so)."""
+    (``padded``; ``copy-engine``, which CPU ranks carry so; ``peer-rows`` with every row past
+    the real ones NaN on arrival)."""
     env = {"FLEX_LOCAL": str(local), "MEGA_FLEX_TRANSPORT": transport}
     stdout = run_workers("flex_exchange_worker.py", ranks, env)
     assert stdout.count("flex trips hold their contract") == ranks, stdout[-2000:]
@@ -81,7 +84,7 @@ def test_an_unknown_flex_transport_is_one_error_line(tmp_path: Path, monkeypatch
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         "error: MEGA_FLEX_TRANSPORT='carrier-pigeon': must be one of auto, padded, split,"
-        " copy-engine"
+        " copy-engine, peer-rows"
     ], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
@@ -196,8 +199,8 @@ def test_the_overlap_is_refused_before_launch_on_gpus(monkeypatch):
     runs only). ``MEGA_FLEX_OVERLAP_ON_GPUS=1`` runs it over the padded trips, never over
     NVSHMEM; CPU ranks run either (their tests)."""
     from mega.parallel.expert.validate import (
+        OVERLAP_IN_ORDER_ONLY,
         OVERLAP_ON_GPUS,
-        OVERLAP_OVER_COPY_ENGINE,
         OVERLAP_OVER_NVSHMEM,
         flex_gpu_problems,
     )
@@ -212,11 +215,15 @@ def test_the_overlap_is_refused_before_launch_on_gpus(monkeypatch):
     for transport in ("auto", "padded"):
         monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
         assert flex_gpu_problems(config) == [], transport
-    # the copy engine carries the trips in order only, whatever MEGA_FLEX_OVERLAP_ON_GPUS says
-    monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "copy-engine")
-    assert flex_gpu_problems(config) == [OVERLAP_OVER_COPY_ENGINE]
-    monkeypatch.delenv("MEGA_FLEX_OVERLAP_ON_GPUS")
-    assert flex_gpu_problems(config) == [OVERLAP_ON_GPUS, OVERLAP_OVER_COPY_ENGINE]
+    # symmetric memory's inbox carries the trips in order only, whatever
+    # MEGA_FLEX_OVERLAP_ON_GPUS says
+    for transport in ("copy-engine", "peer-rows"):
+        monkeypatch.setenv("MEGA_FLEX_OVERLAP_ON_GPUS", "1")
+        monkeypatch.setenv("MEGA_FLEX_TRANSPORT", transport)
+        in_order = OVERLAP_IN_ORDER_ONLY.format(transport)
+        assert transport in in_order and flex_gpu_problems(config) == [in_order]
+        monkeypatch.delenv("MEGA_FLEX_OVERLAP_ON_GPUS")
+        assert flex_gpu_problems(config) == [OVERLAP_ON_GPUS, in_order]
     config.model.overlap_moe_expert_parallel_comm = False
     assert flex_gpu_problems(config) == []
     monkeypatch.setenv("MEGA_FLEX_TRANSPORT", "split")

@@ -6,9 +6,10 @@ never measured under graphs:
 
 - dropout: its random states (the tensor-parallel RNG tracker's forks) are switched in Python;
 - MoE layers, unless their tokens go by ``--moe-token-dispatcher-type flex`` over the padded
-  trips (fixed shapes, counts on the GPU, one all-to-all of fixed splits each way): the other
-  dispatchers set shapes on the host, NVSHMEM's and the copy engine's trips were never
-  captured, and the overlapped trips run on a side stream or break the graph;
+  trips (fixed shapes, counts on the GPU, one exchange of fixed blocks each way, by NCCL, the
+  copy engine or the peer-rows kernel, whose inbox's tokens end each trip where they began):
+  the other dispatchers set shapes on the host, NVSHMEM's trips were never captured, and the
+  overlapped trips run on a side stream or break the graph;
 - pipeline schedules: several micro-batches' forwards wait for their backwards, which inductor's
   graph trees run outside their graphs (slower, not wrong; not measured);
 - context parallelism (its ring has graphs of its own, ``MEGA_CP_RING_GRAPHS``), full recompute
@@ -59,17 +60,17 @@ def cuda_graph_problems(config: Any, on_cpu: bool) -> list[str]:
 
 _MOE = (
     "an MoE model unless its tokens go by --moe-token-dispatcher-type flex over the padded trips"
-    " (MEGA_FLEX_TRANSPORT auto or padded) in order (no --overlap-moe-expert-parallel-comm):"
+    " (MEGA_FLEX_TRANSPORT auto, padded, copy-engine or peer-rows) in order (no --overlap-moe-expert-parallel-comm):"
     " the other dispatchers set shapes on the host"
 )
 
 
 def _flex_over_padded_trips(model: Any) -> bool:
     """Whether the MoE layers' tokens travel by flex's padded all-to-alls, in order."""
-    from mega.parallel.expert.validate import flex_transport
+    from mega.parallel.expert.validate import PADDED_TRANSPORTS, flex_transport
 
     return (
         getattr(model, "moe_token_dispatcher_type", None) == "flex"
-        and flex_transport() in ("auto", "padded")
+        and flex_transport() in ("auto", *PADDED_TRANSPORTS)
         and not getattr(model, "overlap_moe_expert_parallel_comm", False)
     )

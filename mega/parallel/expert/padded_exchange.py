@@ -31,7 +31,12 @@ from typing import Any
 import torch
 
 from mega.parallel.expert.collectives import exchange_rows
-from mega.parallel.expert.copy_engine_exchange import copy_engine_exchange, copy_engine_usable
+from mega.parallel.expert.copy_engine_exchange import (
+    copy_engine_exchange,
+    copy_engine_usable,
+    peer_rows_exchange,
+    peer_rows_usable,
+)
 from mega.parallel.functional_comm import start_exchange, wait
 
 # Each expert's rows start at a multiple of 8 rows here (16 bytes of bf16): the grouped GEMM's
@@ -81,10 +86,15 @@ class _Rows(torch.autograd.Function):
         return _take(grad, back), None, None
 
 
-def _blocks(x: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+def _blocks(
+    x: torch.Tensor, group: Any, n: int, real: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """``x``'s ``n`` equal blocks of rows, block ``q`` to rank ``q``: by the copy engine where
-    ``MEGA_FLEX_TRANSPORT=copy-engine`` can use it (:mod:`.copy_engine_exchange`), else by the
-    group's all-to-all."""
+    ``MEGA_FLEX_TRANSPORT=copy-engine`` can use it (:mod:`.copy_engine_exchange`), by a kernel
+    writing block ``q``'s first ``real[0][q]`` rows where ``peer-rows`` can (``real[1][q]``: the
+    real rows of the block from ``q``), else by the group's all-to-all."""
+    if real is not None and peer_rows_usable(group, x):
+        return peer_rows_exchange(x, real[0], real[1], group.group_name)
     if copy_engine_usable(group, x):
         return copy_engine_exchange(x, group.group_name)
     rows = x.shape[0] // n
@@ -225,8 +235,8 @@ def dispatch(
     torch._assert_async(splits.sum() == s)
     into, out_of = _send_maps(splits, n, local, s)
     send = _Rows.apply(rows, into, out_of)
-    received = _blocks(send, group, n)
-    counts = _blocks(splits.view(n, local), group, n)
+    counts = _blocks(splits.view(n, local), group, n)  # first: peer-rows sends by them
+    received = _blocks(send, group, n, real=(splits.view(n, local).sum(1), counts.sum(1)))
     into, out_of, layout = _arrival_maps(counts, n, local, s)
     return _Rows.apply(received, into, out_of), layout
 
@@ -245,6 +255,7 @@ def combine(
     s = (outputs.shape[0] - local * GROUP_ALIGN) // n
     counts = layout[0].view(local, n).t()
     into, out_of, _ = _arrival_maps(counts, n, local, s)
-    back = _blocks(_Rows.apply(outputs, out_of, into), group, n)
+    real = (counts.sum(1), splits.view(n, local).sum(1))  # each source's rows go back to it
+    back = _blocks(_Rows.apply(outputs, out_of, into), group, n, real=real)
     into, out_of = _send_maps(splits, n, local, s)
     return _Rows.apply(back, out_of, into)

@@ -18,9 +18,13 @@ if TYPE_CHECKING:
 # "copy-engine": the padded trips, their blocks copied into the peers' symmetric memory by the
 # copy engine where the group's GPUs share a host (mega.parallel.expert.copy_engine_exchange;
 # elsewhere, CPU ranks included, the group's all-to-all as "padded"); in order only.
+# "peer-rows": the same, but only each block's real rows cross, written by a kernel (the
+# padding's bytes stay home); in order only.
 FLEX_TRANSPORT_ENV = "MEGA_FLEX_TRANSPORT"
-FLEX_TRANSPORTS = ("auto", "padded", "split", "copy-engine")  # the first is the default
-PADDED_TRANSPORTS = ("padded", "copy-engine")  # the padded trips' maps, whatever carries them
+FLEX_TRANSPORTS = ("auto", "padded", "split", "copy-engine", "peer-rows")  # first: the default
+# the padded trips' maps, whatever carries them
+PADDED_TRANSPORTS = ("padded", "copy-engine", "peer-rows")
+IN_ORDER_TRANSPORTS = ("copy-engine", "peer-rows")  # symmetric memory's inbox: no overlap
 
 
 def flex_transport() -> str:
@@ -137,9 +141,9 @@ OVERLAP_ON_GPUS = (
     " trained EP2 at 0.48x of DP2 against 0.85x in order, its pipelined one at 0.87x against"
     " 0.90x (docs/moe.md)"
 )
-OVERLAP_OVER_COPY_ENGINE = (
-    "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=copy-engine: the copy engine"
-    " carries the trips in order only"
+OVERLAP_IN_ORDER_ONLY = (
+    "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT={}: its inbox in symmetric"
+    " memory carries the trips in order only"
 )
 OVERLAP_OVER_NVSHMEM = (
     "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=split: over NVSHMEM the"
@@ -163,8 +167,8 @@ def flex_gpu_problems(config: Any) -> list[str]:
         return []
     overlap = bool(getattr(model, "overlap_moe_expert_parallel_comm", False))
     errors = [OVERLAP_ON_GPUS] if overlap and os.environ.get(OVERLAP_ON_GPUS_ENV) != "1" else []
-    if overlap and flex_transport() == "copy-engine":
-        errors.append(OVERLAP_OVER_COPY_ENGINE)
+    if overlap and flex_transport() in IN_ORDER_TRANSPORTS:
+        errors.append(OVERLAP_IN_ORDER_ONLY.format(flex_transport()))
     if padded_trips(on_gpus=True):  # NCCL's all-to-all: none of NVSHMEM's limits
         return errors
     if overlap and not errors:

@@ -42,6 +42,7 @@ arrive (the previous rank's first), not NCCL's.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,15 +123,25 @@ def inbox_for(group: Any, direction: str, like: torch.Tensor) -> _Inbox:
     return inbox
 
 
-def send_blocks(inbox: _Inbox, blocks: dict[int, torch.Tensor]) -> None:
+def send_blocks(
+    inbox: _Inbox,
+    blocks: dict[int, torch.Tensor],
+    copy: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+) -> None:
     """On the side stream, after what the current stream has queued: ``blocks[q]`` into slot
-    ``me`` of ``q``'s inbox once ``q`` has read the last one there, then ``q``'s ready token."""
+    ``me`` of ``q``'s inbox once ``q`` has read the last one there, then ``q``'s ready token.
+    ``copy(q, slot, block)`` writes it where the whole block need not cross (the MoE's
+    peer-rows trips: its real rows only); by default the copy engine copies it whole."""
     handle, me = inbox.handle, inbox.handle.rank
     inbox.side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(inbox.side):
         for q in inbox.peers:
             handle.wait_signal(q, _FREE, _TIMEOUT_MS)
-            inbox.slot(q, me, blocks[q]).copy_(blocks[q])
+            slot = inbox.slot(q, me, blocks[q])
+            if copy is None:
+                slot.copy_(blocks[q])
+            else:
+                copy(q, slot, blocks[q])
             handle.put_signal(q, _READY, _TIMEOUT_MS)
 
 
