@@ -154,19 +154,15 @@ def test_a_units_compile_options_come_from_its_modules(monkeypatch):
     assert options[id(gpt.decoder.layers[0])] is None
 
 
-def test_the_flex_dispatcher_asks_its_layer_for_its_trips_schedule():
-    """The flex dispatcher's trips rely on inductor's passes (its default schedule waits at
-    once: flex_schedule): in order raise_comms and sink_waits (the weight gradients beside the
-    backward's last trip), with ``--overlap-moe-expert-parallel-comm`` sink_waits (the pipelined
-    trips); the MoE layer carries the dispatcher's options, so ``--compile`` passes them."""
+def test_the_overlapped_flex_dispatcher_asks_its_layer_for_sink_waits():
+    """``--overlap-moe-expert-parallel-comm``: the flex dispatcher's pipelined trips rely on
+    inductor's sink_waits pass (its default schedule waits at once: flex_schedule); the MoE
+    layer carries the dispatcher's options, so ``--compile`` passes them."""
     from types import SimpleNamespace
 
     from mega.parallel.expert.apply import apply_expert_parallel
     from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
-    from mega.parallel.expert.flex_schedule import (
-        IN_ORDER_COMPILE_OPTIONS,
-        PIPELINED_COMPILE_OPTIONS,
-    )
+    from mega.parallel.expert.flex_schedule import PIPELINED_COMPILE_OPTIONS
 
     layer = torch.nn.Module()
     layer.experts = torch.nn.Linear(2, 2)
@@ -179,7 +175,7 @@ def test_the_flex_dispatcher_asks_its_layer_for_its_trips_schedule():
         expert_model_parallel_size=2, tensor_model_parallel_size=1,
         group=lambda name: None, group_rank=lambda name: 0,
     )  # fmt: skip
-    for overlap, expected in ((False, IN_ORDER_COMPILE_OPTIONS), (True, PIPELINED_COMPILE_OPTIONS)):
+    for overlap, expected in ((False, None), (True, PIPELINED_COMPILE_OPTIONS)):
         layer.experts = torch.nn.Linear(2, 2)
         layer.experts.count = 2
         layer.__dict__.pop("compile_options", None)

@@ -133,15 +133,17 @@ def test_compiled_cp4_ring_matches_one_gpu(tmp_path: Path, one_gpu: dict, transp
 
 # the split collectives (mega.parallel.tensor.split_overlap) are meant for graphs: checked there
 # (and their copy-engine carriers, mega.parallel.tensor.copy_engine_split)
-GRAPHED = {
-    "tp2": {},
-    "tp2-sp": {},
-    "tp2-sp-split": {"MEGA_TP_SPLIT_OVERLAP": "1"},
-    "tp2-sp-split-copy": {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"},
+GRAPHED = {  # case: (layout, environment)
+    "tp2": ("tp2", {}),
+    "tp2-sp": ("tp2-sp", {}),
+    "tp2-sp-split": ("tp2-sp", {"MEGA_TP_SPLIT_OVERLAP": "1"}),
+    "tp2-sp-split-copy": ("tp2-sp", {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"}),
     # without sequence parallelism: the all-reduces by the copy engine (copy_engine_reduce)
-    "tp2-split-copy": {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"},
-    # the MoE over flex's padded trips (fixed shapes; the router's sums added in place)
-    "ep2-flex": {},
+    "tp2-split-copy": ("tp2", {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"}),
+    # the MoE over flex's padded trips (fixed shapes; the router's sums added in place), by
+    # NCCL and by the peer-rows kernel (the inbox's tokens replayed)
+    "ep2-flex": ("ep2-flex", {}),
+    "ep2-flex-peer-rows": ("ep2-flex", {"MEGA_FLEX_TRANSPORT": "peer-rows"}),
 }
 
 
@@ -150,9 +152,10 @@ def test_cuda_graphed_layers_match_the_compiled_run_and_exit(tmp_path: Path, cas
     """``--cuda-graph-impl local``: the compiled layers replayed as CUDA graphs (NCCL's collectives
     captured in them) train as the graph-free compiled run and one GPU do, and the run exits (it
     hung at exit on 2 H200 until mega destroyed the graphs before the process group)."""
-    model, flags = LAYOUTS[case.split("-split")[0]]
+    layout, env = GRAPHED[case]
+    model, flags = LAYOUTS[layout]
     args = [*model, *flags, "--nproc-per-node", "2", "--compile"]
-    graphed = curves(tmp_path, "graphed", [*args, "--cuda-graph-impl", "local"], GRAPHED[case])
+    graphed = curves(tmp_path, "graphed", [*args, "--cuda-graph-impl", "local"], env)
     plain = curves(tmp_path, "plain", args)
     report = {
         "vs_compiled": differences(graphed, plain),

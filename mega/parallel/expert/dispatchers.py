@@ -243,10 +243,6 @@ class DeviceSplitDispatcher:
         self.pipelined = pipelined
         self.name = group.group_name if group is not None else ""  # resolved outside traced code
         self._overlapped: Any = None  # the overlapped schedule, once turned on
-        from mega.parallel.expert import flex_schedule
-
-        # the layer's compile options (--compile): in order, each trip begun early and ended late
-        self.compile_options = flex_schedule.IN_ORDER_COMPILE_OPTIONS
         if overlap:
             self.overlap_trips()
 

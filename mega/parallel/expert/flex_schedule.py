@@ -212,18 +212,6 @@ PIPELINED_COMPILE_OPTIONS = {
     "reorder_for_compute_comm_overlap_passes": ["sink_waits"],
 }
 
-# In order, a layer's backward has compute its last trip need not wait for: the experts' weight
-# gradients, which inductor's graph puts after the expert input gradient that the trip carries
-# home. Its raise_comms pass begins each trip as soon as its input is ready and sink_waits ends
-# it at the first use, so the weight gradients' grouped GEMMs run beside the trip (CPU ranks,
-# torch 2.11 and 2.13: the backward's second trip begun before both weight-gradient GEMMs, its
-# wait after them; without the passes none; tests/in_order_overlap_worker.py). On 2 H200 the
-# backward's 24 such trips of a graphed EP2 step took ~0.25 ms each, exposed (2026-11-30).
-IN_ORDER_COMPILE_OPTIONS = {
-    "reorder_for_compute_comm_overlap": True,
-    "reorder_for_compute_comm_overlap_passes": ["raise_comms", "sink_waits"],
-}
-
 
 def pipelined(tokens: torch.Tensor, routing: Any, experts: Any, s: Shape) -> torch.Tensor:
     """Two chunks over the padded trips, each trip begun early and ended late on the one
