@@ -350,7 +350,13 @@ class GroupedExperts(nn.Module):
         ):
             offsets = torch.cumsum(counts, 0).to(torch.int32)
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(self._activation(hidden), w2.transpose(-2, -1), offs=offsets)
+            if self.swiglu and hidden.is_cuda:  # only the rows the GEMMs fill (flex's padding)
+                from mega.plugins.models.common.swiglu_rows import swiglu_rows
+
+                active = swiglu_rows(hidden, offsets[-1:])
+            else:
+                active = self._activation(hidden)
+            return torch._grouped_mm(active, w2.transpose(-2, -1), offs=offsets)
         if x.is_meta:
             pieces = x.split(balanced_rows(x.shape[0], self.count))
         elif traced():  # eager, each piece's rows unbacked: one graph for all counts
