@@ -46,6 +46,9 @@ FLEX_COPY_ENGINE = f"{FLEX}@MEGA_FLEX_TRANSPORT=copy-engine"
 # drop-and-pad (no host sync in the dispatch), against the dropless rows of the same run
 PADDED = f"{ALLTOALL} --moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity"
 GRAPHS = "--cuda-graph-impl=local"  # the compiled layers replayed as CUDA graphs
+# replayed as CUDA graphs, only the padded blocks' real rows crossing (session 54: EP2 0.958-0.976x
+# DP2 on 2 H200, issue 46's EP line)
+FLEX_PEER_ROWS_GRAPHS = f"{FLEX} {GRAPHS}@MEGA_FLEX_TRANSPORT=peer-rows"
 # and SP's split collectives carried by the copy engine (TP2 + SP 0.86x DP2 on 2 H200, 2026-11-30)
 COPY_SPLIT = f"{GRAPHS}@MEGA_TP_SPLIT_OVERLAP=copy-engine"
 LONG = "--seq-length {n} --max-position-embeddings {n}"
@@ -82,7 +85,7 @@ LAYOUTS = {
                ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8", f"tp2dp1-sp-mb8:{COPY_SPLIT}"]],
         "ep": [
             ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
-             f"ep2dp2:{PADDED}"]
+             f"ep2dp2:{PADDED}", f"ep2dp2:{FLEX_PEER_ROWS_GRAPHS}"]
         ],
         # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
         # takes about 300 s with it (2026-11-30 ran out at 265 s before it)
@@ -98,7 +101,7 @@ LAYOUTS = {
                 f"tp4-sp-mb16:{COPY_SPLIT}"]],
         "ep": [
             ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
-             f"ep4dp4:{PADDED}"]
+             f"ep4dp4:{PADDED}", f"ep4dp4:{FLEX_PEER_ROWS_GRAPHS}"]
         ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
         "cp16k_more": [["tp1dp4", "cp4@MEGA_CP_RING_GRAPHS=1", "cp4:--cp-comm-type=all_gather",

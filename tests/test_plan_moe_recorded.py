@@ -201,3 +201,39 @@ def test_two_h200_moe_acceptance_peak_memory_within_10_percent(row, monkeypatch)
 def test_two_h200_moe_acceptance_tokens_per_second_within_15_percent(row, monkeypatch):
     plan = _plan_acceptance(row, monkeypatch)
     assert plan.tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.15)
+
+
+# Session 54 on 2 H200 (85858c0): EP2 with --cuda-graph-impl local, flex over NCCL's padded trips
+# and over peer-rows (only the real rows cross; the plan counts the padded blocks at NCCL's
+# rate), and DP2 compiled beside them. The graphed EP2 rows are planned 4-9% fast (their
+# step is the GPU's: no host skew to wait for) and within 10% of their memory (0.94x); DP2
+# compiled and the graph-free EP2 rows of the same runs are planned 12-23% fast, DP2 outside
+# the bound as in ACCEPTANCE above (a strict xfail here too).
+SESSION_54 = (
+    "layouts_moe_2gpu_h200_peer_rows_swiglu_rows_2026-11-30.json",
+    "layouts_moe_2gpu_h200_peer_rows_r2_2026-11-30.json",
+)
+SESSION_54_MISS = "DP2 compiled planned 23% fast (see ACCEPTANCE's comment)"
+
+
+def _session_54_params() -> list:
+    params = []
+    for name in SESSION_54:
+        for row in json.loads((RESULTS / name).read_text())["results"]:
+            if row["layout"] == "tp1dp2":
+                marks = pytest.mark.xfail(strict=True, reason=SESSION_54_MISS)
+            elif "cuda-graph-impl" in row["layout"]:
+                marks = ()
+            else:
+                continue  # graph-free EP2: 1.12-1.20x, the host's skew (not modelled)
+            run = "r2" if "_r2_" in name else "r1"
+            params.append(pytest.param(row, id=f"{run}-{row['layout']}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("row", _session_54_params())
+def test_two_h200_graphed_ep2_within_15_percent_speed_and_10_percent_memory(row, monkeypatch):
+    plan = _plan_acceptance(row, monkeypatch)
+    for measured in row["peak_memory_gib_by_rank"]:
+        assert plan.peak_bytes / GIB == pytest.approx(measured, rel=0.10)
+    assert plan.tokens_per_second == pytest.approx(row["tokens_per_s"], rel=0.15)
