@@ -316,3 +316,11 @@ def test_the_padded_gathers_compile_to_their_eager_gradients():
     torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
     torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=0)
     assert eager_grad.abs().sum() > 0  # rows of x reached the output: a gradient to lose
+
+
+def test_the_copy_engine_refusals_old_name_still_works_with_a_warning():
+    from mega.parallel.expert import validate
+
+    with pytest.warns(DeprecationWarning, match="OVERLAP_IN_ORDER_ONLY"):
+        old = validate.OVERLAP_OVER_COPY_ENGINE
+    assert old == validate.OVERLAP_IN_ORDER_ONLY.format("copy-engine")

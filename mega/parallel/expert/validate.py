@@ -145,6 +145,23 @@ OVERLAP_IN_ORDER_ONLY = (
     "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT={}: its inbox in symmetric"
     " memory carries the trips in order only"
 )
+
+
+def __getattr__(name: str) -> str:
+    # the message's old name (until session 54 only copy-engine was in order only): kept a release
+    if name == "OVERLAP_OVER_COPY_ENGINE":
+        import warnings
+
+        warnings.warn(
+            "mega.parallel.expert.validate.OVERLAP_OVER_COPY_ENGINE is deprecated: use"
+            " OVERLAP_IN_ORDER_ONLY.format('copy-engine')",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return OVERLAP_IN_ORDER_ONLY.format("copy-engine")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 OVERLAP_OVER_NVSHMEM = (
     "--overlap-moe-expert-parallel-comm with MEGA_FLEX_TRANSPORT=split: over NVSHMEM the"
     " overlapped trips raced on 2 H200 (their outputs differed from flex in order)"

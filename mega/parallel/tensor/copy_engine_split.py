@@ -26,7 +26,10 @@ inboxes (one per group and direction, as large as the largest block seen) are ma
 rendezvous of the group, which cannot happen inside a graph's capture: the warm-up run that
 precedes every capture makes them. For two ranks the row forward's sum is the reduce-scatter's
 (one addition of the same two values); for more, the additions run in the order the blocks
-arrive (the previous rank's first), not NCCL's.
+arrive (the previous rank's first), not NCCL's. The same inboxes carry tensor parallelism's
+all-reduces without SP (:mod:`.copy_engine_reduce`) and the MoE's padded trips by the copy
+engine or the peer-rows kernel (:mod:`mega.parallel.expert.copy_engine_exchange`, direction
+``"flex"``).
 
 - row backward (``dX = gather(dY) W``; the weight gradient on the gathered dY): as the column
   forward, each block's dX rows as the block arrives, the block copied out of the inbox for the
