@@ -51,7 +51,8 @@ def inbox_for(group: Any, direction: str, like: torch.Tensor) -> _PlannedInbox:
     return _PlannedInbox(group)
 
 
-def send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor]) -> None:
+def send_blocks(inbox: _PlannedInbox, blocks: dict[int, torch.Tensor], copy: Any = None) -> None:
+    # ``copy`` (the MoE's peer-rows writes) never reaches the planner: on meta no peer copies
     inbox.sent, inbox.copies = sum(nbytes(block) for block in blocks.values()), len(blocks)
     inbox.flops_at_send = _work().matmul_flops
 

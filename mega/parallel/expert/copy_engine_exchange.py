@@ -12,7 +12,9 @@ direction), where the copy engine moved 32-64 MiB rank to rank in a ring of 4 H2
 GB/s (``collectives_ring_4gpu_h200_2026-11-28.json``, the CP ring's copy lane). Measured since
 (2 H200, 2026-11-30, session 50): right, and no faster than NCCL's trips (EP2 0.883x DP2
 against 0.875x): after the communicator fix a trip mostly waits for the other rank, so ``auto``
-keeps NCCL (docs/moe.md).
+keeps NCCL (docs/moe.md). Under CUDA graphs (``--cuda-graph-impl local``, session 54) the host's
+skew is gone and the trips are transfer-bound: whole blocks by the copy engine 0.944x DP2
+against NCCL's 0.932x, the real rows only (``peer-rows``, below) 0.958-0.976x.
 
 Each trip goes through the group's inbox of :mod:`mega.parallel.tensor.copy_engine_split` (a
 slot per sending rank in symmetric memory, *ready* and *free* tokens per peer, made by a
