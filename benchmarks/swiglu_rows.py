@@ -5,7 +5,9 @@ the activation Inductor generates over every row, forward and backward, on one G
 
 ``--rows`` the padded arrival (flex's EP2 arrival of issue 46's MoE at micro-batch 4 by
 default), ``--filled`` the share of it the grouped GEMM fills (EP2 with balanced routing: half).
-Per side the median of ``--iters`` timed calls (CUDA events) after ``--warmup``. Writes
+Per side ``--iters`` calls back to back between two CUDA events, the median of five such runs,
+after ``--warmup`` (the GPU's time: on 2026-12-01 a synchronize after each call timed the host's
+launches instead, 0.860 against 0.893 ms). Writes
 ``<out>/<name>_<date>.json`` with the commit, command and versions. First measured inside a GPU
 test at 85858c0 (2 H200, 2026-11-30): 0.489 ms against Inductor's 0.732 ms."""
 
@@ -13,28 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
+from gpu_timing import gpu_ms
 from result_file import write_json
-
-
-def timed(step, iters: int, warmup: int) -> float:  # noqa: ANN001
-    """Median milliseconds of ``step()``."""
-    import torch
-
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step()
-        stop.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -69,8 +54,14 @@ def main() -> None:
         return torch.nn.functional.silu(gate) * up
 
     compiled = torch.compile(activation)
-    ours = timed(lambda: swiglu_rows(hidden, end).backward(grad), args.iters, args.warmup)
-    inductor = timed(lambda: compiled(hidden).backward(grad), args.iters, args.warmup)
+
+    def forward_backward(fn) -> None:  # noqa: ANN001 - no .grad accumulated between calls
+        torch.autograd.grad(fn(), hidden, grad)
+
+    ours = gpu_ms(
+        lambda: forward_backward(lambda: swiglu_rows(hidden, end)), args.iters, args.warmup
+    )
+    inductor = gpu_ms(lambda: forward_backward(lambda: compiled(hidden)), args.iters, args.warmup)
     path = write_json(Path(args.out), args.name, {
         "rows": args.rows, "ffn": args.ffn, "filled_rows": int(end.item()),
         "results": {"swiglu_rows_ms": round(ours, 4), "inductor_every_row_ms": round(inductor, 4)},

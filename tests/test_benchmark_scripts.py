@@ -421,15 +421,24 @@ def test_overlap_contention_times_gemms_beside_each_collective_on_the_cpu(tmp_pa
         assert min(row[k] for k in ("gemms_alone_ms", "collective_alone_ms", "both_ms")) > 0
 
 
-@pytest.mark.parametrize("args", [["--filled", "0"], []], ids=["bad-share", "no-gpu"])
-def test_swiglu_rows_benchmark_refuses_in_one_line(tmp_path: Path, args: list[str]):
-    """Its kernels are Triton's: without a CUDA GPU (or with a share outside (0, 1]) one error
-    line, exit 2, no result file."""
+@pytest.mark.parametrize(
+    "script,args",
+    [
+        ("swiglu_rows.py", ["--filled", "0"]),
+        ("swiglu_rows.py", []),
+        ("grad_accumulation.py", ["--sizes", "0,x"]),
+        ("grad_accumulation.py", []),
+    ],
+    ids=["swiglu-bad-share", "swiglu-no-gpu", "accumulation-bad-sizes", "accumulation-no-gpu"],
+)
+def test_kernel_benchmarks_refuse_in_one_line(tmp_path: Path, script: str, args: list[str]):
+    """The kernel benchmarks time CUDA kernels: without a CUDA GPU (or with a bad argument) one
+    error line, exit 2, no result file."""
     import torch
 
     if not args and torch.cuda.is_available():
         pytest.skip("a CUDA GPU is here: the benchmark runs")
-    command = [sys.executable, str(ROOT / "benchmarks" / "swiglu_rows.py"), "--out", str(tmp_path)]
+    command = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(tmp_path)]
     proc = subprocess.run([*command, *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.strip()][-1].startswith("error: ")

@@ -17,8 +17,8 @@ overwriting and adding per micro-batch, nor set the flag that tells the hook the
 written. So the buffer zeroes ``main_grad`` at the start of each step (one memset), every GEMM
 adds, and the flag set at capture stays set (Megatron zeroes its buffers every step too).
 
-The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (gloo has no
-PREMUL_SUM): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
+The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (inside NCCL's
+kernel, its PREMUL_SUM; by a pass before it on gloo, which has none): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
 the reduced slice it owns (``shard``). Dense buckets are reduced over ``dpcp``, the data-parallel
 ranks and their context-parallel ones: a context-parallel rank's loss is its share of the
 micro-batch's loss (:mod:`mega.parallel.context`), so its gradients are summed, not averaged,
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from mega.parallel import comm
+from mega.parallel.data.accumulate import accumulate_into
 from mega.parallel.topology import Topology
 from mega.parallel.weight_grad import register_fused_weight
 
@@ -57,6 +58,7 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 # are padded so each rank's shard does too (and splits evenly): cuBLAS reads a bias at a 4-byte
 # offset (after BERT's binary-head bias of 2 elements) as a misaligned address on a GPU.
 _ALIGN = 64
+REDUCE_SM_CARVEOUT = 0
 
 
 def _weak_hook(buffer: ParamAndGradBuffer) -> Any:
@@ -111,6 +113,7 @@ class ParamAndGradBuffer:
     _expected: int = 1
     _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
     _next: int = 0  # the next bucket to start
+    _carveout_before: tuple | None = None  # the SM carve-out to restore (_carve_out_sms)
 
     @classmethod
     def build(
@@ -226,10 +229,8 @@ class ParamAndGradBuffer:
             return
         if added:  # the fused wgrad GEMM wrote it; a replay would not set the flag again
             param.grad_added_to_main_grad = self.graph_safe
-        elif getattr(param, "main_grad_fresh", False):
-            param.main_grad.copy_(param.grad)  # first micro-batch: fp32 <- model dtype
-        else:
-            param.main_grad.add_(param.grad)  # fp32 += model dtype: accumulation in fp32
+        else:  # the first micro-batch's is copied, the rest added, in fp32 (accumulate.py)
+            accumulate_into(param.main_grad, param.grad, getattr(param, "main_grad_fresh", False))
         param.main_grad_fresh = False
         param.grad = None
         if not self.overlap or not self._counts:
@@ -244,8 +245,22 @@ class ParamAndGradBuffer:
                 and self.buckets[self._next].waiting == 0
                 and not self.buckets[self._next].tied  # waits for the cross-stage sum
             ):
+                if self._next == 0:
+                    self._carve_out_sms()
                 self._start(self.buckets[self._next], async_op=True)
                 self._next += 1
+
+    def _carve_out_sms(self) -> None:
+        """While the overlapped reduction runs beside backward, GEMMs target the SMs its NCCL
+        kernels leave free (experiment: REDUCE_SM_CARVEOUT)."""
+        if REDUCE_SM_CARVEOUT and self.main_grad.is_cuda and self._carveout_before is None:
+            self._carveout_before = (torch._C._get_sm_carveout_experimental(),)
+            torch._C._set_sm_carveout_experimental(REDUCE_SM_CARVEOUT)
+
+    def _restore_sms(self) -> None:
+        if self._carveout_before is not None:
+            torch._C._set_sm_carveout_experimental(self._carveout_before[0])
+            self._carveout_before = None
 
     def _start(self, bucket: Bucket, async_op: bool) -> None:
         dp = self.topology.data_parallel_size
@@ -253,20 +268,22 @@ class ParamAndGradBuffer:
         if dp * self.topology.context_parallel_size == 1:
             return
         grad = self.main_grad[bucket.start : bucket.end]
-        # dense and expert gradients alike (module docstring); summed over context-parallel
-        # ranks, whose losses are shares of one loss (mega.parallel.context)
-        if dp > 1:
-            grad.mul_(1.0 / dp)
         group = self.topology.group(bucket.group)
+        # dense and expert gradients alike are scaled by 1/DP (module docstring); summed over
+        # context-parallel ranks, whose losses are shares of one loss (mega.parallel.context).
+        # NCCL scales inside the reduction; gloo (and a group of one) before it.
+        op = comm.premul_sum(1.0 / dp, group) if dp > 1 else None
+        if dp > 1 and op is None:
+            grad.mul_(1.0 / dp)
         if group is None:  # expert weights with one expert-data-parallel rank
             return
         if self.distributed:
             lo, hi = self.shard_of(bucket)
             bucket.handle = comm.reduce_scatter_into(
-                self.main_grad[lo:hi], grad, group, async_op=async_op
+                self.main_grad[lo:hi], grad, group, async_op=async_op, op=op
             )
         else:
-            bucket.handle = comm.all_reduce(grad, group, async_op=async_op)
+            bucket.handle = comm.all_reduce(grad, group, op=op, async_op=async_op)
 
     def finish_grad_sync(self) -> None:
         """After the last backward: every bucket reduced (started now if not yet), then the
@@ -284,6 +301,7 @@ class ParamAndGradBuffer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+        self._restore_sms()
         self._counts = {}
         partial = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         tp_group = self.topology.group("tp")
