@@ -58,7 +58,6 @@ DEFAULT_BUCKET_ELEMENTS = 40_000_000
 # are padded so each rank's shard does too (and splits evenly): cuBLAS reads a bias at a 4-byte
 # offset (after BERT's binary-head bias of 2 elements) as a misaligned address on a GPU.
 _ALIGN = 64
-REDUCE_SM_CARVEOUT = 0
 
 
 def _weak_hook(buffer: ParamAndGradBuffer) -> Any:
@@ -113,7 +112,6 @@ class ParamAndGradBuffer:
     _expected: int = 1
     _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
     _next: int = 0  # the next bucket to start
-    _carveout_before: tuple | None = None  # the SM carve-out to restore (_carve_out_sms)
 
     @classmethod
     def build(
@@ -245,22 +243,8 @@ class ParamAndGradBuffer:
                 and self.buckets[self._next].waiting == 0
                 and not self.buckets[self._next].tied  # waits for the cross-stage sum
             ):
-                if self._next == 0:
-                    self._carve_out_sms()
                 self._start(self.buckets[self._next], async_op=True)
                 self._next += 1
-
-    def _carve_out_sms(self) -> None:
-        """While the overlapped reduction runs beside backward, GEMMs target the SMs its NCCL
-        kernels leave free (experiment: REDUCE_SM_CARVEOUT)."""
-        if REDUCE_SM_CARVEOUT and self.main_grad.is_cuda and self._carveout_before is None:
-            self._carveout_before = (torch._C._get_sm_carveout_experimental(),)
-            torch._C._set_sm_carveout_experimental(REDUCE_SM_CARVEOUT)
-
-    def _restore_sms(self) -> None:
-        if self._carveout_before is not None:
-            torch._C._set_sm_carveout_experimental(self._carveout_before[0])
-            self._carveout_before = None
 
     def _start(self, bucket: Bucket, async_op: bool) -> None:
         dp = self.topology.data_parallel_size
@@ -301,7 +285,6 @@ class ParamAndGradBuffer:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-        self._restore_sms()
         self._counts = {}
         partial = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         tp_group = self.topology.group("tp")
