@@ -140,10 +140,10 @@ GRAPHED = {  # case: (layout, environment)
     "tp2-sp-split-copy": ("tp2-sp", {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"}),
     # without sequence parallelism: the all-reduces by the copy engine (copy_engine_reduce)
     "tp2-split-copy": ("tp2", {"MEGA_TP_SPLIT_OVERLAP": "copy-engine"}),
-    # the MoE over flex's padded trips (fixed shapes; the router's sums added in place), by
-    # NCCL and by the peer-rows kernel (the inbox's tokens replayed)
+    # the MoE over flex's padded trips (fixed shapes; the router's sums added in place), by the
+    # peer-rows kernel (the inbox's tokens replayed; what "auto" takes under graphs) and by NCCL
     "ep2-flex": ("ep2-flex", {}),
-    "ep2-flex-peer-rows": ("ep2-flex", {"MEGA_FLEX_TRANSPORT": "peer-rows"}),
+    "ep2-flex-nccl": ("ep2-flex", {"MEGA_FLEX_TRANSPORT": "padded"}),
 }
 
 

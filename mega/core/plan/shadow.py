@@ -74,6 +74,7 @@ from mega.errors import MegaUsageError
 from mega.parallel import comm
 from mega.parallel.context import gather, ring
 from mega.parallel.expert.aux_loss import private_scale
+from mega.parallel.expert.validate import set_graphed_trips
 from mega.parallel.pipeline.actions import Backward, Forward, WeightGrad
 from mega.parallel.pipeline.simulator import simulate
 from mega.parallel.topology import ORDER, Topology, build_topology
@@ -295,6 +296,13 @@ def _on_meta(model: str, what: str) -> Iterator[None]:
 
 def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
     """Build rank ``rank`` of ``config``'s layout on the meta device and count one eager step."""
+    try:
+        return _profile_rank(config, plugins, rank)
+    finally:
+        set_graphed_trips(False)  # the build's choice for the counted GPU run stays with it
+
+
+def _profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
     world = config.world_size
     with fake_world(world, rank), planning_patches():
         topology = build_topology(world, rank, **config.parallel.sizes())

@@ -32,6 +32,7 @@ from mega.parallel.data.grad_buffer import ParamAndGradBuffer
 from mega.parallel.data.optimizer import FlatOptimizer
 from mega.parallel.dimension import ParallelDimension, chain
 from mega.parallel.dimensions import run_dimensions
+from mega.parallel.expert.validate import set_graphed_trips
 from mega.parallel.parallelize import parallelize
 from mega.parallel.pipeline.executor import PipelineExecutor
 from mega.parallel.pipeline.setup import PipelineSetup, pipeline_setup
@@ -155,6 +156,8 @@ def build_parts(
     dtype = DTYPES[config.precision.params_dtype]
     model = model.to(device=device, dtype=dtype)  # the chunks share its modules
     fp8_scaling = delayed_fp8_scaling(model, config.precision, topology, device)
+    # the MoE trips' "auto" under CUDA graphs (meta: the planner's count of a GPU run)
+    set_graphed_trips(t.cuda_graph_impl == "local" and device.type != "cpu")
     if compiles_layers(t.compile, device) and device.type != "meta":
         compile_model(model, plan, chunks, cuda_graphs=t.cuda_graph_impl == "local")
     p = config.parallel

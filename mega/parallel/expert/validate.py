@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 # copy engine where the group's GPUs share a host (mega.parallel.expert.copy_engine_exchange;
 # elsewhere, CPU ranks included, the group's all-to-all as "padded"); in order only.
 # "peer-rows": the same, but only each block's real rows cross, written by a kernel (the
-# padding's bytes stay home); in order only.
+# padding's bytes stay home); in order only; what "auto" takes under CUDA graphs (below).
 FLEX_TRANSPORT_ENV = "MEGA_FLEX_TRANSPORT"
 FLEX_TRANSPORTS = ("auto", "padded", "split", "copy-engine", "peer-rows")  # first: the default
 # the padded trips' maps, whatever carries them
@@ -27,9 +27,29 @@ PADDED_TRANSPORTS = ("padded", "copy-engine", "peer-rows")
 IN_ORDER_TRANSPORTS = ("copy-engine", "peer-rows")  # symmetric memory's inbox: no overlap
 
 
+# What "auto" means where the layers replay as CUDA graphs on GPUs (--cuda-graph-impl local):
+# peer-rows. On 2 H200 (session 54, docs/moe.md) graphed EP2 ran at 0.958x, 0.9715x and 0.976x of
+# DP2 over peer-rows against 0.932x and 0.931x over NCCL's padded trips in the same calls; without
+# graphs peer-rows swung with the host's skew (0.863x and 0.928x against NCCL's 0.916x), so there
+# "auto" keeps NCCL. Where the group's GPUs do not share a host peer-rows goes by the group's
+# all-to-all, as "padded" does.
+AUTO_UNDER_GRAPHS = "peer-rows"
+_GRAPHED = [False]  # set by the training build (set_graphed_trips), read at each trip
+
+
+def set_graphed_trips(graphed: bool) -> None:
+    """Whether this process's MoE layers replay as CUDA graphs on GPUs: ``auto`` then means
+    :data:`AUTO_UNDER_GRAPHS` (``mega.core.training.build`` sets it for each model it builds)."""
+    _GRAPHED[0] = graphed
+
+
 def flex_transport() -> str:
-    """The transport the environment names for flex's trips (checked before launch)."""
-    return os.environ.get(FLEX_TRANSPORT_ENV, FLEX_TRANSPORTS[0])
+    """The transport flex's trips take: the environment's (checked before launch), or for
+    ``auto`` under CUDA graphs :data:`AUTO_UNDER_GRAPHS`."""
+    transport = os.environ.get(FLEX_TRANSPORT_ENV, FLEX_TRANSPORTS[0])
+    if transport == "auto" and _GRAPHED[0]:
+        return AUTO_UNDER_GRAPHS
+    return transport
 
 
 def padded_trips(on_gpus: bool | torch.device | None = None) -> bool:
