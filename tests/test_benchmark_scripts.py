@@ -428,8 +428,17 @@ def test_overlap_contention_times_gemms_beside_each_collective_on_the_cpu(tmp_pa
         ("swiglu_rows.py", []),
         ("grad_accumulation.py", ["--sizes", "0,x"]),
         ("grad_accumulation.py", []),
+        ("sm_contention.py", ["--carveouts", "0"]),
+        ("sm_contention.py", []),
     ],
-    ids=["swiglu-bad-share", "swiglu-no-gpu", "accumulation-bad-sizes", "accumulation-no-gpu"],
+    ids=[
+        "swiglu-bad-share",
+        "swiglu-no-gpu",
+        "accumulation-bad-sizes",
+        "accumulation-no-gpu",
+        "contention-bad-carveout",
+        "contention-no-gpu",
+    ],  # fmt: skip
 )
 def test_kernel_benchmarks_refuse_in_one_line(tmp_path: Path, script: str, args: list[str]):
     """The kernel benchmarks time CUDA kernels: without a CUDA GPU (or with a bad argument) one
