@@ -18,8 +18,9 @@ written. So the buffer zeroes ``main_grad`` at the start of each step (one memse
 adds, and the flag set at capture stays set (Megatron zeroes its buffers every step too).
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (inside NCCL's
-kernel, its PREMUL_SUM; by a pass before it on gloo, which has none): an all-reduce, or with the distributed optimizer a reduce-scatter that leaves each rank
-the reduced slice it owns (``shard``). Dense buckets are reduced over ``dpcp``, the data-parallel
+kernel, its PREMUL_SUM; by a pass before it on gloo, which has none): an all-reduce, or with the
+distributed optimizer a reduce-scatter that leaves each rank the reduced slice it owns
+(``shard``). Dense buckets are reduced over ``dpcp``, the data-parallel
 ranks and their context-parallel ones: a context-parallel rank's loss is its share of the
 micro-batch's loss (:mod:`mega.parallel.context`), so its gradients are summed, not averaged,
 and the distributed optimizer shards over all of them. With ``overlap`` the reduction of a bucket starts, async, as
