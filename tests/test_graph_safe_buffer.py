@@ -68,3 +68,28 @@ def test_graph_safe_gradients_survive_replays_that_the_default_buffer_gets_wrong
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     default = _steps(*_layer_and_buffer(graph_safe=False))
     assert not all(torch.allclose(g, w) for g, w in zip(default, reference, strict=True))
+
+
+def test_after_its_first_step_a_graph_safe_buffer_zeroes_only_what_the_graphs_add_into(
+    monkeypatch,
+):
+    """Gradients that reach main_grad through the hook run eagerly after a graphed backward:
+    from the second step they copy their first micro-batch as without graphs (no zeroing, no
+    add); the weights whose captured GEMMs write main_grad are zeroed and always add."""
+    _replaying(monkeypatch)
+    layer, buffer = _layer_and_buffer(graph_safe=True)
+    buffer.start_step(1)
+    assert all(not p.main_grad_fresh for p in buffer.params)  # the first step: all add
+    layer(torch.randn(2, 8, 32)).square().sum().backward()
+    buffer.finish_grad_sync()
+    fused = {id(p) for p in buffer.params if getattr(p, "main_grad_written_in_graph", False)}
+    hooked = [p for p in buffer.params if id(p) not in fused]
+    assert fused and hooked  # the linears' weights; the norms' weights and the biases
+    before = [p.main_grad.clone() for p in hooked]
+    buffer.start_step(1)
+    for param in buffer.params:
+        assert param.main_grad_fresh == (id(param) not in fused)
+        if id(param) in fused:
+            assert not param.main_grad.any()
+    for param, kept in zip(hooked, before, strict=True):
+        assert torch.equal(param.main_grad, kept) and kept.any()

@@ -14,8 +14,12 @@ their weight-gradient GEMM, and the hook only counts them.
 Under CUDA graphs (``graph_safe``, ``--cuda-graph-impl local``) a replayed backward runs the
 weight-gradient GEMM as captured and none of the Python around it: it cannot choose between
 overwriting and adding per micro-batch, nor set the flag that tells the hook the gradient is
-written. So the buffer zeroes ``main_grad`` at the start of each step (one memset), every GEMM
-adds, and the flag set at capture stays set (Megatron zeroes its buffers every step too).
+written. So the buffer zeroes those weights' ``main_grad`` at the start of each step, their
+GEMMs always add, and the flag set at capture stays set (Megatron zeroes its buffers every step
+too). The gradients that reach ``main_grad`` through the hook (the MoE experts', norms',
+embeddings') run eagerly after the graphed backward, so they keep the copy of the first
+micro-batch: which weights a graph writes is learned on the first step (their hook sees the
+flag), which zeroes the whole buffer and adds everything.
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (inside NCCL's
 kernel, its PREMUL_SUM; by a pass before it on gloo, which has none): an all-reduce, or with the
@@ -113,6 +117,8 @@ class ParamAndGradBuffer:
     _expected: int = 1
     _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
     _next: int = 0  # the next bucket to start
+    # graph_safe: the weights whose captured GEMMs add into main_grad (None before a first step)
+    _written_in_graph: list[torch.nn.Parameter] | None = None
 
     @classmethod
     def build(
@@ -211,10 +217,15 @@ class ParamAndGradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
-        if self.graph_safe:  # every gradient adds, the captured GEMMs' way (module docstring)
+        adds: set = set()  # the parameters whose every gradient this step adds
+        if self.graph_safe and self._written_in_graph is None:  # the first step: all of them
             self.main_grad.zero_()
-        for param in self.params:  # else its first gradient this step overwrites main_grad
-            param.main_grad_fresh = not self.graph_safe
+            adds = set(self.params)
+        elif self.graph_safe and self._written_in_graph:  # the captured GEMMs' (module docstring)
+            torch._foreach_zero_([param.main_grad for param in self._written_in_graph])
+            adds = set(self._written_in_graph)
+        for param in self.params:  # the rest: the first gradient this step overwrites main_grad
+            param.main_grad_fresh = param not in adds
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if getattr(param, "wgrad_deferred", False):
@@ -228,6 +239,7 @@ class ParamAndGradBuffer:
             return
         if added:  # the fused wgrad GEMM wrote it; a replay would not set the flag again
             param.grad_added_to_main_grad = self.graph_safe
+            param.main_grad_written_in_graph = self.graph_safe
         else:  # the first micro-batch's is copied, the rest added, in fp32 (accumulate.py)
             accumulate_into(param.main_grad, param.grad, getattr(param, "main_grad_fresh", False))
         param.main_grad_fresh = False
@@ -287,6 +299,10 @@ class ParamAndGradBuffer:
                 bucket.handle.wait()
                 bucket.handle = None
         self._counts = {}
+        if self.graph_safe and self._written_in_graph is None:  # learned on the first step
+            self._written_in_graph = [
+                p for p in self.params if getattr(p, "main_grad_written_in_graph", False)
+            ]
         partial = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         tp_group = self.topology.group("tp")
         if partial and tp_group is not None:
