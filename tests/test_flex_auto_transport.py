@@ -1,7 +1,8 @@
 """``MEGA_FLEX_TRANSPORT=auto`` under CUDA graphs means ``peer-rows`` (on 2 H200 graphed EP2 ran
 0.958-0.976x of DP2 over it against 0.93x over NCCL's padded trips; without graphs ``auto`` keeps
-NCCL's): the training build sets it for the model it builds, a plan counts the GPU run so, and
-leaves the process as it found it."""
+NCCL's): the training build sets it for the model it builds, a plan's trips see what the GPU
+run's would (on the meta device both count the padded blocks at NCCL's rate), and the plan
+leaves the process as it found it; the end of a job clears it."""
 
 from __future__ import annotations
 
@@ -58,8 +59,18 @@ def _transports_at_the_trips(graphs: list[str], monkeypatch) -> set[str]:
     [(["--cuda-graph-impl", "local"], {"peer-rows"}), ([], {"auto"})],
     ids=["graphs", "no-graphs"],
 )
-def test_a_plan_counts_the_transport_the_run_takes_and_restores_auto(
-    no_transport_named, graphs: list[str], expected: set[str]
+@pytest.mark.parametrize("before", [False, True], ids=["process-plain", "process-graphed"])
+def test_a_plans_trips_see_the_runs_transport_and_the_process_keeps_its_own(
+    no_transport_named, graphs: list[str], expected: set[str], before: bool
 ):
+    set_graphed_trips(before)
     assert _transports_at_the_trips(graphs, no_transport_named) == expected
+    assert flex_transport() == ("peer-rows" if before else "auto")
+
+
+def test_the_end_of_a_job_clears_the_choice(no_transport_named):
+    from mega.parallel.distributed import finish_job
+
+    set_graphed_trips(True)
+    finish_job()  # no process group, no graphs, no buffers: only the choice to clear
     assert flex_transport() == "auto"

@@ -74,17 +74,18 @@ def test_after_its_first_step_a_graph_safe_buffer_zeroes_only_what_the_graphs_ad
     monkeypatch,
 ):
     """Gradients that reach main_grad through the hook run eagerly after a graphed backward:
-    from the second step they copy their first micro-batch as without graphs (no zeroing, no
-    add); the weights whose captured GEMMs write main_grad are zeroed and always add."""
+    once seen so they copy their first micro-batch as without graphs (no zeroing, no add); the
+    weights whose captured GEMMs write main_grad, and any parameter not yet seen, are zeroed
+    and always add."""
     _replaying(monkeypatch)
     layer, buffer = _layer_and_buffer(graph_safe=True)
     buffer.start_step(1)
     assert all(not p.main_grad_fresh for p in buffer.params)  # the first step: all add
     layer(torch.randn(2, 8, 32)).square().sum().backward()
     buffer.finish_grad_sync()
-    fused = {id(p) for p in buffer.params if getattr(p, "main_grad_written_in_graph", False)}
+    fused = {id(p) for p in buffer.params if getattr(p, "main_grad_by_gemm", False)}
     hooked = [p for p in buffer.params if id(p) not in fused]
-    assert fused and hooked  # the linears' weights; the norms' weights and the biases
+    assert fused and hooked  # the linears' weights; the norms' parameters and the biases
     before = [p.main_grad.clone() for p in hooked]
     buffer.start_step(1)
     for param in buffer.params:
@@ -93,3 +94,22 @@ def test_after_its_first_step_a_graph_safe_buffer_zeroes_only_what_the_graphs_ad
             assert not param.main_grad.any()
     for param, kept in zip(hooked, before, strict=True):
         assert torch.equal(param.main_grad, kept) and kept.any()
+
+
+def test_a_parameter_not_yet_seen_is_zeroed_and_added_under_graphs():
+    """A weight that first gets a gradient after the first step (a layer skipped until then)
+    may be a fused one whose graph adds: until its hook has shown how its gradient comes it is
+    zeroed each step and never marked for a copy."""
+    layer, buffer = _layer_and_buffer(graph_safe=True)
+    for param in buffer.params:
+        param.main_grad.fill_(3.0)
+    buffer.start_step(1)  # nothing seen yet
+    assert not buffer.main_grad.any()
+    assert all(not p.main_grad_fresh for p in buffer.params)
+    layer(torch.randn(2, 8, 32)).square().sum().backward()
+    buffer.finish_grad_sync()
+    unseen = next(p for p in buffer.params if getattr(p, "main_grad_by_hook", False))
+    del unseen.main_grad_by_hook  # as if its layer had not run yet
+    unseen.main_grad.fill_(3.0)
+    buffer.start_step(1)
+    assert not unseen.main_grad_fresh and not unseen.main_grad.any()

@@ -157,6 +157,9 @@ def finish_job() -> None:
     if trees is not None and sys.modules["torch"].cuda.is_initialized():
         sys.modules["torch"].cuda.synchronize()  # no replay still running on what is destroyed
         trees.reset_cudagraph_trees()
+    validate = sys.modules.get("mega.parallel.expert.validate")
+    if validate is not None:  # the run's choice of MoE trips ends with it
+        validate.set_graphed_trips(False)
     exchange = sys.modules.get("mega.parallel.expert.split_exchange")
     if exchange is not None and exchange.holds_buffers():
         exchange.release_buffers()

@@ -296,10 +296,11 @@ def _on_meta(model: str, what: str) -> Iterator[None]:
 
 def profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:
     """Build rank ``rank`` of ``config``'s layout on the meta device and count one eager step."""
+    graphed = set_graphed_trips(False)  # the build sets it for the counted GPU run
     try:
         return _profile_rank(config, plugins, rank)
     finally:
-        set_graphed_trips(False)  # the build's choice for the counted GPU run stays with it
+        set_graphed_trips(graphed)  # and the process gets back what it had
 
 
 def _profile_rank(config: RunConfig, plugins: Plugins, rank: int) -> RankProfile:

@@ -18,8 +18,9 @@ written. So the buffer zeroes those weights' ``main_grad`` at the start of each 
 GEMMs always add, and the flag set at capture stays set (Megatron zeroes its buffers every step
 too). The gradients that reach ``main_grad`` through the hook (the MoE experts', norms',
 embeddings') run eagerly after the graphed backward, so they keep the copy of the first
-micro-batch: which weights a graph writes is learned on the first step (their hook sees the
-flag), which zeroes the whole buffer and adds everything.
+micro-batch: a parameter is treated so once its hook has accumulated a gradient and it has
+never been written by a GEMM (``_through_hook_only``); until then (the first step, or a
+parameter not yet seen) it is zeroed and added, which is right either way.
 
 The data-parallel reduction of a bucket is a SUM of gradients pre-scaled by 1/DP (inside NCCL's
 kernel, its PREMUL_SUM; by a pass before it on gloo, which has none): an all-reduce, or with the
@@ -99,6 +100,14 @@ class Bucket:
         return self.start + dp_rank * size, self.start + (dp_rank + 1) * size
 
 
+def _through_hook_only(param: torch.nn.Parameter) -> bool:
+    """Whether ``param``'s gradients have reached ``main_grad`` through the hook and never by a
+    fused weight-gradient GEMM (module docstring: those need no zeroing under graphs)."""
+    return getattr(param, "main_grad_by_hook", False) and not getattr(
+        param, "main_grad_by_gemm", False
+    )
+
+
 @dataclass
 class ParamAndGradBuffer:
     """See the module docstring. Build with ``ParamAndGradBuffer.build(...)``."""
@@ -117,8 +126,6 @@ class ParamAndGradBuffer:
     _expected: int = 1
     _counts: dict[torch.nn.Parameter, int] = field(default_factory=dict)
     _next: int = 0  # the next bucket to start
-    # graph_safe: the weights whose captured GEMMs add into main_grad (None before a first step)
-    _written_in_graph: list[torch.nn.Parameter] | None = None
 
     @classmethod
     def build(
@@ -217,15 +224,16 @@ class ParamAndGradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
-        adds: set = set()  # the parameters whose every gradient this step adds
-        if self.graph_safe and self._written_in_graph is None:  # the first step: all of them
+        # the parameters whose every gradient this step adds: without graphs none; under them
+        # all but those known to reach main_grad through the hook only (module docstring)
+        adds = [p for p in self.params if self.graph_safe and not _through_hook_only(p)]
+        if len(adds) == len(self.params):
             self.main_grad.zero_()
-            adds = set(self.params)
-        elif self.graph_safe and self._written_in_graph:  # the captured GEMMs' (module docstring)
-            torch._foreach_zero_([param.main_grad for param in self._written_in_graph])
-            adds = set(self._written_in_graph)
+        elif adds:
+            torch._foreach_zero_([param.main_grad for param in adds])
+        added = set(adds)
         for param in self.params:  # the rest: the first gradient this step overwrites main_grad
-            param.main_grad_fresh = param not in adds
+            param.main_grad_fresh = param not in added
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if getattr(param, "wgrad_deferred", False):
@@ -239,9 +247,10 @@ class ParamAndGradBuffer:
             return
         if added:  # the fused wgrad GEMM wrote it; a replay would not set the flag again
             param.grad_added_to_main_grad = self.graph_safe
-            param.main_grad_written_in_graph = self.graph_safe
+            param.main_grad_by_gemm = True
         else:  # the first micro-batch's is copied, the rest added, in fp32 (accumulate.py)
             accumulate_into(param.main_grad, param.grad, getattr(param, "main_grad_fresh", False))
+            param.main_grad_by_hook = True
         param.main_grad_fresh = False
         param.grad = None
         if not self.overlap or not self._counts:
@@ -299,10 +308,6 @@ class ParamAndGradBuffer:
                 bucket.handle.wait()
                 bucket.handle = None
         self._counts = {}
-        if self.graph_safe and self._written_in_graph is None:  # learned on the first step
-            self._written_in_graph = [
-                p for p in self.params if getattr(p, "main_grad_written_in_graph", False)
-            ]
         partial = [p for p in self.params if getattr(p, "sequence_parallel", False)]
         tp_group = self.topology.group("tp")
         if partial and tp_group is not None:

@@ -37,10 +37,12 @@ AUTO_UNDER_GRAPHS = "peer-rows"
 _GRAPHED = [False]  # set by the training build (set_graphed_trips), read at each trip
 
 
-def set_graphed_trips(graphed: bool) -> None:
+def set_graphed_trips(graphed: bool) -> bool:
     """Whether this process's MoE layers replay as CUDA graphs on GPUs: ``auto`` then means
-    :data:`AUTO_UNDER_GRAPHS` (``mega.core.training.build`` sets it for each model it builds)."""
-    _GRAPHED[0] = graphed
+    :data:`AUTO_UNDER_GRAPHS` (``mega.core.training.build`` sets it for each model it builds,
+    ``mega.parallel.distributed.finish_job`` clears it). Returns the previous setting."""
+    before, _GRAPHED[0] = _GRAPHED[0], graphed
+    return before
 
 
 def flex_transport() -> str:
