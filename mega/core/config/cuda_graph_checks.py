@@ -60,8 +60,8 @@ def cuda_graph_problems(config: Any, on_cpu: bool) -> list[str]:
 
 _MOE = (
     "an MoE model unless its tokens go by --moe-token-dispatcher-type flex over the padded trips"
-    " (MEGA_FLEX_TRANSPORT auto, padded, copy-engine or peer-rows) in order (no --overlap-moe-expert-parallel-comm):"
-    " the other dispatchers set shapes on the host"
+    " (MEGA_FLEX_TRANSPORT auto, padded, copy-engine or peer-rows) in order"
+    " (no --overlap-moe-expert-parallel-comm): the other dispatchers set shapes on the host"
 )
 
 

@@ -224,16 +224,17 @@ class ParamAndGradBuffer:
         self._next = 0
         for bucket in self.buckets:
             bucket.waiting, bucket.handle, bucket.started = len(bucket.params), None, False
-        # the parameters whose every gradient this step adds: without graphs none; under them
-        # all but those known to reach main_grad through the hook only (module docstring)
-        adds = [p for p in self.params if self.graph_safe and not _through_hook_only(p)]
-        if len(adds) == len(self.params):
+        # a parameter's first gradient this step overwrites main_grad (no zeroing), except under
+        # graphs where it may come from a captured GEMM, which always adds (module docstring)
+        zeroed = []
+        for param in self.params:
+            param.main_grad_fresh = not self.graph_safe or _through_hook_only(param)
+            if not param.main_grad_fresh:
+                zeroed.append(param.main_grad)
+        if len(zeroed) == len(self.params):  # the first graphed step: the whole buffer
             self.main_grad.zero_()
-        elif adds:
-            torch._foreach_zero_([param.main_grad for param in adds])
-        added = set(adds)
-        for param in self.params:  # the rest: the first gradient this step overwrites main_grad
-            param.main_grad_fresh = param not in added
+        elif zeroed:
+            torch._foreach_zero_(zeroed)
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         if getattr(param, "wgrad_deferred", False):
