@@ -35,16 +35,22 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
+    def block(h, first, end, f, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # noqa: N803
+        # this program's rows and columns, which of them are real, and their gate and up in fp32
+        r = first + tl.arange(0, BLOCK_R)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (r[:, None] < end) & (c[None, :] < f)
+        at = r[:, None] * (2 * f) + c[None, :]
+        gate = tl.load(h + at, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(h + at + f, mask=mask, other=0.0).to(tl.float32)
+        return r, c, mask, at, gate, up
+
+    @triton.jit
     def forward(h, out, end_at, f, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # noqa: N803
         end = tl.load(end_at).to(tl.int64)
         first = tl.program_id(0).to(tl.int64) * BLOCK_R
         if first < end:
-            r = first + tl.arange(0, BLOCK_R)
-            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = (r[:, None] < end) & (c[None, :] < f)
-            at = r[:, None] * (2 * f) + c[None, :]
-            gate = tl.load(h + at, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(h + at + f, mask=mask, other=0.0).to(tl.float32)
+            r, c, mask, at, gate, up = block(h, first, end, f, BLOCK_R, BLOCK_C)
             y = gate * tl.sigmoid(gate) * up
             tl.store(out + r[:, None] * f + c[None, :], y.to(out.dtype.element_ty), mask=mask)
 
@@ -53,13 +59,8 @@ def _kernels() -> tuple[Any, Any]:
         end = tl.load(end_at).to(tl.int64)
         first = tl.program_id(0).to(tl.int64) * BLOCK_R
         if first < end:
-            r = first + tl.arange(0, BLOCK_R)
-            c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = (r[:, None] < end) & (c[None, :] < f)
-            at = r[:, None] * (2 * f) + c[None, :]
+            r, c, mask, at, gate, up = block(h, first, end, f, BLOCK_R, BLOCK_C)
             grad = tl.load(g + r[:, None] * f + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            gate = tl.load(h + at, mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(h + at + f, mask=mask, other=0.0).to(tl.float32)
             s = tl.sigmoid(gate)
             d_gate = grad * up * s * (1.0 + gate * (1.0 - s))
             d_up = grad * gate * s
