@@ -168,6 +168,7 @@ def run_layout(name: str, args: argparse.Namespace, out: Path) -> dict:
     if not records:
         return row
     row["lm_loss"] = [r["lm_loss"] for r in records]
+    row["iterations"] = [r["iteration"] for r in records]  # which steps logged (--log-interval)
     # each step's gradient norm: a layout whose losses part from the base's shows whether its
     # gradients did first (the norm is on the step's line, before the update)
     row["grad_norm"] = [r.get("grad_norm") for r in records]
@@ -232,8 +233,12 @@ def write_result(rows: list[dict], args: argparse.Namespace, out: Path) -> Path:
     base = next((r for r in rows if r["layout"] == args.base and "lm_loss" in r), None)
     for row in rows:
         if base is not None and "lm_loss" in row and row is not base:
+            # the iterations both logged: a layout may set its own --log-interval (its line's
+            # loss is then the mean over its interval, as Megatron's)
+            ours = dict(zip(row["iterations"], row["lm_loss"], strict=True))
+            theirs = dict(zip(base["iterations"], base["lm_loss"], strict=True))
             row[f"max_rel_loss_diff_vs_{args.base}"] = max(
-                abs(a - b) / abs(b) for a, b in zip(row["lm_loss"], base["lm_loss"], strict=True)
+                abs(ours[i] - theirs[i]) / abs(theirs[i]) for i in ours.keys() & theirs.keys()
             )
             row[f"per_gpu_vs_{args.base}"] = round(
                 row["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 4
@@ -276,7 +281,11 @@ def main() -> None:
     for row in rows:
         print(
             json.dumps(
-                {k: v for k, v in row.items() if k not in ("lm_loss", "grad_norm", "command")}
+                {
+                    k: v
+                    for k, v in row.items()
+                    if k not in ("lm_loss", "grad_norm", "command", "iterations")
+                }
             )
         )
     print(f"wrote {path}")
