@@ -156,6 +156,32 @@ def test_compute_kernels_rank_the_non_nccl_kernels_and_copies_by_time(monkeypatc
     }
 
 
+def test_idle_stretches_charge_each_wait_to_the_run_of_short_kernels_it_falls_in(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import trace_summary
+
+    def kernel(name: str, ts: float, dur: float, tid: int = 7) -> dict:
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    # a GEMM 0-200; a routing run: topk 210-220, sort 250-260 (idle 10 + 30), then 40 idle
+    # before the next GEMM 300-500; a norm run 500-510 right after it (no idle), GEMM 510-710;
+    # NCCL on its own stream and a lone kernel on another stream are not the compute stream's
+    events = [kernel("gemm", 0, 200), kernel("topk", 210, 10), kernel("sort", 250, 10)]
+    events += [kernel("gemm", 300, 200), kernel("norm", 500, 10), kernel("gemm", 510, 200)]
+    events += [kernel("ncclDevKernel_x", 0, 900, tid=21), kernel("other", 0, 5, tid=9)]
+    runs = trace_summary.idle_stretches({"traceEvents": events}, steps=1)
+    assert list(runs) == ["topk", "norm"]
+    assert runs["topk"] == {
+        "per_step": 1, "kernels_per_run": 2, "busy_ms": pytest.approx(0.02),
+        "idle_ms": pytest.approx(0.08),
+    }  # fmt: skip
+    assert runs["norm"]["idle_ms"] == 0 and runs["norm"]["kernels_per_run"] == 1
+    assert trace_summary.idle_stretches({"traceEvents": events}, steps=2, top=1) == {
+        "topk": {"per_step": 0.5, "kernels_per_run": 2, "busy_ms": pytest.approx(0.01),
+                 "idle_ms": pytest.approx(0.04)},
+    }  # fmt: skip
+
+
 def test_trace_skew_names_the_late_rank_and_splits_its_lateness_into_gpu_work_and_host(
     monkeypatch,
 ):
