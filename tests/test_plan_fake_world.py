@@ -43,6 +43,13 @@ ROWS = {
         "moe_ep2_fake_2026-11-29",
         "ep2dp2:--moe-expert-capacity-factor=1.0 --moe-pad-expert-input-to-capacity",
     ): None,
+    # session 56, after the accumulation kernel and PREMUL_SUM: the in-rank part of DP2's 1.22x
+    # (moe_dp2_fake_s56's note: the memory-bound kernels 14.7 ms above their bytes' plan, the
+    # routing's index, sort and scatter kernels among them; the router's fp32 GEMMs 3.7 counted
+    # at the bf16 rate; host-bound runs of short kernels ~10 ms; 6.3 ms of the step are the fake
+    # group's all-gather copies; the bf16 GEMMs ran 8 ms under their plan)
+    ("moe_dp2_fake_s56_2026-12-01", "tp1dp2"): "MoE DP2 rank 173.2 ms, planned 144.4 (1.20x):"
+    " the routing's kernels below their bytes' rate, the router's fp32 GEMMs, host-bound runs",
     ("tp_fake_mb4_2026-11-29", "tp1dp2"): None,
     ("tp_fake_mb4_2026-11-29", "tp2dp1"): "TP2 rank 330.8 ms, planned 266.5 (1.24x): twice DP's"
     " micro-batches, each launching every layer; host-bound (profiled: GPU busy 266 of 395 ms)",
