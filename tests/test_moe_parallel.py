@@ -275,3 +275,27 @@ def test_arrived_rows_regroup_by_expert_as_blocks_both_ways(sources: int, local:
     assert torch.equal(
         regroup_blocks(grouped.detach(), *blocks_undone(sizes.tolist(), order)), rows.detach()
     )
+
+
+@pytest.mark.parametrize(
+    "count, dtype", [(8, torch.int8), (127, torch.int8), (128, torch.int16), (40_000, torch.int32)]
+)
+def test_expert_ids_sort_as_narrow_keys_to_the_same_order_as_int64(count: int, dtype: torch.dtype):
+    """``group_by_expert`` sorts the slots' expert ids as the narrowest signed integers that hold
+    them (a radix sort's passes are its key's bytes): the order, its inverse and the experts'
+    bounds are those of the int64 ids' stable sort, dropped slots (-1) first."""
+    from mega.parallel.expert.local import group_by_expert, narrow_ids
+
+    generator = torch.Generator().manual_seed(count)
+    flat = torch.randint(-1, count, (5_000,), generator=generator)
+    flat[:3] = torch.tensor([count - 1, -1, 0])
+    assert narrow_ids(flat, count).dtype == dtype
+    assert torch.equal(narrow_ids(flat, count).long(), flat)
+    order, inverse, bounds = group_by_expert(flat, count)
+    expected = torch.argsort(flat, stable=True)
+    assert torch.equal(order, expected)
+    assert torch.equal(inverse[expected], torch.arange(flat.numel()))
+    # each expert's first sorted slot: how many slots have a smaller id (-1 counted)
+    below = torch.bincount(flat + 1, minlength=count + 1).cumsum(0)  # ids -1 .. e - 1
+    assert torch.equal(bounds, below)
+    assert bounds.dtype == torch.int64

@@ -17,6 +17,8 @@ import torch
 import torch._dynamo
 from torch._dynamo.decorators import mark_unbacked
 
+from mega.parallel.expert.local import narrow_ids
+
 
 @torch.compiler.disable
 def split_rows(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -54,7 +56,7 @@ def held_slots(
     local = flat - first
     slots = ((flat >= 0) & (local >= 0) & (local < count)).nonzero().squeeze(1)
     local = local[slots]
-    order = torch.argsort(local, stable=True)
+    order = torch.argsort(narrow_ids(local, count), stable=True)
     slots = slots[order]
     tokens = slots // k
     mark_unbacked(slots, 0)
