@@ -284,7 +284,8 @@ def test_expert_ids_sort_as_narrow_keys_to_the_same_order_as_int64(count: int, d
     """``group_by_expert`` sorts the slots' expert ids as the narrowest signed integers that hold
     them (a radix sort's passes are its key's bytes): the order, its inverse and the experts'
     bounds are those of the int64 ids' stable sort, dropped slots (-1) first."""
-    from mega.parallel.expert.local import group_by_expert, narrow_ids
+    from mega.parallel.expert.local import group_by_expert
+    from mega.parallel.expert.sort_keys import narrow_ids
 
     generator = torch.Generator().manual_seed(count)
     flat = torch.randint(-1, count, (5_000,), generator=generator)

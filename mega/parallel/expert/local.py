@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from mega.parallel.expert.sort_keys import narrow_ids
 from mega.parallel.weight_grad import traced
 
 
@@ -140,17 +141,6 @@ def weighted_sum(
     weights = probs.reshape(-1).index_select(0, slots).float().unsqueeze(1)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     return out.index_add(0, owners, rows.float() * weights).to(tokens.dtype)
-
-
-def narrow_ids(ids: torch.Tensor, count: int) -> torch.Tensor:
-    """Expert ids (below ``count``; -1 for a dropped slot) in the narrowest signed integer type
-    that holds them, to sort by: a radix sort makes one pass per byte of its keys (CUDA sorts
-    int64 ids in 8 passes, 8 kernels, where int8 ids take one), and a stable sort of the same
-    values gives the same order."""
-    for dtype in (torch.int8, torch.int16, torch.int32):
-        if count <= torch.iinfo(dtype).max:
-            return ids.to(dtype)
-    return ids
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.decorators import mark_unbacked
 
-from mega.parallel.expert.local import narrow_ids
+from mega.parallel.expert.sort_keys import narrow_ids
 
 
 @torch.compiler.disable
