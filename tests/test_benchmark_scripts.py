@@ -99,8 +99,12 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     moves a loss by far more). One comm type: the script treats them alike, and
     tests/test_context_parallel.py checks each against one process. A third row sets an
     environment variable for itself alone (``@NAME=VALUE``): a value mega refuses, so its row is
-    that error line while the same layout without it ran."""
-    layouts = "tp1dp2,cp2:--cp-comm-type=p2p,cp2:--cp-comm-type=p2p@MEGA_CP_RING_GRAPHS=maybe"
+    that error line while the same layout without it ran. A fourth logs every second step: its
+    losses are compared with the base's at the iterations both logged."""
+    layouts = (
+        "tp1dp2,cp2:--cp-comm-type=p2p,cp2:--cp-comm-type=p2p@MEGA_CP_RING_GRAPHS=maybe,"
+        "tp1dp2:--log-interval=2"
+    )
     command = [
         sys.executable, str(ROOT / "benchmarks" / "parallel_layouts.py"), "--layouts", layouts,
         "--base", "tp1dp2", "--iters", "6", "--warmup", "1", "--mbs", "1", "--gbs", "2",
@@ -117,6 +121,11 @@ def test_parallel_layouts_with_context_parallelism_on_the_cpu(tmp_path: Path):
     assert rows[1]["max_rel_loss_diff_vs_tp1dp2"] < 1e-2
     assert "MEGA_CP_RING_GRAPHS='maybe': must be 0 or 1" in rows[2]["error"]
     assert rows[2]["env"] == {"MEGA_CP_RING_GRAPHS": "maybe"} and "env" not in rows[1]
+    assert rows[0]["iterations"] == [1, 2, 3, 4, 5, 6] and rows[3]["iterations"] == [1, 2, 4, 6]
+    # iterations 1 and 2 are single steps on both rows (the same run): equal there, and the
+    # interval means at 4 and 6 stay within bf16 rounding of a loss that barely moves
+    assert rows[3]["lm_loss"][:2] == rows[0]["lm_loss"][:2]
+    assert rows[3]["max_rel_loss_diff_vs_tp1dp2"] < 1e-2
 
 
 def test_a_layouts_environment_must_be_name_equals_value():
