@@ -57,6 +57,18 @@ class Rates:
     # fixed cost per copy; 0: not measured, the point-to-point rate and latency stand in
     copy_engine_bytes: float = 0.0
     copy_engine_latency_seconds: float = 0.0
+    # the host's time per kernel the planner counts in a compiled unit (``Work.compiled_ops``):
+    # inductor's generated code, its guards, the autograd node, the kernels the count leaves
+    # out (memsets, the extra kernels of a library call), per counted kernel; measured on a
+    # host-bound compiled GPT (benchmarks/compiled_host_rate.py); 0: not measured, an eager
+    # op's cost (``host_op_seconds``) stands in
+    compiled_op_host_seconds: float = 0.0
+
+    def host_seconds(self, ops: float, compiled_ops: float) -> float:
+        """What the host takes to launch ``ops`` ops, ``compiled_ops`` of them inside compiled
+        units (see :attr:`compiled_op_host_seconds`)."""
+        per_compiled = self.compiled_op_host_seconds or self.host_op_seconds
+        return (ops - compiled_ops) * self.host_op_seconds + compiled_ops * per_compiled
 
     def without_communication(self) -> Rates:
         """These rates with every collective free: what one rank alone over torch's fake
@@ -148,6 +160,7 @@ def _measured(
     long: tuple[str, tuple[tuple[int, float, float], ...]] = ("", ()),
     p2p: tuple[str, float] = ("", 0.0),
     copy_engine: tuple[float, float] = (0.0, 0.0),
+    compiled_host: tuple[str, float] = ("", 0.0),
 ) -> Rates:
     """The rates of ``results``; FP8 GEMMs measured later (``fp8``: its file and rate), when
     mega first planned FP8 runs. That file's other rates are not taken: the recorded checks were
@@ -155,7 +168,8 @@ def _measured(
     machine). ``long``: the file of the attention's length factors and the factors, measured
     later still (a ratio of two rates of one run, so taken against the first file's rates).
     ``p2p``: the file of the point-to-point rate and the rate, measured on several GPUs;
-    ``copy_engine``: the copy engine's rate and fixed cost, measured in the same file."""
+    ``copy_engine``: the copy engine's rate and fixed cost, measured in the same file;
+    ``compiled_host``: the file of the host's time per counted compiled kernel and the time."""
     return Rates(
         gpu=gpu,
         matmul_flops=matmul,
@@ -167,13 +181,15 @@ def _measured(
         source=f"benchmarks/results/{results} and {fp8[0]} (FP8 GEMMs; torch 2.11)"
         + (f", {long[0]} (attention by sequence length)" if long[0] else "")
         + "; all-reduce assumed (NVLink 4), collective latency measured on H100 pairs"
-        + (f", point-to-point measured on 4 GPUs ({p2p[0]})" if p2p[0] else ""),
+        + (f", point-to-point measured on 4 GPUs ({p2p[0]})" if p2p[0] else "")
+        + (f", host per compiled kernel ({compiled_host[0]})" if compiled_host[0] else ""),
         fp8_matmul_flops=fp8[1],
         collective_latency_seconds=_NVLINK4_COLLECTIVE_LATENCY,
         attention_length_factors=long[1],
         p2p_bytes=p2p[1],
         copy_engine_bytes=copy_engine[0],
         copy_engine_latency_seconds=copy_engine[1],
+        compiled_op_host_seconds=compiled_host[1],
     )
 
 
@@ -205,6 +221,14 @@ BUILT_IN: dict[str, Rates] = {
         # 0.2613 ms; the 32 MiB more took 0.0958 ms (350.3 GB/s), the rest of a copy is fixed:
         # 0.1655 - 0.0958 = 0.0697 ms
         copy_engine=(350.3e9, 69.7e-6),
+        # the 1.3B GPT's data-parallel rank alone at micro-batch 1 (host-bound there), 12 and 24
+        # layers, 8 micro-batches a step: the 12 layers more took 239.4 ms a step, 2,494 us a
+        # layer and micro-batch, for 41 counted kernels (16 forward, 25 backward): 60.8 us each
+        # (an eager op: 8.5). The same way, the TP2 rank's layer 60.9 us, the MoE's (DP rank,
+        # 6 and 12 layers) 57.8; TP2 + SP's 89.1 (its Python around the collectives is not
+        # counted); a GPT of hidden size 256 39.3 (the rate grows with the layer's shapes: more
+        # of the launches the count leaves out)
+        compiled_host=("compiled_host_h200_2026-12-01.json", 60.8e-6),
     ),
 }  # fmt: skip
 
@@ -389,6 +413,8 @@ def measure_rates(allreduce_bus_bytes: float | None = None) -> Rates:
         p2p_bytes=known.p2p_bytes if known else 0.0,  # as the latency: the built-in one's
         copy_engine_bytes=known.copy_engine_bytes if known else 0.0,
         copy_engine_latency_seconds=known.copy_engine_latency_seconds if known else 0.0,
+        # a compiled model's host time needs mega's model (benchmarks/compiled_host_rate.py)
+        compiled_op_host_seconds=known.compiled_op_host_seconds if known else 0.0,
     )
 
 

@@ -297,6 +297,7 @@ def _as_compiled(tracker: StepTracker, graph: FusedGraph) -> Iterator[None]:
         done, tracker.work = tracker.work, outer
         done.memory_bytes = graph.traffic_bytes + done.unfused_bytes
         done.ops = graph.kernels + done.unfused_ops
+        done.compiled_ops = done.ops
         outer.add(done)
 
 

@@ -68,6 +68,10 @@ class Work:
     attention_flops: float = 0.0
     memory_bytes: float = 0.0  # bytes read and written by the ops that are not matmuls
     ops: float = 0  # kernels launched, roughly: every op that is not a view
+    # of ``ops``, those of compiled units (their fused graphs' kernels and the opaque ops run
+    # inside them): launched by inductor's generated code, at the host cost of
+    # ``Rates.compiled_op_host_seconds`` each
+    compiled_ops: float = 0
     # (topology dimension, kind ("allreduce", "allgather", ...), group size) -> bytes of the
     # full-size tensors
     collectives: dict[tuple[str, str, int], float] = field(
@@ -94,6 +98,7 @@ class Work:
         self.attention_flops += factor * other.attention_flops
         self.memory_bytes += factor * other.memory_bytes
         self.ops += factor * other.ops
+        self.compiled_ops += factor * other.compiled_ops
         self.unfused_bytes += factor * other.unfused_bytes
         self.unfused_ops += factor * other.unfused_ops
         for key, value in other.collectives.items():

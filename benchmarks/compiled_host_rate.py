@@ -1,0 +1,138 @@
+"""The host's time per kernel ``mega plan`` counts in a compiled layer
+(``Rates.compiled_op_host_seconds``), from two fake-world runs of a tiny GPT that differ only in
+depth:
+
+    python benchmarks/parallel_layouts.py --fake-world --name host_gpt_L4 --base tp1dp2 \\
+        --mbs 1 --gbs 16 --layouts tp1dp2,tp2dp1 --model-flags "--hidden-size 256 \\
+        --num-attention-heads 8 --seq-length 256 --max-position-embeddings 256 --num-layers 4"
+    (the same with --num-layers 12 and --name host_gpt_L12)
+    python benchmarks/compiled_host_rate.py SHALLOW.json DEEP.json [SHALLOW2 DEEP2 ...] \
+        --name compiled_host_h200
+
+At hidden size 256 and 256 positions a layer's kernels take a few microseconds each, so the GPU
+waits for the host and a step takes the host's time. The deeper model's step is longer by its
+extra layers' host time; divided by the extra kernels the planner counts for those layers (its
+own count of the same commands, on meta), that is the host's time per counted kernel of a
+compiled layer: inductor's generated code, dynamo's guards, the autograd node, and the launches
+the count leaves out (memsets, a library call's extra kernels), all per counted kernel. The
+embedding, head, loss and optimizer are the same in both runs and drop out of the difference.
+
+Writes ``benchmarks/results/<name>_<date>.json`` (or under ``--out``): per layout, the step
+times, micro-batches, counted kernels per layer and micro-batch, and the rate. Runs on CPU (the
+step times are the result files').
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+# the fake-rank command's flags that are the run's, not the plan's
+_RUN_ONLY = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval", "--master-port"}
+
+
+def counted_kernels(run: dict) -> tuple[float, float, int]:
+    """The planner's kernels per micro-batch of a fake-world row's rank (forward, backward) and
+    its micro-batches per step."""
+    from mega.core.config.resolve import resolve_config
+    from mega.core.plan.calibration import BUILT_IN
+    from mega.core.plan.estimate import plan_run
+    from mega.core.plugins.manager import make_plugins
+
+    words = shlex.split(run["command"])
+    words = words[words.index("train") + 1 :]
+    kept, skip = [], False
+    for word in words:
+        if skip:
+            skip = False
+        elif word in _RUN_ONLY:
+            skip = True
+        else:
+            kept.append(word)
+    argv = [*kept, "--nproc-per-node", str(run["world_size"]), "--device", "cuda"]
+    plugins = make_plugins()
+    config = resolve_config(argv, plugins, this_machine=False)
+    plan = plan_run(config, plugins, BUILT_IN["h200"].without_communication())
+    profile = plan.stages[0].profile
+    return profile.forward.compiled_ops, profile.backward.compiled_ops, config.num_microbatches
+
+
+def _layers(run: dict) -> int:
+    words = shlex.split(run["command"])
+    return int(words[len(words) - 1 - words[::-1].index("--num-layers") + 1])
+
+
+def rates(shallow: dict, deep: dict, sources: list[str]) -> list[dict]:
+    """Per layout both files ran: the host's seconds per counted compiled kernel."""
+    rows = []
+    deep_runs = {r["layout"]: r for r in deep["results"]}
+    for low in shallow["results"]:
+        high = deep_runs.get(low["layout"])
+        if high is None or "step_ms" not in low or "step_ms" not in high:
+            continue
+        layers = _layers(high) - _layers(low)
+        f_low, b_low, m = counted_kernels(low)
+        f_high, b_high, _ = counted_kernels(high)
+        kernels = (f_high + b_high - f_low - b_low) * m  # the extra layers' counted kernels
+        seconds = (high["step_ms"] - low["step_ms"]) / 1e3
+        rows.append(
+            {
+                "layout": low["layout"],
+                "pair": " -> ".join(name.removesuffix(".json") for name in sources),
+                "sources": sources,
+                "measured_commit": shallow.get("commit"),  # the code the steps ran
+                "step_ms": [low["step_ms"], high["step_ms"]],
+                "extra_layers": layers,
+                "micro_batches": m,
+                "counted_kernels_per_layer_and_micro_batch": {
+                    "forward": (f_high - f_low) / layers,
+                    "backward": (b_high - b_low) / layers,
+                },
+                "host_us_per_layer_and_micro_batch": round(seconds / layers / m * 1e6, 1),
+                "compiled_op_host_seconds": seconds / kernels,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "files",
+        type=Path,
+        nargs="+",
+        help="pairs of parallel_layouts results: fewer layers, then the same layouts with more",
+    )
+    parser.add_argument("--name", default="compiled_host")
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    args = parser.parse_args()
+    if len(args.files) % 2:
+        parser.error("the result files come in pairs (fewer layers, more layers)")
+    rows = []
+    for low, high in zip(args.files[::2], args.files[1::2], strict=True):
+        shallow, deep = json.loads(low.read_text()), json.loads(high.read_text())
+        rows += rates(shallow, deep, [low.name, high.name])
+    from result_file import with_provenance  # a sibling: the script's directory is on the path
+
+    result = with_provenance(
+        {
+            "date": args.date,
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "device": shallow.get("device", ""),
+            "results": rows,
+        }
+    )
+    path = Path(args.out) / f"{args.name}_{args.date}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["results"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
