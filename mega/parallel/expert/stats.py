@@ -22,6 +22,9 @@ def _routers(model: torch.nn.Module) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "stats") and hasattr(m, "num_experts")]
 
 
+_LOSSES = ("load_balancing_loss", "z_loss")
+
+
 def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]:
     """``load_balancing_loss``, ``z_loss`` (when on), ``dropped_token_fraction`` and
     ``expert_load`` (each expert's share of the routed slots, all layers) since the last call;
@@ -29,26 +32,7 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
     routers = _routers(model)
     if not routers:
         return {}
-    experts = routers[0].num_experts
-    device = routers[0].weight.device
-    # [layers, calls, lb, z, has lb, has z, dropped, routed, tokens per expert...]
-    totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
-    for router in routers:
-        sums = router.stats.take()
-        if "calls" not in sums:  # a router that never ran here (its sums made at the first add)
-            continue
-        calls = sums["calls"].double()
-        ran = (calls > 0).double()  # 0 for a router with no training forward since the last line
-        totals[0] += ran
-        totals[1] += calls
-        for slot, name in ((2, "load_balancing_loss"), (3, "z_loss")):
-            if name in sums:  # the loss is on for this router
-                totals[slot] += sums[name].double()
-                totals[slot + 2] += ran
-        if "dropped" in sums:
-            totals[6] += sums["dropped"].double()
-            totals[7] += sums["routed"].double()
-            totals[8:] += sums["tokens_per_expert"].double()
+    totals = _rank_totals([r.stats for r in routers], routers[0].num_experts)
     if topology.world_size > 1:
         import torch.distributed as dist
 
@@ -68,3 +52,50 @@ def router_metrics(model: torch.nn.Module, topology: Topology) -> dict[str, Any]
         load = totals[8:] / totals[8:].sum().clamp(min=1)
         out["expert_load"] = [round(float(x), 6) for x in load]
     return out
+
+
+def _rank_totals(stats: list[Any], experts: int) -> torch.Tensor:
+    """This rank's ``[layers, calls, lb, z, layers with lb, layers with z, dropped, routed,
+    tokens per expert...]`` (float64) from its routers' sums, which are then zeroed. A layer
+    counts where its router ran a training forward since the last line; a router that never ran
+    here (on meta its sums appear at the first add) adds nothing. A handful of kernels for every
+    router together: at one line a step, a loop of a dozen ops per router (the MoE of issue 46:
+    ~400 eager launches after the line's sync, the GPU idle ~10 ms a step) was the step's
+    largest host cost outside the layers."""
+    ran = [s for s in stats if "calls" in s.sums]
+    device = stats[0].device
+    totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
+    if ran:
+        zero = torch.zeros(1, device=device)
+        none = torch.zeros(experts, device=device)
+        columns = []
+        for s in ran:  # calls, lb, z, dropped, routed, tokens per expert: 5 + experts a router
+            sums = s.sums
+            columns += [sums["calls"].reshape(1), *(sums.get(n, zero).reshape(1) for n in _LOSSES)]
+            columns += [sums.get(n, zero).reshape(1) for n in ("dropped", "routed")]
+            columns.append(sums.get("tokens_per_expert", none))
+        table = torch.cat(columns).view(len(ran), 5 + experts).double()
+        layer = (table[:, 0] > 0).double()  # 0 for a router with no training forward since
+        with_loss = [[n in s.sums for s in ran] for n in _LOSSES]
+        layers_with = [_masked_sum(layer, mask) for mask in with_loss]
+        totals = torch.cat(
+            [layer.sum().reshape(1), table[:, :3].sum(0), *layers_with, table[:, 3:].sum(0)]
+        )
+    everything = [t for s in stats for t in s.sums.values()]
+    if device.type == "meta":
+        for s in stats:
+            s.reset()
+    elif everything:
+        torch._foreach_zero_(everything)
+    return totals
+
+
+def _masked_sum(values: torch.Tensor, mask: list[bool]) -> torch.Tensor:
+    """``values``' sum over the positions ``mask`` keeps, as ``[1]`` (no host-to-device copy
+    where it keeps all or none, the usual case: every router has the same losses)."""
+    if all(mask):
+        return values.sum().reshape(1)
+    if not any(mask):
+        return values.new_zeros(1)
+    keep = torch.tensor([i for i, m in enumerate(mask) if m], device=values.device)
+    return values.index_select(0, keep).sum().reshape(1)
