@@ -32,29 +32,18 @@ import shlex
 import sys
 from pathlib import Path
 
-# the fake-rank command's flags that are the run's, not the plan's
-_RUN_ONLY = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval", "--master-port"}
-
 
 def counted_kernels(run: dict) -> tuple[float, float, int]:
     """The planner's kernels per micro-batch of a fake-world row's rank (forward, backward) and
     its micro-batches per step."""
+    from recorded_command import plan_argv  # a sibling: the script's directory is on the path
+
     from mega.core.config.resolve import resolve_config
     from mega.core.plan.calibration import BUILT_IN
     from mega.core.plan.estimate import plan_run
     from mega.core.plugins.manager import make_plugins
 
-    words = shlex.split(run["command"])
-    words = words[words.index("train") + 1 :]
-    kept, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in _RUN_ONLY:
-            skip = True
-        else:
-            kept.append(word)
-    argv = [*kept, "--nproc-per-node", str(run["world_size"]), "--device", "cuda"]
+    argv = plan_argv(run["command"], run["world_size"])
     plugins = make_plugins()
     config = resolve_config(argv, plugins, this_machine=False)
     plan = plan_run(config, plugins, BUILT_IN["h200"].without_communication())

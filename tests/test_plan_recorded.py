@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,8 @@ from mega.core.plan.calibration import BUILT_IN
 from mega.core.plan.estimate import plan_run
 from mega.core.plugins.manager import make_plugins
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+RESULTS = BENCHMARKS / "results"
 FILES = (
     "layouts_1p3b_1gpu_2026-11-24.json",
     "layouts_1p3b_2gpu_2026-11-24.json",
@@ -76,16 +78,11 @@ def train_flags(command: str, tp_ran_eager: bool = True, overlap_default: bool =
     overlap = "--tp-comm-overlap" in words or "--no-tp-comm-overlap" in words
     if tp > 1 and not overlap and not overlap_default:
         words.append("--no-tp-comm-overlap")
-    dropped = {"--nproc-per-node", "--run-dir", "--train-iters", "--log-interval", "--master-port"}
-    kept, skip = [], False
-    for word in words:
-        if skip:
-            skip = False
-        elif word in dropped:
-            skip = True
-        else:
-            kept.append(word)
-    return shlex.join(kept)
+    if str(BENCHMARKS) not in sys.path:  # the recorded commands' parsing is the scripts' own
+        sys.path.insert(0, str(BENCHMARKS))
+    from recorded_command import without_run_flags
+
+    return shlex.join(without_run_flags(words))
 
 
 def _runs(misses: set[str], stale: dict[str, str] | None = None):
