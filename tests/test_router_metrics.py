@@ -23,6 +23,11 @@ class _Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(EXPERTS, 2))
         self.stats = RouterStats(EXPERTS, losses)
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - as the model's Router: the sums follow
+        super()._apply(fn, recurse)
+        self.stats.move_to(self.weight.device)
+        return self
+
 
 def _one_by_one(routers: list[_Router], shares: int = 1) -> dict:
     """The metrics added router by router, in Python floats: the oracle."""
@@ -54,14 +59,19 @@ def _one_by_one(routers: list[_Router], shares: int = 1) -> dict:
 
 
 def _fill(router: _Router, calls: int, generator: torch.Generator) -> None:
+    """``calls`` training forwards' worth of sums, made on the CPU, added on the router's device."""
+    stats, device = router.stats, router.weight.device
     for _ in range(calls):
-        stats = router.stats
-        stats.add("calls", torch.ones(()))
-        stats.add("tokens_per_expert", torch.randint(0, 50, (EXPERTS,), generator=generator))
-        stats.add("dropped", torch.randint(0, 5, (), generator=generator))
-        stats.add("routed", torch.tensor(200.0))
+        values = {
+            "calls": torch.ones(()),
+            "tokens_per_expert": torch.randint(0, 50, (EXPERTS,), generator=generator),
+            "dropped": torch.randint(0, 5, (), generator=generator),
+            "routed": torch.tensor(200.0),
+        }
         for name in stats.names[len(RouterStats.RECORDED) :]:
-            stats.add(name, torch.rand((), generator=generator))
+            values[name] = torch.rand((), generator=generator)
+        for name, value in values.items():
+            stats.add(name, value.to(device))
 
 
 def test_the_metrics_are_the_router_by_router_sums_and_every_sum_is_zeroed():
@@ -75,7 +85,10 @@ def test_the_metrics_are_the_router_by_router_sums_and_every_sum_is_zeroed():
     del routers[1].stats.sums["z_loss"]
     model = nn.ModuleList(routers)
     expected = _one_by_one(routers)
+    # a graphed layer (--cuda-graph-impl local) adds into the same memory at every replay
+    storages = [t.data_ptr() for r in routers for t in r.stats.sums.values()]
     got = router_metrics(model, Topology())
+    assert [t.data_ptr() for r in routers for t in r.stats.sums.values()] == storages
     assert got.keys() == expected.keys()
     for name in ("load_balancing_loss", "z_loss", "dropped_token_fraction"):
         assert got[name] == pytest.approx(expected[name], rel=1e-6)
