@@ -77,3 +77,16 @@ def test_the_built_in_rate_is_what_its_result_files_give():
     first = recorded["results"][0]
     assert (first["layout"], first["sources"]) == ("tp1dp2", names)
     assert first["compiled_op_host_seconds"] == pytest.approx(row["compiled_op_host_seconds"])
+
+
+def test_the_rate_script_refuses_unpaired_or_missing_files(tmp_path):
+    import subprocess
+
+    script = str(ROOT / "benchmarks" / "compiled_host_rate.py")
+    shallow = str(RESULTS / "host_1p3b_L12_mb1_2026-12-01.json")
+    for args, culprit in (([shallow], "in pairs"), ([shallow, "nowhere.json"], "nowhere.json")):
+        done = subprocess.run(
+            [sys.executable, script, *args, "--out", str(tmp_path)], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and culprit in done.stderr.splitlines()[-1]
+        assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())

@@ -23,7 +23,8 @@ class _Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(EXPERTS, 2))
         self.stats = RouterStats(EXPERTS, losses)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - as the model's Router: the sums follow
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202
+        # as the model's Router: the sums follow the weight to its device
         super()._apply(fn, recurse)
         self.stats.move_to(self.weight.device)
         return self

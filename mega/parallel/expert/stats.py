@@ -62,18 +62,18 @@ def _rank_totals(stats: list[Any], experts: int) -> torch.Tensor:
     router together: at one line a step, a loop of a dozen ops per router (the MoE of issue 46:
     ~400 eager launches after the line's sync, the GPU idle ~10 ms a step) was the step's
     largest host cost outside the layers."""
-    ran = [s for s in stats if "calls" in s.sums]
+    ran = [s for s in stats if "calls" in s.sums]  # with it, every sum the forward records
     device = stats[0].device
-    totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
     if ran:
-        zero = torch.zeros(1, device=device)
-        none = torch.zeros(experts, device=device)
-        columns = []
+        columns, missing = [], None
         for s in ran:  # calls, lb, z, dropped, routed, tokens per expert: 5 + experts a router
             sums = s.sums
-            columns += [sums["calls"].reshape(1), *(sums.get(n, zero).reshape(1) for n in _LOSSES)]
-            columns += [sums.get(n, zero).reshape(1) for n in ("dropped", "routed")]
-            columns.append(sums.get("tokens_per_expert", none))
+            losses = [sums.get(n) for n in _LOSSES]
+            if None in losses and missing is None:  # a loss this router does not compute
+                missing = torch.zeros((), device=device)
+            losses = [missing if t is None else t for t in losses]
+            columns += [t.reshape(1) for t in (sums["calls"], *losses, sums["dropped"])]
+            columns += [sums["routed"].reshape(1), sums["tokens_per_expert"]]
         table = torch.cat(columns).view(len(ran), 5 + experts).double()
         layer = (table[:, 0] > 0).double()  # 0 for a router with no training forward since
         with_loss = [[n in s.sums for s in ran] for n in _LOSSES]
@@ -81,6 +81,8 @@ def _rank_totals(stats: list[Any], experts: int) -> torch.Tensor:
         totals = torch.cat(
             [layer.sum().reshape(1), table[:, :3].sum(0), *layers_with, table[:, 3:].sum(0)]
         )
+    else:
+        totals = torch.zeros(8 + experts, dtype=torch.float64, device=device)
     everything = [t for s in stats for t in s.sums.values()]
     if device.type == "meta":
         for s in stats:
