@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._inductor.utils import run_and_get_code
 
 from mega.parallel.distributed import leave_job
-from mega.parallel.expert import flex_schedule
+from mega.parallel.expert import local as expert_local
 from mega.parallel.expert.dispatchers import DeviceSplitDispatcher
 from mega.plugins.models.common import moe
 from mega.plugins.models.common.moe import GroupedExperts, Routing
@@ -43,7 +43,7 @@ def overlapped_trips(code: str) -> int:
 
 def main() -> None:
     moe.GROUPED_GEMM_DEVICES = ("cuda", "meta", "cpu")
-    flex_schedule.GROUPED_DEVICES = ("cuda", "cpu")
+    expert_local.GROUPED_DEVICES = ("cuda", "cpu")
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
     cfg = SimpleNamespace(

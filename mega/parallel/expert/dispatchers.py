@@ -37,6 +37,7 @@ from mega.parallel.expert.local import (
     balanced_rows,
     blocks_undone,
     group_by_expert,
+    grouped_on_gpu,
     local_mixture,
     mix_slots,
     regroup_blocks,
@@ -238,7 +239,7 @@ class DeviceSplitDispatcher:
 
     def __init__(self, group: Any, overlap: bool = False, pipelined: bool | None = None) -> None:
         self.group = group
-        # the pipelined schedule where the layer is one graph (None: flex_schedule.grouped_on_gpu
+        # the pipelined schedule where the layer is one graph (None: local.grouped_on_gpu
         # decides; True: always, for its CPU test, eager or traced without inductor)
         self.pipelined = pipelined
         self.name = group.group_name if group is not None else ""  # resolved outside traced code
@@ -271,7 +272,7 @@ class DeviceSplitDispatcher:
             return flex_schedule.in_order(tokens, routing, experts, shape)
         pipelined = self.pipelined
         if pipelined is None:
-            pipelined = flex_schedule.grouped_on_gpu(tokens, experts)
+            pipelined = grouped_on_gpu(tokens, experts)
         if pipelined and padded_trips(tokens.device) and n > 1:
             return flex_schedule.pipelined(tokens, routing, experts, shape)
         return self._overlapped(tokens, routing, experts, shape)  # compiled: a graph break

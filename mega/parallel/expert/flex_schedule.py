@@ -35,7 +35,13 @@ from typing import Any
 import torch
 
 from mega.parallel.expert import padded_exchange as px
-from mega.parallel.expert.local import group_by_expert, mix_slots, to_experts, to_slots
+from mega.parallel.expert.local import (
+    experts_on_prefix,
+    group_by_expert,
+    mix_slots,
+    to_experts,
+    to_slots,
+)
 from mega.parallel.expert.split_exchange import (
     block_rows,
     combine_rows,
@@ -45,7 +51,6 @@ from mega.parallel.expert.split_exchange import (
     split_in_pieces,
 )
 from mega.parallel.expert.validate import padded_trips
-from mega.parallel.weight_grad import traced
 
 
 @dataclass
@@ -115,37 +120,15 @@ def mix(c: Chunk, dtype: torch.dtype) -> torch.Tensor:
     return mix_slots(to_slots(c.returned, c.order, c.inverse).view(c.t, c.k, -1), c.probs, dtype)
 
 
-# where grouped_on_gpu holds: GPUs (a test adds "cpu" to compile a GPU's layer on CPU ranks)
-GROUPED_DEVICES = ("cuda",)
-
-
-def grouped_on_gpu(rows: torch.Tensor, experts: Any) -> bool:
-    """Whether the experts run ``rows`` as one grouped GEMM on a GPU (bf16): then nothing in a
-    compiled MoE layer reads the routing on the host, and the layer is one graph."""
-    grouped_gemm = getattr(experts, "grouped_gemm", False) and rows.dtype == torch.bfloat16
-    return rows.device.type in GROUPED_DEVICES and grouped_gemm
-
-
 def experts_on_blocks(
     arrived: torch.Tensor, counts: torch.Tensor, experts: Any, n: int, local: int
 ) -> torch.Tensor:
     """The experts' outputs for ``arrived``'s rows in groups of ``counts`` (each expert's blocks
-    and the zeroed padding rows among them, if any), the rows past the groups included. The
-    grouped GEMM on a GPU leaves those alone (past the last offset); the expert loop, and the
-    CPU, run the grouped rows alone (the host reads their number, as the loop does anyway) and
-    give the rest zero rows. On meta (the planner) the routing is balanced: ``S`` rows arrive."""
-    if grouped_on_gpu(arrived, experts):
-        return experts(arrived, counts)
-    if arrived.is_meta:
-        grouped = arrived[: sent_rows(arrived.shape[0], n, local, arrived.device)]
-    elif traced():  # eager, its row count unbacked: one graph for every routing
-        from mega.parallel.expert.traced import grouped_rows
-
-        grouped = grouped_rows(arrived, counts)
-    else:
-        grouped = arrived[: int(counts.sum())]
-    out = experts(grouped, counts)
-    return torch.cat([out, out.new_zeros(arrived.shape[0] - grouped.shape[0], out.shape[1])])
+    and the zeroed padding rows among them, if any), the rows past the groups included
+    (:func:`~mega.parallel.expert.local.experts_on_prefix`). On meta (the planner) the routing
+    is balanced: ``S`` rows arrive."""
+    meta_rows = sent_rows(arrived.shape[0], n, local, arrived.device) if arrived.is_meta else 0
+    return experts_on_prefix(arrived, counts, experts, meta_rows)
 
 
 def in_order(tokens: torch.Tensor, routing: Any, experts: Any, s: Shape) -> torch.Tensor:
@@ -222,7 +205,7 @@ def pipelined(tokens: torch.Tensor, routing: Any, experts: Any, s: Shape) -> tor
     backward pairs them the same way in reverse (``padded_exchange._Begun``). No stream is
     switched, so torch.compile traces it whole, into the layer's graph.
 
-    Only where the layer is one graph (:func:`grouped_on_gpu`; the dispatcher sees to it):
+    Only where the layer is one graph (:func:`~mega.parallel.expert.local.grouped_on_gpu`; the dispatcher sees to it):
     inductor gives a begun collective's input buffer to later kernels of the same graph when
     that graph holds no wait for it, so a graph break between a trip's begin and its end (the
     CPU's expert rows) let the second chunk's rows overwrite the first's while gloo still sent

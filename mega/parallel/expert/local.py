@@ -119,10 +119,13 @@ def local_mixture(
     """``sum_j probs[t, j] * expert_{indices[t, j]}(tokens[t])`` over the slots whose expert is
     held here (``[T, h]``, zero for tokens with none), in ``tokens``' dtype. ``complete``: every
     slot goes to an expert held here (all experts are local and none was dropped), see
-    :func:`complete_mixture`. ``total`` and ``capacity``: the experts in all and the rows each
+    :func:`complete_mixture`; otherwise :func:`held_mixture`, unless padded to capacity
+    (``pad_to``: the held slots found on the host, one sync). ``total`` and ``capacity``: the experts in all and the rows each
     keeps of ``indices``, for the balanced routing on the meta device (:func:`assign`)."""
     if complete:
         return complete_mixture(tokens, probs, indices, experts, count, pad_to)
+    if pad_to is None:
+        return held_mixture(tokens, probs, indices, experts, first, count, total, capacity)
     job = assign(indices, first, count, total, capacity)
     y = run_experts(tokens.index_select(0, job.tokens), job.counts, experts, pad_to)
     return weighted_sum(tokens, probs, job.slots, job.tokens, y)
@@ -152,19 +155,30 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 class _ToExperts(torch.autograd.Function):
     """``rows[r] = tokens[order[r] // k]``: each token's ``k`` slots, in expert order. Backward
     gathers the rows back into slot order and sums each token's ``k`` (float32), where the
-    generic gather's backward would scatter-add with atomics."""
+    generic gather's backward would scatter-add with atomics; with ``held`` (``[T * k]``) only
+    the held slots' rows: the others' gradient rows are whatever the experts' grouped GEMM left
+    past its groups (:func:`held_mixture`), never read."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int):
-        ctx.save_for_backward(inverse)
+    def forward(
+        ctx,
+        tokens: torch.Tensor,
+        order: torch.Tensor,
+        inverse: torch.Tensor,
+        k: int,
+        held: torch.Tensor | None,
+    ):
+        ctx.save_for_backward(inverse, held)
         ctx.k = k
         return tokens.index_select(0, order // k)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (inverse,) = ctx.saved_tensors
+        inverse, held = ctx.saved_tensors
         per_slot = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])
-        return per_slot.float().sum(1).to(grad.dtype), None, None, None
+        if held is not None:
+            per_slot = torch.where(held.view(-1, ctx.k, 1), per_slot, per_slot.new_zeros(()))
+        return per_slot.float().sum(1).to(grad.dtype), None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -213,11 +227,16 @@ def regroup_blocks(rows: torch.Tensor, sizes: list[int], order: list[int]) -> to
 
 
 def to_experts(
-    tokens: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int
+    tokens: torch.Tensor,
+    order: torch.Tensor,
+    inverse: torch.Tensor,
+    k: int,
+    held: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``rows[r] = tokens[order[r] // k]`` for a permutation ``order`` of the ``T * k`` slots
-    (``inverse`` its inverse); backward gathers, no atomics (:class:`_ToExperts`)."""
-    return _ToExperts.apply(tokens, order, inverse, k)
+    (``inverse`` its inverse); backward gathers, no atomics, and takes only the ``held`` slots'
+    gradients if given (:class:`_ToExperts`)."""
+    return _ToExperts.apply(tokens, order, inverse, k, held)
 
 
 def to_slots(rows: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -261,3 +280,77 @@ def complete_mixture(
     order, inverse, bounds = group_by_expert(indices.reshape(-1), count)
     y = run_experts(to_experts(tokens, order, inverse, k), bounds.diff(), experts, pad_to)
     return mix_slots(to_slots(y, order, inverse).view(t, k, -1), probs, tokens.dtype)
+
+
+def held_mixture(
+    tokens: torch.Tensor,
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    experts: Experts,
+    first: int,
+    count: int,
+    total: int | None = None,
+    capacity: int | None = None,
+) -> torch.Tensor:
+    """:func:`local_mixture` of the slots held here among others (expert parallelism's
+    ``allgather``, a capacity that drops), without a shape that depends on the routing: every
+    one of the ``T * k`` slots is sorted, the held ones first by expert, the rest after them,
+    and the experts run on the groups at the front (:func:`experts_on_prefix`: on a GPU one
+    grouped GEMM whose offsets stay on the device). Nothing waits for the GPU, and a compiled
+    layer is one graph. Finding the held slots on the host instead (``nonzero``, ``bincount``)
+    cost a sync per layer and micro-batch: a fake-world EP2 rank of issue 46's MoE idled after
+    each, ~25 ms a step of its 193 (one H200, 2026-12-01).
+
+    The price: the rows sorted and gathered for the experts are all ``T * k`` slots, and the
+    grouped GEMM's outputs have room for them all (``n`` times the held rows at ``n`` ranks of
+    balanced routing), where the host-found slots needed only the held rows. The rows past
+    the groups are never read: the mixing takes the held slots' outputs alone, and backward
+    the held slots' gradients alone."""
+    t, k = indices.shape
+    flat = indices.reshape(-1)
+    local = flat - first
+    held = (flat >= 0) & (local >= 0) & (local < count)
+    order, inverse, bounds = group_by_expert(torch.where(held, local, count), count + 1)
+    meta_rows = 0
+    if indices.is_meta:  # balanced (module docstring)
+        meta_rows = sum(
+            balanced_rows(flat.numel(), total or count, capacity)[first : first + count]
+        )
+    rows = to_experts(tokens, order, inverse, k, held)
+    y = experts_on_prefix(rows, bounds.diff()[:count], experts, meta_rows)
+    per_slot = to_slots(y, order, inverse).view(t, k, -1)
+    kept = torch.where(held.view(t, k, 1), per_slot, per_slot.new_zeros(()))
+    return mix_slots(kept, probs, tokens.dtype)
+
+
+# where grouped_on_gpu holds: GPUs (a test adds "cpu" to run a GPU's grouped GEMM on CPU ranks)
+GROUPED_DEVICES = ("cuda",)
+
+
+def grouped_on_gpu(rows: torch.Tensor, experts: Experts) -> bool:
+    """Whether the experts run ``rows`` as one grouped GEMM on a GPU (bf16): its offsets stay on
+    the device, and it fills only the rows of its groups."""
+    grouped_gemm = getattr(experts, "grouped_gemm", False) and rows.dtype == torch.bfloat16
+    return rows.device.type in GROUPED_DEVICES and grouped_gemm
+
+
+def experts_on_prefix(
+    x: torch.Tensor, counts: torch.Tensor, experts: Experts, meta_rows: int
+) -> torch.Tensor:
+    """The experts' outputs for ``x``'s first ``counts.sum()`` rows in groups of ``counts``,
+    with as many rows as ``x``: past the groups, what the grouped GEMM on a GPU leaves there
+    (nothing the caller reads), zero elsewhere (the expert loop, and the CPU, run the grouped
+    rows alone: the host reads their number, as the loop does anyway). On meta (the planner)
+    the first ``meta_rows`` rows are grouped (a balanced routing)."""
+    if grouped_on_gpu(x, experts):
+        return experts(x, counts)
+    if x.is_meta:
+        grouped = x[:meta_rows]
+    elif traced():  # eager, its row count unbacked: one graph for every routing
+        from mega.parallel.expert.traced import grouped_rows
+
+        grouped = grouped_rows(x, counts)
+    else:
+        grouped = x[: int(counts.sum())]
+    out = experts(grouped, counts)
+    return torch.cat([out, out.new_zeros(x.shape[0] - grouped.shape[0], out.shape[1])])
