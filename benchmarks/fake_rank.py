@@ -56,10 +56,28 @@ def fill_like_the_collectives() -> None:
     fill_the_functional_collectives()
 
 
+@torch.library.custom_op("mega_fake_rank::stand_in", mutates_args=())
+def stand_in(result: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in place of ``result``, a fake collective's output (never written): one copy, as
+    many bytes as the real collective writes. ``result`` is an input, so a compiled graph keeps
+    the collective (its launch is part of a rank's host time). An opaque op, not a ``copy_`` into
+    ``result``: compiled on a GPU, that copy was lost and the gathered and reduce-scattered
+    gradients were the collective's unwritten buffer (zeros; 2026-12-01)."""
+    return value.clone()
+
+
+@stand_in.register_fake
+def _(result: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(value)
+
+
+stand_in.register_autograd(
+    lambda ctx, grad: (None, grad), setup_context=lambda ctx, inputs, output: None
+)
+
+
 def fill_the_functional_collectives() -> None:
-    """The same stand-ins for the out-of-place collectives. Each still calls the collective (its
-    launch is part of a rank's host time), then writes the stand-in into the result (a copy that
-    a traced graph keeps, so the collective stays in it too)."""
+    """The same stand-ins for the out-of-place collectives (:func:`stand_in`)."""
     from mega.parallel import functional_comm
     from mega.parallel.comm import group_size
     from mega.parallel.expert import collectives
@@ -72,22 +90,25 @@ def fill_the_functional_collectives() -> None:
         return x.unsqueeze(0).expand(ranks, *x.shape).reshape(ranks * x.shape[0], *x.shape[1:])
 
     def all_gather(x: torch.Tensor, dim: int, group):  # noqa: ANN001, ANN202
-        return functional_comm._waited(gather(x, dim, group)).copy_(stacked(x, group_size(group)))
+        out = functional_comm._waited(gather(x, dim, group))
+        return stand_in(out, stacked(x, group_size(group)))
 
     def reduce_scatter(x: torch.Tensor, op: str, dim: int, group):  # noqa: ANN001, ANN202
         out = functional_comm._waited(scatter(x, op, dim, group))
-        return out.copy_(x[: out.shape[0]])
+        return stand_in(out, x[: out.shape[0]])
 
     def start_all_gather(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
-        return start(x, size, name).copy_(stacked(x, size))
+        # waited here (nothing is in flight on the fake group); the caller's wait on the
+        # stand-in is a no-op
+        return stand_in(functional_comm.wait(start(x, size, name)), stacked(x, size))
 
     def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group):  # noqa: ANN001, ANN202
         out = to_all(x, send, recv, group)
         if out.shape == x.shape:  # equal splits: this rank's rows stand in for every peer's
-            return out.copy_(x)
+            return stand_in(out, x)
         rows = min(out.shape[0], x.shape[0])
-        out.zero_()[:rows].copy_(x[:rows])
-        return out
+        pad = x.new_zeros(out.shape[0] - rows, *x.shape[1:])
+        return stand_in(out, torch.cat([x[:rows], pad]))
 
     functional_comm._ALL_GATHER, functional_comm._REDUCE_SCATTER = all_gather, reduce_scatter
     overlapped.start_all_gather = start_all_gather
