@@ -252,3 +252,22 @@ def test_flex_is_planned_with_the_trips_gpus_run(monkeypatch, transport):
     padded = LAYERS * (2 * n * slots * H * 2 + counts)
     sent = p.forward.collectives[("ep", "alltoall", 2)]
     assert (sent == padded) is (transport != "split"), (sent, padded)
+
+
+def test_a_plan_does_not_take_another_dispatchers_compiled_measurement(monkeypatch):
+    """Compiled units are measured once per kind in a process: the MoE layer's dispatcher is
+    part of its kind (an allgather EP2 plan after an alltoall one took its peak, 1.5 GiB off)."""
+    from mega.core.plan import shadow
+
+    rates = BUILT_IN["h200"].without_communication()
+    ep2 = "--expert-model-parallel-size 2 --moe-grouped-gemm --device cuda"
+
+    def peak(dispatcher: str) -> int:
+        config, plugins = _config(f"{ep2} --moe-token-dispatcher-type {dispatcher}", world=2)
+        return plan_run(config, plugins, rates).stages[0].profile.peak_bytes
+
+    monkeypatch.setattr(shadow, "_COMPILED", {})
+    alone = peak("allgather")
+    monkeypatch.setattr(shadow, "_COMPILED", {})
+    peak("alltoall")
+    assert peak("allgather") == alone

@@ -60,13 +60,19 @@ def _forward_signature(fn: Any, depth: int = 0) -> tuple:
 
 
 def _settings(unit: torch.nn.Module) -> tuple:
-    """Every submodule's plain attributes (numbers, strings, flags): what its forward may branch
-    on beyond its shapes."""
+    """Every submodule's plain attributes (numbers, strings, flags) and the types of its other
+    public ones: what its forward may branch on beyond its shapes. The types: a MoE layer's
+    ``dispatcher`` (alltoall or allgather) changes what its compiled graph keeps, and an EP2
+    plan after another's took the other's measurement (1.5 GiB off, 2026-12-01)."""
     plain = (bool, int, float, str, type(None))
-    return tuple(
-        (name, tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, plain))))
-        for name, m in unit.named_modules()
-    )
+
+    def described(m: torch.nn.Module) -> tuple:
+        public = [(k, v) for k, v in vars(m).items() if not k.startswith("_")]
+        values = [(k, v) for k, v in public if isinstance(v, plain)]
+        kinds = [(k, type(v).__qualname__) for k, v in public if not isinstance(v, plain)]
+        return tuple(sorted(values)) + tuple(sorted(kinds))
+
+    return tuple((name, described(m)) for name, m in unit.named_modules())
 
 
 def _tensor_signature(tensors: list[torch.Tensor]) -> tuple:
