@@ -298,12 +298,13 @@ def held_mixture(
     and the experts run on the groups at the front (:func:`experts_on_prefix`: on a GPU one
     grouped GEMM whose offsets stay on the device). Nothing waits for the GPU, and a compiled
     layer is one graph. Finding the held slots on the host instead (``nonzero``, ``bincount``)
-    cost a sync per layer and micro-batch: a fake-world EP2 rank of issue 46's MoE idled after
-    each, ~25 ms a step of its 193 (one H200, 2026-12-01).
+    cost a sync per layer and micro-batch, and a graph break at each.
 
     The price: the rows sorted and gathered for the experts are all ``T * k`` slots, and the
     grouped GEMM's outputs have room for them all (``n`` times the held rows at ``n`` ranks of
-    balanced routing), where the host-found slots needed only the held rows. The rows past
+    balanced routing), where the host-found slots needed only the held rows: at EP2 of issue
+    46's MoE, 13.8 GiB of activations at the step's peak against DP2's 9.2 (one H200, a rank
+    over the fake group, 2026-12-01). The rows past
     the groups are never read: the mixing takes the held slots' outputs alone, and backward
     the held slots' gradients alone."""
     t, k = indices.shape
