@@ -15,15 +15,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("swiglu", [True, False])
 def test_grouped_gemm_experts_equal_the_loop(swiglu):
     torch.manual_seed(0)
-    cfg = GPTConfig(
-        hidden_size=256, num_attention_heads=4, num_experts=8, moe_ffn_hidden_size=512,
-        swiglu=swiglu, add_bias_linear=False, moe_grouped_gemm=True,
-    )  # fmt: skip
-    experts = GroupedExperts(cfg).cuda()
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.02)
-    experts = experts.to(torch.bfloat16)
+    experts = _rank_experts(local=8, first=0, hidden=256, ffn=512, swiglu=swiglu)
     counts = torch.tensor([0, 37, 128, 5, 64, 1, 90, 3], device="cuda")  # an empty expert too
     x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16)
     results = []
@@ -39,12 +31,14 @@ def test_grouped_gemm_experts_equal_the_loop(swiglu):
         assert error < 1e-2, error  # bf16 operands: summation order differs
 
 
-def _rank_experts(local: int, first: int, hidden: int, ffn: int) -> GroupedExperts:
-    """``local`` bf16 SwiGLU experts on the GPU, as an expert-parallel rank holding experts
-    ``first .. first + local - 1`` has them."""
+def _rank_experts(
+    local: int, first: int, hidden: int, ffn: int, swiglu: bool = True
+) -> GroupedExperts:
+    """``local`` bf16 experts on the GPU (SwiGLU or GELU), as an expert-parallel rank holding
+    experts ``first .. first + local - 1`` has them."""
     cfg = GPTConfig(
         hidden_size=hidden, num_attention_heads=4, num_experts=local, moe_ffn_hidden_size=ffn,
-        swiglu=True, add_bias_linear=False, moe_grouped_gemm=True,
+        swiglu=swiglu, add_bias_linear=False, moe_grouped_gemm=True,
     )  # fmt: skip
     experts = GroupedExperts(cfg).cuda()
     with torch.no_grad():
