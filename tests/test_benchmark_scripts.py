@@ -461,3 +461,33 @@ def test_kernel_benchmarks_refuse_in_one_line(tmp_path: Path, script: str, args:
     assert proc.returncode == 2, proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.strip()][-1].startswith("error: ")
     assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_memory_peak_plugin_replays_what_lives_at_the_peak():
+    """benchmarks/plugins/memory_peak.py: the blocks alive at the highest point of an allocator
+    trace, by the innermost mega frame (a block freed before the peak is not among them)."""
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "plugins" / "memory_peak.py"
+    spec = importlib.util.spec_from_file_location("memory_peak_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    def frames(line: int) -> list[dict]:
+        return [
+            {"filename": "/tmp/torchinductor/kernel.py", "line": 9, "name": "call"},
+            {"filename": "/x/mega/layer.py", "line": line, "name": "forward"},
+        ]
+
+    events = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": frames(1)},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": frames(2)},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 30, "frames": frames(2)},
+        {"action": "alloc", "addr": 4, "size": 80, "frames": frames(2)},  # the peak: 160
+        {"action": "free_requested", "addr": 4, "size": 80},
+    ]
+    peak, by_place = module.live_at_peak(events)
+    assert peak == 160
+    assert by_place == {("layer.py:2 forward", "kernel.py:9 call"): [50, 30, 80]}
+    assert module._blocks([2_000_000, 500_000, 2_000_000]) == "2 x 2.0 MB, 1 x 0.5 MB"
