@@ -83,8 +83,10 @@ LAYOUTS = {
         "tp": [["tp1dp2", "tp2dp1", "tp2dp1-sp", f"tp2dp1:{GRAPHS}", f"tp2dp1-sp:{GRAPHS}",
                 f"tp2dp1:{COPY_SPLIT}", f"tp2dp1-sp:{COPY_SPLIT}"],
                ["tp1dp2-mb8", "tp2dp1-mb8", "tp2dp1-sp-mb8", f"tp2dp1-sp-mb8:{COPY_SPLIT}"]],
+        # the default dispatcher (allgather: no host sync since 55b6cea, buffers for every
+        # gathered slot) beside the others
         "ep": [
-            ["tp1dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
+            ["tp1dp2", "ep2dp2", f"ep2dp2:{ALLTOALL}", f"ep2dp2:{FLEX}", f"ep2dp2:{FLEX_COPY_ENGINE}",
              f"ep2dp2:{PADDED}", f"ep2dp2:{FLEX_PEER_ROWS_GRAPHS}"]
         ],
         # the ring-graphs row last: it hung at exit on 2 H200 (01703a4) until e7d8384; the part
@@ -100,7 +102,7 @@ LAYOUTS = {
                 f"tp2dp2-sp-mb8:{GRAPHS}", f"tp4-sp-mb16:{GRAPHS}", f"tp2dp2-sp-mb8:{COPY_SPLIT}",
                 f"tp4-sp-mb16:{COPY_SPLIT}"]],
         "ep": [
-            ["tp1dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
+            ["tp1dp4", "ep4dp4", f"ep4dp4:{ALLTOALL}", f"ep4dp4:{FLEX}", f"ep4dp4:{FLEX_COPY_ENGINE}",
              f"ep4dp4:{PADDED}", f"ep4dp4:{FLEX_PEER_ROWS_GRAPHS}"]
         ],
         "cp16k": [["tp1dp4", "cp2dp2", "cp4", "cp4-mb2"]],
