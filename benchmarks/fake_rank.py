@@ -11,7 +11,8 @@ leave uninitialised memory (NaNs now and then) in the activations: each rank's s
 is this rank's input instead, one copy, as many bytes as the real collective writes. That holds
 for the in-place c10d calls (``mega.parallel.comm``) and for the functional collectives the
 model's layers compile (``mega.parallel.functional_comm``: tensor-parallel mappings, the overlapped
-all-gather, the expert all-to-all); without the second a TP + SP rank's first gradient norm was NaN.
+all-gather, the expert all-to-all; through an opaque op, :func:`stand_in`, so that compiled
+graphs keep it); without the second a TP + SP rank's first gradient norm was NaN.
 """
 
 from __future__ import annotations
