@@ -81,11 +81,12 @@ def fill_the_functional_collectives() -> None:
     """The same stand-ins for the out-of-place collectives (:func:`stand_in`)."""
     from mega.parallel import functional_comm
     from mega.parallel.comm import group_size
-    from mega.parallel.expert import collectives
+    from mega.parallel.expert import collectives, padded_exchange
     from mega.parallel.tensor import overlapped
 
     gather, scatter = functional_comm._ALL_GATHER, functional_comm._REDUCE_SCATTER
     start, to_all = functional_comm.start_all_gather, functional_comm.all_to_all_rows
+    start_equal = functional_comm.start_exchange
 
     def stacked(x: torch.Tensor, ranks: int) -> torch.Tensor:
         return x.unsqueeze(0).expand(ranks, *x.shape).reshape(ranks * x.shape[0], *x.shape[1:])
@@ -103,6 +104,10 @@ def fill_the_functional_collectives() -> None:
         # stand-in is a no-op
         return stand_in(functional_comm.wait(start(x, size, name)), stacked(x, size))
 
+    def start_exchange(x: torch.Tensor, size: int, name: str) -> torch.Tensor:
+        # equal blocks (the pipelined flex schedule's rows and counts): this rank's own
+        return stand_in(functional_comm.wait(start_equal(x, size, name)), x)
+
     def all_to_all_rows(x: torch.Tensor, send: list[int], recv: list[int], group):  # noqa: ANN001, ANN202
         out = to_all(x, send, recv, group)
         if out.shape == x.shape:  # equal splits: this rank's rows stand in for every peer's
@@ -113,6 +118,7 @@ def fill_the_functional_collectives() -> None:
 
     functional_comm._ALL_GATHER, functional_comm._REDUCE_SCATTER = all_gather, reduce_scatter
     overlapped.start_all_gather = start_all_gather
+    padded_exchange.start_exchange = start_exchange
     collectives.all_to_all_rows = all_to_all_rows
 
 

@@ -300,6 +300,10 @@ assert torch.equal(functional_comm.reduce_scattered(both, g), x)
 started = overlapped.start_all_gather(x, 2, functional_comm.group_name(g))
 assert torch.equal(functional_comm.wait(started), both)
 assert torch.equal(collectives.all_to_all_rows(x, [2, 1], [1, 2], g), x)
+from mega.parallel.expert import padded_exchange
+blocks = torch.arange(16.0).reshape(4, 4)
+begun = padded_exchange.start_exchange(blocks, 2, functional_comm.group_name(g))
+assert torch.equal(functional_comm.wait(begun), blocks)
 print("filled")
 """
 
