@@ -304,9 +304,8 @@ def held_mixture(
     grouped GEMM's outputs have room for them all (``n`` times the held rows at ``n`` ranks of
     balanced routing), where the host-found slots needed only the held rows: at EP2 of issue
     46's MoE, 13.8 GiB of activations at the step's peak against DP2's 9.2 (one H200, a rank
-    over the fake group, 2026-12-01). The rows past
-    the groups are never read: the mixing takes the held slots' outputs alone, and backward
-    the held slots' gradients alone."""
+    over the fake group, 2026-12-01). The rows past the groups are never read: the mixing
+    takes the held slots' outputs alone, and backward the held slots' gradients alone."""
     t, k = indices.shape
     flat = indices.reshape(-1)
     local = flat - first
