@@ -166,13 +166,36 @@ def test_two_h200_moe_tokens_per_second_within_15_percent(run):
 # there is not modelled) and the routing's kernels below their bandwidth rate (as on one GPU).
 # The EP rows' ratios to DP2 are nearer (flex planned 0.864x against 0.898x), so the base is
 # what is off; alltoall's host sync per layer (0.727x measured) is not modelled either.
+# Session 62: the experts' grouped GEMM planned on every row the dispatcher gives it, as the GPU
+# runs it (mega.parallel.expert.filled_rows), and their SwiGLU as the GPU's op: the flex rows'
+# memory from -6% to +4%, flex's speed from 1.17x to 1.15x (within 15%); the rows below miss.
 ACCEPTANCE = "layouts_moe_2gpu_h200_acc_c1c71fd_2026-11-30.json"
-ACCEPTANCE_MISS = "planned 24-64% fast, DP2 included (see ACCEPTANCE's comment)"
+ACCEPTANCE_MISSES = {
+    "tp1dp2": "DP2 planned 1.30x fast (see ACCEPTANCE's comment)",
+    "ep2dp2:--moe-token-dispatcher-type=alltoall": "planned 1.63x fast: DP2's miss and the"
+    " dispatch's host sync per layer (not modelled)",
+    "ep2dp2:--moe-token-dispatcher-type=flex@MEGA_FLEX_TRANSPORT=split": "planned 1.27x fast:"
+    " NVSHMEM's exact splits, planned as NCCL's padded trips",
+    "ep2dp2:--moe-token-dispatcher-type=flex --overlap-moe-expert-parallel-comm"
+    "@MEGA_FLEX_OVERLAP_ON_GPUS=1": "planned 1.33x fast: the pipelined schedule's chunks"
+    " (not planned: the meta layer runs the unpipelined one)",
+    "ep2dp2:--moe-token-dispatcher-type=alltoall --moe-expert-capacity-factor=1.0"
+    " --moe-pad-expert-input-to-capacity": "drop-and-pad planned 1.21x fast: DP2's miss",
+}
 
 
 def _acceptance_params() -> list:
     rows = json.loads((RESULTS / ACCEPTANCE).read_text())["results"]
-    return [pytest.param(row, id=row["layout"]) for row in rows]
+    return [
+        pytest.param(
+            row,
+            id=row["layout"],
+            marks=[pytest.mark.xfail(strict=True, reason=ACCEPTANCE_MISSES[row["layout"]])]
+            if row["layout"] in ACCEPTANCE_MISSES
+            else [],
+        )
+        for row in rows
+    ]
 
 
 def _plan_acceptance(row: dict, monkeypatch: pytest.MonkeyPatch):
@@ -189,14 +212,13 @@ def _plan_acceptance(row: dict, monkeypatch: pytest.MonkeyPatch):
     return _PLANS[key]
 
 
-@pytest.mark.parametrize("row", _acceptance_params())
+@pytest.mark.parametrize("row", [pytest.param(*p.values, id=p.id) for p in _acceptance_params()])
 def test_two_h200_moe_acceptance_peak_memory_within_10_percent(row, monkeypatch):
     plan = _plan_acceptance(row, monkeypatch)
     for measured in row["peak_memory_gib_by_rank"]:
         assert plan.peak_bytes / GIB == pytest.approx(measured, rel=0.10)
 
 
-@pytest.mark.xfail(strict=True, reason=ACCEPTANCE_MISS, raises=AssertionError)
 @pytest.mark.parametrize("row", _acceptance_params())
 def test_two_h200_moe_acceptance_tokens_per_second_within_15_percent(row, monkeypatch):
     plan = _plan_acceptance(row, monkeypatch)
@@ -220,7 +242,9 @@ SESSION_54 = {
     "layouts_moe_2gpu_h200_peer_rows_r2_2026-11-30.json": "r2",
     "layouts_moe_2gpu_h200_accum_premul_2026-12-01.json": "s55",
 }
-SESSION_54_MISS = "DP2 compiled planned 23-24% fast (see the comments above)"
+# Session 62 (the experts planned on every row, see ACCEPTANCE's comment): DP2 planned 1.20-1.23x
+# fast, the graphed EP2 rows 1.01-1.05x (1.04-1.09x before).
+SESSION_54_MISS = "DP2 compiled planned 20-23% fast (see the comments above)"
 
 
 def _session_54_params() -> list:

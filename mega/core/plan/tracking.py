@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 # the ops counted below by name are registered when their modules are imported
 import mega.parallel.linear  # noqa: F401  (mega::weight_grad)
 import mega.parallel.tensor.overlapped  # noqa: F401  (mega::column_parallel_backward)
+from mega.parallel.expert.filled_rows import share_of
 
 BLOCK = 512  # the caching allocator's rounding of every block
 
@@ -227,7 +228,8 @@ class StepTracker(TorchDispatchMode):
             work.ops += 1
             return
         if func is aten._grouped_mm.default:
-            work.matmul_flops += _grouped_mm_flops(args[0], args[1], out)
+            offsets = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            work.matmul_flops += _grouped_mm_flops(args[0], args[1], out) * share_of(offsets)
             work.ops += 1
             return
         if func in _NO_BYTES:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from mega.parallel.expert.filled_rows import mark_filled
 from mega.parallel.expert.sort_keys import narrow_ids
 from mega.parallel.weight_grad import traced
 
@@ -327,11 +328,16 @@ def held_mixture(
 GROUPED_DEVICES = ("cuda",)
 
 
+def grouped_gemm(rows: torch.Tensor, experts: Experts) -> bool:
+    """Whether the experts run ``rows`` as one grouped GEMM where the device allows it (bf16,
+    ``--moe-grouped-gemm``)."""
+    return getattr(experts, "grouped_gemm", False) and rows.dtype == torch.bfloat16
+
+
 def grouped_on_gpu(rows: torch.Tensor, experts: Experts) -> bool:
     """Whether the experts run ``rows`` as one grouped GEMM on a GPU (bf16): its offsets stay on
     the device, and it fills only the rows of its groups."""
-    grouped_gemm = getattr(experts, "grouped_gemm", False) and rows.dtype == torch.bfloat16
-    return rows.device.type in GROUPED_DEVICES and grouped_gemm
+    return rows.device.type in GROUPED_DEVICES and grouped_gemm(rows, experts)
 
 
 def experts_on_prefix(
@@ -341,9 +347,13 @@ def experts_on_prefix(
     with as many rows as ``x``: past the groups, what the grouped GEMM on a GPU leaves there
     (nothing the caller reads), zero elsewhere (the expert loop, and the CPU, run the grouped
     rows alone: the host reads their number, as the loop does anyway). On meta (the planner)
-    the first ``meta_rows`` rows are grouped (a balanced routing)."""
+    the first ``meta_rows`` rows are grouped (a balanced routing); a GPU's grouped GEMM is
+    planned on every row, as it runs, its groups marked with the share they fill
+    (:mod:`~mega.parallel.expert.filled_rows`: FLOPs for those rows, memory for all)."""
     if grouped_on_gpu(x, experts):
         return experts(x, counts)
+    if x.is_meta and grouped_gemm(x, experts):  # a GPU's, planned: every row, the groups marked
+        return experts(x, mark_filled(counts, meta_rows / max(x.shape[0], 1)))
     if x.is_meta:
         grouped = x[:meta_rows]
     elif traced():  # eager, its row count unbacked: one graph for every routing

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mega.parallel.expert.aux_loss import attach
+from mega.parallel.expert.filled_rows import grouped_offsets
 from mega.parallel.expert.local import balanced_rows, local_mixture
 from mega.parallel.functional_comm import all_reduced
 from mega.parallel.weight_grad import traced
@@ -348,9 +349,10 @@ class GroupedExperts(nn.Module):
             and x.device.type in GROUPED_GEMM_DEVICES
             and x.dtype == torch.bfloat16
         ):
-            offsets = torch.cumsum(counts, 0).to(torch.int32)
+            offsets = grouped_offsets(counts)
             hidden = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-            if self.swiglu and hidden.is_cuda:  # only the rows the GEMMs fill (flex's padding)
+            # only the rows the GEMMs fill (flex's padding); on meta the GPU's op, planned
+            if self.swiglu and (hidden.is_cuda or hidden.is_meta):
                 from mega.plugins.models.common.swiglu_rows import swiglu_rows
 
                 active = swiglu_rows(hidden, offsets[-1:])
