@@ -58,12 +58,15 @@ def test_mega_plan_prints_a_moe_plan_without_a_warning():
     assert result.exit_code == 0, result.output
     assert "tokens/s" in result.output and "cannot be planned" not in result.output
     _no_planning_warnings(caught)
+    # what the count took as given is the user's to see (Plan.assumptions was never printed)
+    assert "MoE routing assumed balanced" in " ".join(result.output.split())
 
 
 def test_the_plan_says_it_assumed_balanced_routing():
     config, plugins = _config("--moe-expert-capacity-factor 1.5 --expert-model-parallel-size 2"
                               " --moe-token-dispatcher-type alltoall", world=2)  # fmt: skip
-    (line,) = plan_run(config, plugins, BUILT_IN["h100"]).assumptions
+    line, gaps = plan_run(config, plugins, BUILT_IN["h100"]).assumptions
+    assert "not counted" in gaps and "host" in gaps
     assert "balanced" in line and "1.5 x its share" in line and "expert-parallel" in line
     gpt, plugins = _config()
     gpt = resolve_config(["--model", "gpt"], plugins, this_machine=False)

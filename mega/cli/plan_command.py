@@ -187,6 +187,8 @@ def _print_plan(config: Any, plan: Any, kind: str, memory_gib: float) -> None:
         f"tokens/s {plan.tokens_per_second:,.0f} ({plan.tokens_per_second / world:,.0f} per GPU);"
         f" rates: {plan.rates.source}"
     )
+    for line in plan.assumptions:  # what the count took as given, or left out
+        console.print(line)
     if plan.peak_bytes / GIB > usable:
         console.print(
             f"does not fit: the largest stage needs {plan.peak_bytes / GIB:.1f} GiB of"
