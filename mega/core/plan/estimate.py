@@ -219,12 +219,12 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
 
 
 # What the step time leaves out that weighs on MoE steps (session 63's profiles, docs/plan.md): the
-# ranks' kernels are planned within a few percent, but their GPU idles where the host's lead runs
-# out inside a pass, which the larger-of-host-and-GPU per forward or backward does not see.
+# ranks' kernels are planned within a few percent, but their GPU idles where the host has no lead
+# (the first forward after a sync), which the larger-of-host-and-GPU per pass does not see.
 MOE_HOST_GAPS = (
-    "not counted: the GPU's waits for the host inside a forward or backward pass (a MoE layer's"
-    " routing launches runs of short kernels); MoE steps have run 15-30% longer than planned on"
-    " H200s (docs/plan.md)"
+    "not counted: the GPU's waits for the host inside a forward or backward pass (after a sync"
+    " the host starts a MoE step's first forward with no lead, and its routing launches runs of"
+    " short kernels); MoE steps have run 10-30% longer than planned on H200s (docs/plan.md)"
 )
 
 
