@@ -17,18 +17,18 @@ rows say which of the planner's assumptions hold for which kernels:
 - the router's three fp32 GEMMs ([8192, 2048] x [2048, 8], its input gradient and its weight
   gradient), and the forward with TF32 allowed.
 
-Per row the median of 10 replays of a graph of ``calls`` calls, per call. Writes
+Per row the median of 10 replays of a graph of ``calls`` calls, per call (``gpu_timing.gpu_ms``). Writes
 ``<out>/<name>_<date>.json``."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from collections.abc import Callable
 
 import torch
+from gpu_timing import gpu_ms
 from result_file import write_json
 
 
@@ -44,18 +44,8 @@ def per_call_us(fn: Callable[[], object], calls: int) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    # the graph's replays timed as gpu_timing times any step: CUDA events around each, the median
+    return gpu_ms(graph.replay, iters=1, warmup=3, repeats=10) * 1e3 / calls
 
 
 def rows() -> list[dict]:

@@ -65,8 +65,10 @@ def with_provenance(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json(out: Path, name: str, fields: dict) -> Path:
-    """``out/<name>_<date>.json``: :func:`provenance`, then ``fields``."""
+    """``out/<name>_<date>.json``: :func:`provenance`, then ``fields``. ``out`` is made if
+    missing (a run's numbers must not be lost to a folder not yet there)."""
     result = {**provenance(), **fields}
+    Path(out).mkdir(parents=True, exist_ok=True)
     path = Path(out) / f"{name}_{result['date']}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     return path

@@ -495,3 +495,20 @@ def test_the_memory_peak_plugin_replays_what_lives_at_the_peak():
     assert peak == 160
     assert by_place == {("layer.py:2 forward", "kernel.py:9 call"): [50, 30, 80]}
     assert module._blocks([2_000_000, 500_000, 2_000_000]) == "2 x 2.0 MB, 1 x 0.5 MB"
+
+
+def test_the_rank_profile_plugin_refuses_an_unknown_cpu_setting(monkeypatch, tmp_path):
+    """MEGA_RANK_PROFILE_CPU is 0 (the GPU's kernels alone) or 1 (and the host's side): another
+    value is refused by name, not read as one of them."""
+    import importlib.util
+
+    path = ROOT / "benchmarks" / "plugins" / "rank_profile.py"
+    spec = importlib.util.spec_from_file_location("rank_profile_cpu_setting", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("MEGA_RANK_PROFILE", str(tmp_path))
+    monkeypatch.setenv("MEGA_RANK_PROFILE_CPU", "no")
+    with pytest.raises(ValueError, match="MEGA_RANK_PROFILE_CPU='no'"):
+        module.step_end(engine=None, iteration=1, metrics={})
+    monkeypatch.setenv("MEGA_RANK_PROFILE_CPU", "0")
+    module.step_end(engine=None, iteration=1, metrics={})  # accepted (and, off GPUs, a no-op)

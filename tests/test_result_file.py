@@ -29,6 +29,13 @@ def test_a_result_records_where_it_came_from(result_file, monkeypatch, tmp_path)
     assert {"mega", "torch"} <= set(written["versions"]) and written["device"]
 
 
+def test_a_result_goes_into_a_folder_not_yet_made(result_file, monkeypatch, tmp_path):
+    # kernel_costs.py --out DIR with DIR missing lost its measurements to a FileNotFoundError
+    monkeypatch.setenv("MEGA_BENCH_COMMIT", "abc1234")
+    path = result_file.write_json(tmp_path / "new" / "dir", "demo", {"results": [2]})
+    assert json.loads(path.read_text())["results"] == [2]
+
+
 def test_a_scripts_own_fields_win_and_its_versions_gain_megas(result_file, monkeypatch):
     monkeypatch.setenv("MEGA_BENCH_COMMIT", "abc1234")
     own = {"command": "mega train ...", "versions": {"transformers": "4.57"}}

@@ -43,12 +43,17 @@ class _RankProfile:
         import torch
 
         out = os.environ.get("MEGA_RANK_PROFILE")
-        if not out or not torch.cuda.is_available():
+        if not out:
+            return
+        cpu = os.environ.get("MEGA_RANK_PROFILE_CPU", "1")
+        if cpu not in ("0", "1"):  # checked before the GPU: a typo must not profile silently
+            raise ValueError(f"MEGA_RANK_PROFILE_CPU={cpu!r}: 0 (GPU only) or 1 (GPU and host)")
+        if not torch.cuda.is_available():
             return
         if iteration == self.at:
             torch.cuda.synchronize()
             activities = [torch.profiler.ProfilerActivity.CUDA]
-            if os.environ.get("MEGA_RANK_PROFILE_CPU", "1") != "0":
+            if cpu == "1":
                 activities.append(torch.profiler.ProfilerActivity.CPU)
             self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.start()
