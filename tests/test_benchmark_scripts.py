@@ -512,3 +512,37 @@ def test_the_rank_profile_plugin_refuses_an_unknown_cpu_setting(monkeypatch, tmp
         module.step_end(engine=None, iteration=1, metrics={})
     monkeypatch.setenv("MEGA_RANK_PROFILE_CPU", "0")
     module.step_end(engine=None, iteration=1, metrics={})  # accepted (and, off GPUs, a no-op)
+
+
+def test_the_sync_watch_plugin_names_the_code_that_synced(monkeypatch, tmp_path):
+    """benchmarks/plugins/sync_watch.py turns PyTorch's sync-debug warnings into call sites
+    outside torch, counted per step; other warnings still show."""
+    import importlib.util
+    import warnings
+
+    import torch
+
+    path = ROOT / "benchmarks" / "plugins" / "sync_watch.py"
+    spec = importlib.util.spec_from_file_location("sync_watch_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    watch = module._SyncWatch()
+
+    def reads_the_loss() -> None:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **kw: shown.append(message))
+    watch.start()
+    for _ in range(module.STEPS):
+        reads_the_loss()
+    warnings.warn("unrelated", UserWarning, stacklevel=1)
+    watch.stop(3, tmp_path)
+    assert [str(m) for m in shown] == ["unrelated"]
+    assert modes == ["warn", "default"]
+    text = (tmp_path / "syncs_rank3.txt").read_text()
+    assert text.startswith("rank 3: 1 host-GPU syncs a step")
+    assert "reads_the_loss" in text and "warnings.py" not in text
+    assert torch.cuda.Event.synchronize.__name__ != "wrapped"  # put back
