@@ -66,7 +66,7 @@ def test_the_plan_says_it_assumed_balanced_routing():
     config, plugins = _config("--moe-expert-capacity-factor 1.5 --expert-model-parallel-size 2"
                               " --moe-token-dispatcher-type alltoall", world=2)  # fmt: skip
     line, gaps = plan_run(config, plugins, BUILT_IN["h100"]).assumptions
-    assert "not counted" in gaps and "host" in gaps
+    assert "not counted" in gaps and "host" in gaps and "calibrated" in gaps
     assert "balanced" in line and "1.5 x its share" in line and "expert-parallel" in line
     gpt, plugins = _config()
     gpt = resolve_config(["--model", "gpt"], plugins, this_machine=False)

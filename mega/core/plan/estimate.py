@@ -218,13 +218,16 @@ def plan_run(config: RunConfig, plugins: Plugins, rates: Rates) -> Plan:
     )
 
 
-# What the step time leaves out that weighs on MoE steps (session 63's profiles, docs/plan.md): the
-# ranks' kernels are planned within a few percent, but their GPU idles where the host has no lead
-# (the first forward after a sync), which the larger-of-host-and-GPU per pass does not see.
+# What the step time leaves out that weighs on MoE steps (sessions 63-64's profiles, docs/plan.md):
+# the GPU idles where the host has no lead (runs of the routing's short kernels, the step after a
+# sync), which the larger-of-host-and-GPU per pass does not see: ~3% of a MoE DP2 rank's step on
+# one H200 with no sync in it, 1.3 ms more for one iteration line a step (its syncs, the only
+# ones). And the rates are one GPU's: the same rank's GEMMs ran 7% slower on another H200.
 MOE_HOST_GAPS = (
-    "not counted: the GPU's waits for the host inside a forward or backward pass (after a sync"
-    " the host starts a MoE step's first forward with no lead, and its routing launches runs of"
-    " short kernels); MoE steps have run 10-30% longer than planned on H200s (docs/plan.md)"
+    "not counted: the GPU's waits for the host inside a forward or backward pass (its routing"
+    " launches runs of short kernels; a few percent of a MoE step), and GPUs of one kind whose"
+    " kernels run slower than the calibrated one's; MoE steps have run 10-30% longer than planned"
+    " on H200s (docs/plan.md)"
 )
 
 
