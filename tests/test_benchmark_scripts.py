@@ -514,35 +514,76 @@ def test_the_rank_profile_plugin_refuses_an_unknown_cpu_setting(monkeypatch, tmp
     module.step_end(engine=None, iteration=1, metrics={})  # accepted (and, off GPUs, a no-op)
 
 
-def test_the_sync_watch_plugin_names_the_code_that_synced(monkeypatch, tmp_path):
-    """benchmarks/plugins/sync_watch.py turns PyTorch's sync-debug warnings into call sites
-    outside torch, counted per step; other warnings still show."""
+def _sync_watch_module():
     import importlib.util
-    import warnings
-
-    import torch
 
     path = ROOT / "benchmarks" / "plugins" / "sync_watch.py"
     spec = importlib.util.spec_from_file_location("sync_watch_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    modes = []
+    return module
+
+
+def _cpu_stand_ins(monkeypatch) -> tuple[list, list]:
+    """The debug mode's settings and the synchronize calls, recorded (CPU builds have neither)."""
+    import torch
+
+    modes, synced = [], []
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    for owner in (torch.cuda.Event, torch.cuda.Stream):
+        monkeypatch.setattr(owner, "synchronize", lambda obj, _o=owner: synced.append(_o))
+    return modes, synced
+
+
+def test_the_sync_watch_plugin_names_the_code_that_synced(monkeypatch, tmp_path):
+    """benchmarks/plugins/sync_watch.py turns PyTorch's sync-debug warnings and events'
+    synchronize into call sites outside torch, counted per step; other warnings (the debug
+    mode's own notice among them) still show, and everything is put back."""
+    import warnings
+
+    import torch
+
+    module = _sync_watch_module()
+    modes, synced = _cpu_stand_ins(monkeypatch)
+    originals = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
     watch = module._SyncWatch()
 
     def reads_the_loss() -> None:
-        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        warnings.warn(module.SYNC_WARNING, UserWarning, stacklevel=1)
+
+    def waits_for_an_event() -> None:
+        torch.cuda.Event.synchronize(object())
 
     shown = []
     monkeypatch.setattr(warnings, "showwarning", lambda message, *rest, **kw: shown.append(message))
     watch.start()
     for _ in range(module.STEPS):
         reads_the_loss()
-    warnings.warn("unrelated", UserWarning, stacklevel=1)
+        waits_for_an_event()
+    notice = "Synchronization debug mode is a prototype feature: not all synchronizing ops"
+    warnings.warn(notice, UserWarning, stacklevel=1)
     watch.stop(3, tmp_path)
-    assert [str(m) for m in shown] == ["unrelated"]
-    assert modes == ["warn", "default"]
+    assert [str(m) for m in shown] == [notice]
+    assert modes == ["warn", "default"] and synced == [torch.cuda.Event] * module.STEPS
     text = (tmp_path / "syncs_rank3.txt").read_text()
-    assert text.startswith("rank 3: 1 host-GPU syncs a step")
-    assert "reads_the_loss" in text and "warnings.py" not in text
-    assert torch.cuda.Event.synchronize.__name__ != "wrapped"  # put back
+    assert text.startswith("rank 3: 2 host-GPU syncs a step")
+    assert text.count("1 a step:") == 2 and "Event.synchronize" in text
+    assert "reads_the_loss" in text and "waits_for_an_event" in text
+    assert "warnings.py" not in text and "sync_watch.py" not in text
+    assert (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize) == originals
+
+
+def test_the_sync_watch_plugin_puts_everything_back_when_the_run_ends_inside(monkeypatch, capsys):
+    """A run that stops inside the watched steps leaves no debug mode or wrapper behind."""
+    import torch
+
+    module = _sync_watch_module()
+    modes, _ = _cpu_stand_ins(monkeypatch)
+    originals = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+    watch = module._SyncWatch()
+    watch.start()
+    watch.shutdown()
+    watch.shutdown()  # once only
+    assert modes == ["warn", "default"]
+    assert (torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize) == originals
+    assert capsys.readouterr().err.count("nothing written") == 1

@@ -14,6 +14,7 @@ the stack outside torch that led to it.
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 import warnings
 from collections import Counter
@@ -23,6 +24,7 @@ from typing import Any
 from mega import hookimpl
 
 STEPS = 2
+SYNC_WARNING = "called a synchronizing CUDA operation"  # what the debug mode warns per sync
 _TORCH = f"{os.sep}torch{os.sep}"
 
 
@@ -59,8 +61,9 @@ class _SyncWatch:
         shown = warnings.showwarning
 
         def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-            if "synchronizing" in str(message):
-                self.record("sync debug: " + str(message).split("\n")[0][:80])
+            # one sync; not the mode's own notice ("a prototype feature ... synchronizing ...")
+            if str(message).startswith(SYNC_WARNING):
+                self.record("sync debug: " + SYNC_WARNING)
             else:
                 shown(message, category, *args, **kwargs)
 
@@ -76,7 +79,9 @@ class _SyncWatch:
             owner.synchronize = wrapped
         torch.cuda.set_sync_debug_mode("warn")
 
-    def stop(self, rank: int, out: Path) -> None:
+    def restore(self) -> Counter[tuple[str, tuple[str, ...]]]:
+        """The debug mode off, ``synchronize`` and the warning filters as they were; the sites
+        recorded so far."""
         import torch
 
         torch.cuda.set_sync_debug_mode("default")
@@ -84,6 +89,10 @@ class _SyncWatch:
             owner.synchronize = self.saved.pop(owner.__name__)
         self.catcher.__exit__(None, None, None)
         sites, self.sites = self.sites or Counter(), None
+        return sites
+
+    def stop(self, rank: int, out: Path) -> None:
+        sites = self.restore()
         lines = [f"rank {rank}: {sum(sites.values()) / STEPS:g} host-GPU syncs a step"]
         for (kind, stack), count in sites.most_common():
             lines.append(f"\n{count / STEPS:g} a step: {kind}")
@@ -104,6 +113,18 @@ class _SyncWatch:
             rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
             self.stop(rank, Path(out))
 
+    def shutdown(self) -> None:
+        """A run that ends inside the watched steps puts everything back, saying so."""
+        if self.sites is None:
+            return
+        self.restore()
+        print(
+            f"sync_watch: the run ended before iteration {self.at + STEPS}, the end of the"
+            f" watched steps (MEGA_SYNC_WATCH_AT={self.at}); nothing written",
+            file=sys.stderr,
+            flush=True,
+        )
+
 
 _watch = _SyncWatch()
 
@@ -111,3 +132,8 @@ _watch = _SyncWatch()
 @hookimpl
 def step_end(engine: Any, iteration: int, metrics: dict[str, float]) -> None:
     _watch.step_end(iteration)
+
+
+@hookimpl
+def shutdown(engine: Any, exc: BaseException | None) -> None:
+    _watch.shutdown()
