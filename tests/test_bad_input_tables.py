@@ -231,6 +231,7 @@ PLAN = [
     (["--gpu-memory", "-1"], "--gpu-memory must be a positive number of GiB (got -1)"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be at least 1"),
     (["--num-layers", "two"], "flag --num-layers: expected an integer"),
+    (["--search", "--jobs", "0"], "--jobs must be >= 1 (got 0)"),
 ]
 
 

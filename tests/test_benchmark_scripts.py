@@ -308,6 +308,26 @@ print("filled")
 """
 
 
+def test_plan_search_time_times_each_jobs_value_on_the_same_table(tmp_path: Path):
+    flags = (
+        "--model gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32"
+        " --max-position-embeddings 32 --mock-data --tokenizer-type NullTokenizer --vocab-size 250"
+        " --micro-batch-size 1"
+        " --global-batch-size 2 --no-compile"
+    )
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "plan_search_time.py"), "--gpus", "2",
+        "--jobs", "1", "2", "--model-flags", flags, "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.glob("plan_search_time_*.json")
+    record = json.loads(result.read_text())
+    assert record["same_table"] and "1. mega train" in record["table"]
+    assert [row["jobs"] for row in record["results"]] == [1, 2]
+    assert all(row["shapes"] == 4 and row["wall_s"] > 0 for row in record["results"])
+
+
 def test_the_fake_rank_fills_the_functional_collectives_outputs():
     """The fake group writes nothing into a functional collective's new output; the fake rank's
     stand-ins must (uninitialised memory made a TP + SP rank's first gradient norm NaN on an

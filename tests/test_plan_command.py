@@ -3,6 +3,7 @@ and the one-line refusals."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import subprocess
 import sys
@@ -115,6 +116,84 @@ def test_search_prints_runnable_train_commands_fastest_first():
         words = shlex.split(line[3:])
         assert words[:2] == ["mega", "train"]
         resolve_config(words[2:], make_plugins())
+
+
+def test_search_by_forked_processes_finds_what_one_process_finds():
+    # a 6.7B model's search of 8 GPUs took 14.6 min in one process on a 2-core machine, with
+    # nothing printed until the end: the shapes are now counted by --jobs forked processes
+    # and each one done is reported; the layouts found, their order and numbers must not move
+    from mega.cli.plan_search import search
+    from mega.core.config.resolve import resolve_config
+    from mega.core.plan.calibration import rates_for
+
+    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
+    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
+    args += ["--no-compile", "--nproc-per-node", "2"]
+    plugins = make_plugins()
+    config = resolve_config(args, plugins, this_machine=False)
+    heard: dict[int, list] = {1: [], 2: []}
+    found = {}
+    for jobs in (1, 2):
+
+        def progress(*call: object, jobs: int = jobs) -> None:
+            heard[jobs].append(call)
+
+        found[jobs] = search(config, args, plugins, rates_for("h200"), 80 * 2**30, jobs, progress)
+    assert found[1] and found[1] == found[2]
+    for calls in heard.values():  # (0, total, "") first, then every shape once
+        total = calls[0][1]
+        assert calls[0] == (0, total, "") and total == 4  # tp1 pp1, tp1 pp2, tp2, tp2-sp
+        assert [done for done, _, _ in calls[1:]] == [1, 2, 3, 4]
+        assert sorted(name for _, _, name in calls[1:]) == [
+            "tp1 pp1",
+            "tp1 pp2",
+            "tp2 pp1",
+            "tp2-sp pp1",
+        ]
+
+
+def test_search_reports_each_shape_on_stderr_off_a_terminal():
+    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
+    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
+    command = ["plan", *args, "--no-compile", "--gpus", "2", "--search", "--jobs", "1"]
+    result = CliRunner().invoke(make_cli(make_plugins()), command)
+    assert result.exit_code == 0, result.output
+    reports = [line for line in result.stderr.splitlines() if line.startswith("searched ")]
+    assert [line.split()[1] for line in reports] == ["1/4", "2/4", "3/4", "4/4"]
+    assert "searched" not in result.stdout  # stdout keeps the table and the commands
+
+
+def _dies_at_the_second_shape(index: int) -> list:
+    if index == 1:
+        os._exit(9)  # as the kernel's OOM killer would end it
+    return []
+
+
+def _refuses_the_second_shape(index: int) -> list:
+    if index == 1:
+        raise MegaUsageError("model 'x' cannot be planned")
+    return []
+
+
+def test_a_search_worker_that_dies_or_refuses_stops_the_search_in_one_line(monkeypatch):
+    from mega.cli import plan_search
+    from mega.errors import MegaRunError
+
+    names = ["tp1 pp1", "tp1 pp2", "tp2 pp1"]
+    monkeypatch.setattr(plan_search, "_search_shape", _dies_at_the_second_shape)
+    with pytest.raises(MegaRunError, match="a worker process died counting tp1 pp2 .*--jobs 1"):
+        plan_search._each_shape(3, 2, None, names)
+    monkeypatch.setattr(plan_search, "_search_shape", _refuses_the_second_shape)
+    with pytest.raises(MegaUsageError, match="model 'x' cannot be planned"):
+        plan_search._each_shape(3, 2, None, names)
+
+
+def test_jobs_belongs_to_search(mega_cli):
+    result = mega_cli(["plan", *shlex.split(SMALL), "--gpus", "2", "--jobs", "2"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: --jobs is for --search (one plan is counted in this process)"
+    )
 
 
 def test_an_fp16_run_with_its_loss_scaler_is_planned():

@@ -9,6 +9,7 @@ machine's GPU rates and saves them; later plans for that GPU kind use them.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import click
@@ -29,6 +30,7 @@ Plan flags:
   --gpu-memory GIB     memory per GPU (default: the kind's)
   --search             try the layouts of --gpus GPUs; print the fastest that fit
   --top K              how many --search prints (default 5)
+  --jobs N             processes --search counts layouts in (default: the CPUs it may use)
   --calibrate          measure this machine's GPU rates and save them (needs a GPU)"""
 
 
@@ -73,10 +75,15 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
     memory_gib = _take(args, "--gpu-memory", float)
     search = _take(args, "--search", switch=True)
     top = _take(args, "--top", int)
+    jobs = _take(args, "--jobs", int)
     if memory_gib is not None and not 0 < memory_gib < float("inf"):
         raise MegaUsageError(f"--gpu-memory must be a positive number of GiB (got {memory_gib:g})")
     if top is not None and top < 1:
         raise MegaUsageError(f"--top must be >= 1 (got {top})")
+    if jobs is not None and jobs < 1:
+        raise MegaUsageError(f"--jobs must be >= 1 (got {jobs})")
+    if jobs is not None and not search:
+        raise MegaUsageError("--jobs is for --search (one plan is counted in this process)")
     if _take(args, "--calibrate", switch=True):
         _calibrate()
         return
@@ -109,12 +116,20 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
     if search:
         from mega.cli.plan_search import print_search
 
-        print_search(config, args, plugins, rates, memory_gib * GIB * USABLE, top or 5)
+        usable = memory_gib * GIB * USABLE
+        print_search(config, args, plugins, rates, usable, top or 5, jobs or _cpus())
         return
     from mega.core.plan.estimate import plan_run
 
     plan = plan_run(config, plugins, rates)
     _print_plan(config, plan, kind, memory_gib)
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (a job's share on a cluster node, not the node's)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _calibrate() -> None:

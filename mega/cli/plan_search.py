@@ -13,12 +13,20 @@ kept).
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import shlex
-from collections.abc import Iterator
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import click
+from rich.console import Console
+
 from mega.core.config.resolve import resolve_config
-from mega.errors import MegaUsageError
+from mega.errors import MegaRunError, MegaUsageError
 
 # flags a layout sets: removed from the user's before a layout's are added (value-taking first)
 _VALUED = (
@@ -93,7 +101,7 @@ def _shapes(config: Any) -> Iterator[tuple[int, int, int, bool]]:
 
 def _layout_args(tp: int, pp: int, vpp: int, sp: bool, mbs: int, recompute: str, distopt: bool):
     args = ["--tensor-model-parallel-size", str(tp), "--micro-batch-size", str(mbs)]
-    name = f"tp{tp}" + ("-sp" if sp else "") + f" pp{pp}"
+    name = _shape_name((tp, pp, vpp, sp))
     if pp > 1:
         args += ["--pipeline-model-parallel-size", str(pp)]
         if vpp > 1:
@@ -103,7 +111,6 @@ def _layout_args(tp: int, pp: int, vpp: int, sp: bool, mbs: int, recompute: str,
                 "--parallel",
                 "interleaved",
             ]
-            name += f"v{vpp}"
         else:
             args += ["--parallel", "1f1b"]
     if sp:
@@ -117,52 +124,162 @@ def _layout_args(tp: int, pp: int, vpp: int, sp: bool, mbs: int, recompute: str,
 
 
 def search(
-    config: Any, args: list[str], plugins: Any, rates: Any, usable_bytes: float
+    config: Any,
+    args: list[str],
+    plugins: Any,
+    rates: Any,
+    usable_bytes: float,
+    jobs: int = 1,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Candidate]:
-    """Every searched layout that fits, fastest first."""
-    from mega.core.plan.estimate import plan_run
-
+    """Every searched layout that fits, fastest first. ``jobs`` processes count the layouts
+    (forked, where the platform can; one plan of a 6.7B model takes seconds and a search of 8
+    GPUs hundreds of them); ``progress(done, total, layout)`` hears of each (tp, pp, vpp, sp)
+    shape as it is done. The result does not depend on ``jobs``."""
     base = _without_layout(args)
     gbs = config.global_batch_size  # the flags' (or their default): every layout trains it
     if config.training.global_batch_size is None:
         base += ["--global-batch-size", str(gbs)]  # else each layout's default would differ
-    found = []
-    for tp, pp, vpp, sp in _shapes(config):
-        dp = config.world_size // (tp * pp * config.parallel.context_parallel_size)
-        for mbs in (1, 2, 4, 8):
-            if gbs % (mbs * dp):
-                continue
-            fitted = None
-            for recompute in ("none", "selective", "full"):
-                for distopt in (False, True) if dp > 1 else (False,):
-                    layout, name = _layout_args(tp, pp, vpp, sp, mbs, recompute, distopt)
-                    try:
-                        candidate_config = resolve_config(
-                            base + layout, plugins, this_machine=False
-                        )
-                    except MegaUsageError:
-                        continue  # a combination the config refuses
-                    plan = plan_run(candidate_config, plugins, rates)
-                    if plan.peak_bytes <= usable_bytes:
-                        fitted = Candidate(
-                            base + layout, name, plan.tokens_per_second, plan.peak_bytes
-                        )
-                        break
-                if fitted:
-                    break
-            if fitted is None:
-                break  # a larger micro-batch needs more still
-            found.append(fitted)
+    shapes = list(_shapes(config))
+    global _JOB
+    _JOB = (config, base, plugins, rates, usable_bytes)
+    try:
+        by_shape = _each_shape(len(shapes), jobs, progress, [_shape_name(s) for s in shapes])
+    finally:
+        _JOB = None
+    found = [candidate for shape in by_shape for candidate in shape]
     return sorted(found, key=lambda c: -c.tokens_per_second)
 
 
+# what the shapes' workers share: set before they fork, so nothing of it is pickled (a plugin
+# manager is not picklable; a forked worker has the parent's, third-party plugins included)
+_JOB: tuple | None = None
+
+
+def _shape_name(shape: tuple[int, int, int, bool]) -> str:
+    tp, pp, vpp, sp = shape
+    return f"tp{tp}" + ("-sp" if sp else "") + f" pp{pp}" + (f"v{vpp}" if vpp > 1 else "")
+
+
+def _each_shape(
+    count: int, jobs: int, progress: Callable[[int, int, str], None] | None, names: list[str]
+) -> list[list[Candidate]]:
+    """``_search_shape(i)`` of every shape, in shape order, serially or by ``jobs`` forked
+    processes (the workers are started before any thread of this process, such as a progress
+    bar's: forking a threaded process can deadlock the child)."""
+    results: list[list[Candidate]] = [[] for _ in range(count)]
+    jobs = min(jobs, count)
+    if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        if progress:
+            progress(0, count, "")
+        for i in range(count):
+            results[i] = _search_shape(i)
+            if progress:
+                progress(i + 1, count, names[i])
+        return results
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {pool.submit(_search_shape, i): i for i in range(count)}
+        if progress:  # after the fork: a progress bar's thread may start now
+            progress(0, count, "")
+        for done, future in enumerate(as_completed(futures), 1):
+            i = futures[future]
+            try:
+                results[i] = future.result()  # a worker's error (one line) is raised here
+            except BrokenProcessPool as exc:  # killed (out of memory?) rather than failed
+                raise MegaRunError(
+                    f"mega plan --search: a worker process died counting {names[i]} ({exc});"
+                    " --jobs 1 counts every layout in this process"
+                ) from None
+            if progress:
+                progress(done, count, names[i])
+    return results
+
+
+def _search_shape(index: int) -> list[Candidate]:
+    """The layouts of shape ``index`` of ``_shapes``: for each micro-batch size, the fastest
+    recompute and optimizer setting that fits (none if even full recompute does not)."""
+    from mega.core.plan.estimate import plan_run
+
+    config, base, plugins, rates, usable_bytes = _JOB
+    tp, pp, vpp, sp = list(_shapes(config))[index]
+    gbs = config.global_batch_size
+    dp = config.world_size // (tp * pp * config.parallel.context_parallel_size)
+    found = []
+    for mbs in (1, 2, 4, 8):
+        if gbs % (mbs * dp):
+            continue
+        fitted = None
+        for recompute in ("none", "selective", "full"):
+            for distopt in (False, True) if dp > 1 else (False,):
+                layout, name = _layout_args(tp, pp, vpp, sp, mbs, recompute, distopt)
+                try:
+                    candidate_config = resolve_config(base + layout, plugins, this_machine=False)
+                except MegaUsageError:
+                    continue  # a combination the config refuses
+                plan = plan_run(candidate_config, plugins, rates)
+                if plan.peak_bytes <= usable_bytes:
+                    fitted = Candidate(base + layout, name, plan.tokens_per_second, plan.peak_bytes)
+                    break
+            if fitted:
+                break
+        if fitted is None:
+            break  # a larger micro-batch needs more still
+        found.append(fitted)
+    return found
+
+
+class _SearchProgress:
+    """``progress`` of :func:`search`: a transient rich bar on a terminal; elsewhere (a log, a
+    pipe) a line on stderr per shape done. Started by the first call, which comes after the
+    workers have forked."""
+
+    def __init__(self, tty: bool):
+        self.tty = tty
+        self.started = time.perf_counter()
+        self.bar: Any = None
+        self.task: Any = None
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        if self.tty:
+            if self.bar is None:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.bar = Progress(
+                    TextColumn("searching layouts"), BarColumn(), TextColumn("{task.completed}/"
+                    "{task.total} shapes"), TimeElapsedColumn(), TextColumn("{task.description}"),
+                    transient=True, console=Console(stderr=True),
+                )  # fmt: skip
+                self.bar.start()
+                self.task = self.bar.add_task("", total=total)
+            self.bar.update(self.task, completed=done, description=name)
+        elif done:
+            seconds = time.perf_counter() - self.started
+            click.echo(
+                f"searched {done}/{total} layout shapes ({name}) in {seconds:.0f} s", err=True
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
 def print_search(
-    config: Any, args: list[str], plugins: Any, rates: Any, usable_bytes: float, top: int
+    config: Any,
+    args: list[str],
+    plugins: Any,
+    rates: Any,
+    usable_bytes: float,
+    top: int,
+    jobs: int = 1,
 ) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    found = search(config, args, plugins, rates, usable_bytes)
+    progress = _SearchProgress(sys.stderr.isatty())
+    try:
+        found = search(config, args, plugins, rates, usable_bytes, jobs, progress)
+    finally:
+        progress.close()
     console = Console(highlight=False)
     if not found:
         console.print(f"no searched layout fits {usable_bytes / 2**30:.1f} GiB per GPU")
