@@ -24,6 +24,14 @@ SMALL = (
 )
 
 
+# a global batch of 2 (micro-batch 1, so that the flags resolve at data-parallel 2), not SMALL's
+# 8: each layout is then searched at micro-batch 1 and 2 only, not up to 8
+SEARCHED = [
+    *shlex.split(SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")),
+    *("--global-batch-size", "2", "--micro-batch-size", "1"),
+]
+
+
 def _plan(*args: str):
     return CliRunner().invoke(make_cli(make_plugins()), ["plan", *shlex.split(SMALL), *args])
 
@@ -91,16 +99,17 @@ def test_search_does_not_hold_the_global_batch_to_a_micro_batch_it_replaces():
 
 
 def test_search_prints_runnable_train_commands_fastest_first():
-    # A global batch of 2 (micro-batch 1, so that the flags resolve at data-parallel 2), not
-    # SMALL's 8: each layout is then searched at micro-batch 1 and 2 only, not up to 8, and every
-    # (tensor-parallel layout, micro-batch) pair is one more compile on meta. Still 7 layouts
-    # found (tp1 pp1, tp1 pp2, tp2, tp2-sp), tensor-parallel ones among them, for the top 3.
-    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
-    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
+    # SEARCHED: every (tensor-parallel layout, micro-batch) pair is one more compile on meta, so
+    # few micro-batches. Still 7 layouts found (tp1 pp1, tp1 pp2, tp2, tp2-sp), tensor-parallel
+    # ones among them, for the top 3.
     # eager layers: a compiled one is counted by compiling it on meta, once per layout (46 s)
-    command = ["plan", *args, "--no-compile", "--gpus", "2", "--search", "--top", "3"]
+    command = ["plan", *SEARCHED, "--no-compile", "--gpus", "2", "--search", "--top", "3"]
     result = CliRunner().invoke(make_cli(make_plugins()), command)
     assert result.exit_code == 0, result.output
+    # off a terminal each layout shape done is a line on stderr; stdout keeps the table
+    reports = [line for line in result.stderr.splitlines() if line.startswith("searched ")]
+    assert [line.split()[1] for line in reports] == ["1/4", "2/4", "3/4", "4/4"]
+    assert "searched" not in result.stdout
     lines = [line for line in result.output.splitlines() if line[:3] in ("1. ", "2. ", "3. ")]
     assert len(lines) == 3
     speeds = [
@@ -126,9 +135,7 @@ def test_search_by_forked_processes_finds_what_one_process_finds():
     from mega.core.config.resolve import resolve_config
     from mega.core.plan.calibration import rates_for
 
-    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
-    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
-    args += ["--no-compile", "--nproc-per-node", "2"]
+    args = [*SEARCHED, "--no-compile", "--nproc-per-node", "2"]
     plugins = make_plugins()
     config = resolve_config(args, plugins, this_machine=False)
     heard: dict[int, list] = {1: [], 2: []}
@@ -150,17 +157,6 @@ def test_search_by_forked_processes_finds_what_one_process_finds():
             "tp2 pp1",
             "tp2-sp pp1",
         ]
-
-
-def test_search_reports_each_shape_on_stderr_off_a_terminal():
-    small = SMALL.replace("--global-batch-size 8 --micro-batch-size 2", "")
-    args = [*shlex.split(small), "--global-batch-size", "2", "--micro-batch-size", "1"]
-    command = ["plan", *args, "--no-compile", "--gpus", "2", "--search", "--jobs", "1"]
-    result = CliRunner().invoke(make_cli(make_plugins()), command)
-    assert result.exit_code == 0, result.output
-    reports = [line for line in result.stderr.splitlines() if line.startswith("searched ")]
-    assert [line.split()[1] for line in reports] == ["1/4", "2/4", "3/4", "4/4"]
-    assert "searched" not in result.stdout  # stdout keeps the table and the commands
 
 
 def _dies_at_the_second_shape(index: int) -> list:
