@@ -159,14 +159,14 @@ def test_search_by_forked_processes_finds_what_one_process_finds():
         ]
 
 
-def _dies_at_the_second_shape(index: int) -> list:
-    if index == 1:
+def _dies_at_the_second_shape(shape: tuple) -> list:
+    if shape == (1, 2, 1, False):
         os._exit(9)  # as the kernel's OOM killer would end it
     return []
 
 
-def _refuses_the_second_shape(index: int) -> list:
-    if index == 1:
+def _refuses_the_second_shape(shape: tuple) -> list:
+    if shape == (1, 2, 1, False):
         raise MegaUsageError("model 'x' cannot be planned")
     return []
 
@@ -175,13 +175,13 @@ def test_a_search_worker_that_dies_or_refuses_stops_the_search_in_one_line(monke
     from mega.cli import plan_search
     from mega.errors import MegaRunError
 
-    names = ["tp1 pp1", "tp1 pp2", "tp2 pp1"]
+    shapes = [(1, 1, 1, False), (1, 2, 1, False), (2, 1, 1, False)]
     monkeypatch.setattr(plan_search, "_search_shape", _dies_at_the_second_shape)
     with pytest.raises(MegaRunError, match="a worker process died counting tp1 pp2 .*--jobs 1"):
-        plan_search._each_shape(3, 2, None, names)
+        plan_search._each_shape(shapes, 2, None)
     monkeypatch.setattr(plan_search, "_search_shape", _refuses_the_second_shape)
     with pytest.raises(MegaUsageError, match="model 'x' cannot be planned"):
-        plan_search._each_shape(3, 2, None, names)
+        plan_search._each_shape(shapes, 2, None)
 
 
 def test_jobs_belongs_to_search(mega_cli):

@@ -97,11 +97,9 @@ def threads_per_worker(nproc_per_node: int) -> int:
     CPU-side work of a GPU one) on one core; an even share avoids oversubscription just as well.
     The cores are those this process may run on (a SLURM allocation or ``taskset`` limits them).
     """
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // max(1, nproc_per_node))
+    from mega.core.cores import available_cores
+
+    return max(1, available_cores() // max(1, nproc_per_node))
 
 
 def start_method() -> str:

@@ -9,7 +9,6 @@ machine's GPU rates and saves them; later plans for that GPU kind use them.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import click
@@ -117,19 +116,14 @@ def plan_command(args_list: list[str], plugins: Any) -> None:
         from mega.cli.plan_search import print_search
 
         usable = memory_gib * GIB * USABLE
-        print_search(config, args, plugins, rates, usable, top or 5, jobs or _cpus())
+        from mega.core.cores import available_cores
+
+        print_search(config, args, plugins, rates, usable, top or 5, jobs or available_cores())
         return
     from mega.core.plan.estimate import plan_run
 
     plan = plan_run(config, plugins, rates)
     _print_plan(config, plan, kind, memory_gib)
-
-
-def _cpus() -> int:
-    """The CPUs this process may run on (a job's share on a cluster node, not the node's)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _calibrate() -> None:

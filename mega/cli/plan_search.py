@@ -81,7 +81,10 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _shapes(config: Any) -> Iterator[tuple[int, int, int, bool]]:
+Shape = tuple[int, int, int, bool]  # tp, pp, vpp, sequence parallel
+
+
+def _shapes(config: Any) -> Iterator[Shape]:
     """(tp, pp, vpp, sequence parallel) of the world size that the model's shapes allow."""
     world = config.world_size // config.parallel.context_parallel_size
     layers = getattr(config.model, "num_layers", None)
@@ -140,11 +143,10 @@ def search(
     gbs = config.global_batch_size  # the flags' (or their default): every layout trains it
     if config.training.global_batch_size is None:
         base += ["--global-batch-size", str(gbs)]  # else each layout's default would differ
-    shapes = list(_shapes(config))
     global _JOB
     _JOB = (config, base, plugins, rates, usable_bytes)
     try:
-        by_shape = _each_shape(len(shapes), jobs, progress, [_shape_name(s) for s in shapes])
+        by_shape = _each_shape(list(_shapes(config)), jobs, progress)
     finally:
         _JOB = None
     found = [candidate for shape in by_shape for candidate in shape]
@@ -156,30 +158,31 @@ def search(
 _JOB: tuple | None = None
 
 
-def _shape_name(shape: tuple[int, int, int, bool]) -> str:
+def _shape_name(shape: Shape) -> str:
     tp, pp, vpp, sp = shape
     return f"tp{tp}" + ("-sp" if sp else "") + f" pp{pp}" + (f"v{vpp}" if vpp > 1 else "")
 
 
 def _each_shape(
-    count: int, jobs: int, progress: Callable[[int, int, str], None] | None, names: list[str]
+    shapes: list[Shape], jobs: int, progress: Callable[[int, int, str], None] | None
 ) -> list[list[Candidate]]:
-    """``_search_shape(i)`` of every shape, in shape order, serially or by ``jobs`` forked
+    """``_search_shape`` of every shape, in shape order, serially or by ``jobs`` forked
     processes (the workers are started before any thread of this process, such as a progress
     bar's: forking a threaded process can deadlock the child)."""
+    count = len(shapes)
     results: list[list[Candidate]] = [[] for _ in range(count)]
     jobs = min(jobs, count)
     if jobs <= 1 or "fork" not in multiprocessing.get_all_start_methods():
         if progress:
             progress(0, count, "")
-        for i in range(count):
-            results[i] = _search_shape(i)
+        for i, shape in enumerate(shapes):
+            results[i] = _search_shape(shape)
             if progress:
-                progress(i + 1, count, names[i])
+                progress(i + 1, count, _shape_name(shape))
         return results
     context = multiprocessing.get_context("fork")
     with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_search_shape, i): i for i in range(count)}
+        futures = {pool.submit(_search_shape, shape): i for i, shape in enumerate(shapes)}
         if progress:  # after the fork: a progress bar's thread may start now
             progress(0, count, "")
         for done, future in enumerate(as_completed(futures), 1):
@@ -188,21 +191,22 @@ def _each_shape(
                 results[i] = future.result()  # a worker's error (one line) is raised here
             except BrokenProcessPool as exc:  # killed (out of memory?) rather than failed
                 raise MegaRunError(
-                    f"mega plan --search: a worker process died counting {names[i]} ({exc});"
+                    f"mega plan --search: a worker process died counting"
+                    f" {_shape_name(shapes[i])} ({exc});"
                     " --jobs 1 counts every layout in this process"
                 ) from None
             if progress:
-                progress(done, count, names[i])
+                progress(done, count, _shape_name(shapes[i]))
     return results
 
 
-def _search_shape(index: int) -> list[Candidate]:
-    """The layouts of shape ``index`` of ``_shapes``: for each micro-batch size, the fastest
-    recompute and optimizer setting that fits (none if even full recompute does not)."""
+def _search_shape(shape: Shape) -> list[Candidate]:
+    """The layouts of ``shape``: for each micro-batch size, the fastest recompute and optimizer
+    setting that fits (none if even full recompute does not)."""
     from mega.core.plan.estimate import plan_run
 
     config, base, plugins, rates, usable_bytes = _JOB
-    tp, pp, vpp, sp = list(_shapes(config))[index]
+    tp, pp, vpp, sp = shape
     gbs = config.global_batch_size
     dp = config.world_size // (tp * pp * config.parallel.context_parallel_size)
     found = []

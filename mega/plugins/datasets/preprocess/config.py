@@ -6,17 +6,10 @@ from the chosen ``--tokenizer-type`` plugin's config section, exactly as in ``me
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from mega.core.config.fields import option
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+from mega.core.cores import available_cores
 
 
 @dataclass(kw_only=True)
